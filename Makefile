@@ -1,0 +1,56 @@
+# Two entry points do all set-up on a fresh clone: `make demo` and `make test`.
+# PYTHON=/path/to/python uses that interpreter as it is (no venv, no downloads): the GPU machine's way.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+ifdef PYTHON
+PY := $(PYTHON)
+DEPS := .stamp-deps-external
+else
+PY := .venv/bin/python
+DEPS := .venv/.stamp-deps
+endif
+
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
+
+help:
+	@echo "make demo      build, then python -m fastcollate bench on the embedded data set"
+	@echo "make test      build, then the test suite"
+	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate)"
+	@echo "make fuzz      the long hypothesis run"
+	@echo "make sanitize  build with ASan+UBSan and run the CPU tests under them"
+	@echo "make build     only build the extension"
+
+.venv/.stamp-deps: requirements.txt
+	test -x .venv/bin/python || python3 -m venv .venv
+	.venv/bin/python -m pip install --quiet --upgrade pip
+	.venv/bin/python -m pip install --quiet -r requirements.txt
+	touch $@
+
+.stamp-deps-external:
+	$(PY) -c "import torch, numpy, pytest; print('using', torch.__version__, 'at', torch.__file__)"
+	touch $@
+
+.stamp-build: $(DEPS) $(SOURCES)
+	$(PY) -m pip install --no-build-isolation --no-deps -e . 2>&1 | tee .stamp-build.log | grep -E "fastcollate build|error|Error" || true
+	$(PY) -c "import fastcollate" || (cat .stamp-build.log; exit 1)
+	touch $@
+
+build: .stamp-build
+
+test: .stamp-build
+	$(PY) -m pytest tests -q
+
+demo: .stamp-build
+	$(PY) -m fastcollate bench $(BENCH_ARGS)
+
+bench: .stamp-build
+	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops
+
+fuzz: .stamp-build
+	FASTCOLLATE_FUZZ_EXAMPLES=10000 $(PY) -m pytest tests/test_fuzz.py -q
+
+clean:
+	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps
+
+.PHONY: help build test demo bench fuzz clean

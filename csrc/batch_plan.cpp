@@ -1,0 +1,935 @@
+#include "batch_plan.h"
+
+#include <ATen/Dispatch.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace fastcollate {
+
+namespace {
+
+// Python objects the walk needs, looked up once. Deliberately leaked: they must not be released after
+// the interpreter has shut down.
+struct PythonHelpers {
+  py::object contract_error;    // fastcollate._native_support.contract_error
+  py::object rebuild_mapping;   // copies default_collate's rules for Mapping subclasses
+  py::object rebuild_sequence;  // and for Sequence subclasses
+  py::object default_collate;   // torch's, for leaves we deliberately leave to it
+  py::object as_tensor;         // torch.as_tensor
+  py::object tensor_from_list;  // torch.tensor
+  py::object mapping_abc;
+  py::object sequence_abc;
+  py::object ndarray;
+  py::object numpy_generic;
+  py::object str_type;
+};
+
+const PythonHelpers& helpers() {
+  static PythonHelpers* cached = [] {
+    auto* h = new PythonHelpers();
+    py::module_ support = py::module_::import("fastcollate._native_support");
+    h->contract_error = support.attr("contract_error");
+    h->rebuild_mapping = support.attr("rebuild_mapping");
+    h->rebuild_sequence = support.attr("rebuild_sequence");
+    h->default_collate = support.attr("default_collate");
+    h->as_tensor = py::module_::import("torch").attr("as_tensor");
+    h->tensor_from_list = py::module_::import("torch").attr("tensor");
+    py::module_ abc = py::module_::import("collections.abc");
+    h->mapping_abc = abc.attr("Mapping");
+    h->sequence_abc = abc.attr("Sequence");
+    py::module_ numpy = py::module_::import("numpy");
+    h->ndarray = numpy.attr("ndarray");
+    h->numpy_generic = numpy.attr("generic");
+    h->str_type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&PyUnicode_Type));
+    return h;
+  }();
+  return *cached;
+}
+
+bool is_instance(PyObject* obj, const py::object& type) {
+  const int result = PyObject_IsInstance(obj, type.ptr());
+  if (result < 0) {
+    throw py::error_already_set();
+  }
+  return result == 1;
+}
+
+std::string type_name(PyObject* obj) {
+  return Py_TYPE(obj)->tp_name;
+}
+
+std::string shape_string(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out << (i ? ", " : "") << sizes[i];
+  }
+  out << "]";
+  return out.str();
+}
+
+std::string dtype_string(at::ScalarType dtype) {
+  std::ostringstream out;
+  out << "torch." << c10::toString(dtype);
+  std::string text = out.str();
+  for (auto& c : text) {
+    c = static_cast<char>(std::tolower(c));
+  }
+  return text;
+}
+
+std::string child_path(const std::string& parent, const std::string& key) {
+  return parent.empty() ? key : parent + "." + key;
+}
+
+}  // namespace
+
+// The output structure, one node per field path, with the samples' values for that path.
+struct Node {
+  enum class Kind { Tensor, Numbers, Ready, Dict, Mapping, List, NamedTuple, Sequence };
+  Kind kind = Kind::Ready;
+  std::string path;
+  py::object elem;  // the first sample's container: its type decides how the output is rebuilt
+  std::vector<py::object> keys;
+  std::vector<std::unique_ptr<Node>> children;
+
+  // Tensor and Numbers: the output tensor's layout in the batch buffer.
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;  // including the batch dim
+  size_t offset = 0;
+  // Tensor: one input per sample; memcpy when it already has the row's dtype, shape and layout.
+  std::vector<at::Tensor> inputs;
+  std::vector<bool> needs_tensor_copy;
+  // Padded tensors: per-sample sizes of each dim, and where the mask and lengths go.
+  bool padded = false;
+  uint64_t pad_pattern = 0;
+  std::vector<int64_t> var_dims;  // the named dims, in order: mask dim k is var_dims[k]
+  std::unique_ptr<Node> mask;
+  std::unique_ptr<Node> lengths;
+  std::string mask_name;
+  std::string lengths_name;
+  // Numbers: the values, already converted.
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  // Ready: the finished value (strings, leaves left to default_collate).
+  py::object ready;
+
+  at::Tensor out;  // set by execute()
+};
+
+namespace {
+
+// One walk over a batch: which samples, against what, and what has been seen.
+class Walk {
+ public:
+  Walk(const Collator& collator, py::handle batch, BatchPlan& plan)
+      : collator_(collator), batch_(batch), plan_(plan) {}
+
+  std::unique_ptr<Node> node(const std::vector<PyObject*>& items, const std::string& path);
+  void check_all_fields_seen();
+
+ private:
+  [[noreturn]] void fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
+                         const std::string& got, const std::string& hint = "") const;
+  std::unique_ptr<Node> tensors(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
+  std::unique_ptr<Node> numbers(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
+  std::unique_ptr<Node> texts(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
+  std::unique_ptr<Node> mapping(const std::vector<PyObject*>& items, const std::string& path, bool is_dict);
+  std::unique_ptr<Node> sequence(const std::vector<PyObject*>& items, const std::string& path);
+  std::unique_ptr<Node> left_to_default(const std::vector<PyObject*>& items, const std::string& path);
+  const FieldSpec* leaf_spec(const std::string& path, size_t index) const;
+  void check_range(const at::Tensor& value, const FieldSpec& spec, size_t index);
+  void check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count);
+  void lay_out(Node& node);
+
+  const Collator& collator_;
+  py::handle batch_;
+  BatchPlan& plan_;
+  std::vector<std::string> seen_fields_;
+  // Named dims ("T") must agree between the fields of one sample: name -> size per sample (-1 unset).
+  std::unordered_map<std::string, std::pair<std::string, std::vector<int64_t>>> named_dims_;
+};
+
+void Walk::fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
+                const std::string& got, const std::string& hint) const {
+  py::object error = helpers().contract_error(kind, batch_, index, field, expected, got, hint);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  throw py::error_already_set();
+}
+
+const FieldSpec* Walk::leaf_spec(const std::string& path, size_t index) const {
+  if (!collator_.has_contract()) {
+    return nullptr;
+  }
+  const FieldSpec* spec = collator_.field(path);
+  if (spec == nullptr) {
+    fail("key", index, path, "no such field (the contract does not declare it)", "a value",
+         "declare the field in the contract, or remove it in the dataset's transform");
+  }
+  return spec;
+}
+
+void Walk::check_all_fields_seen() {
+  if (!collator_.has_contract()) {
+    return;
+  }
+  for (const auto& spec : collator_.fields()) {
+    if (std::find(seen_fields_.begin(), seen_fields_.end(), spec.path) == seen_fields_.end()) {
+      fail("key", 0, spec.path, "a value (the contract declares this field)", "no such field",
+           "return the field from the dataset, or remove it from the contract");
+    }
+  }
+}
+
+std::unique_ptr<Node> Walk::node(const std::vector<PyObject*>& items, const std::string& path) {
+  PyObject* elem = items[0];
+  const PythonHelpers& h = helpers();
+  if (collator_.has_contract() && !collator_.is_container_path(path)) {
+    const FieldSpec* spec = leaf_spec(path, 0);
+    seen_fields_.push_back(path);
+    if (spec->kind == "number") {
+      return numbers(items, path, spec);
+    }
+    if (spec->kind == "text") {
+      return texts(items, path, spec);
+    }
+    return tensors(items, path, spec);
+  }
+  if (THPVariable_Check(elem) || is_instance(elem, h.ndarray)) {
+    return tensors(items, path, nullptr);
+  }
+  if (is_instance(elem, h.numpy_generic) && !PyUnicode_Check(elem) && !PyBytes_Check(elem)) {
+    return left_to_default(items, path);  // numpy scalars: torch.as_tensor(batch), as default_collate does
+  }
+  if (PyFloat_Check(elem) || PyLong_Check(elem)) {
+    return numbers(items, path, nullptr);
+  }
+  if (PyUnicode_Check(elem) || PyBytes_Check(elem)) {
+    return texts(items, path, nullptr);
+  }
+  if (PyDict_Check(elem) || is_instance(elem, h.mapping_abc)) {
+    return mapping(items, path, PyDict_Check(elem));
+  }
+  if (PyTuple_Check(elem) || PyList_Check(elem) || is_instance(elem, h.sequence_abc)) {
+    return sequence(items, path);
+  }
+  fail("type", 0, path, "tensors, numpy arrays, numbers, strings, dicts or lists", type_name(elem),
+       "convert the field to a tensor in the dataset, or drop it there explicitly");
+}
+
+std::unique_ptr<Node> Walk::left_to_default(const std::vector<PyObject*>& items, const std::string& path) {
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Ready;
+  node->path = path;
+  py::list values(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    values[i] = py::reinterpret_borrow<py::object>(items[i]);
+  }
+  node->ready = helpers().default_collate(values, path);
+  return node;
+}
+
+void Walk::check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path,
+                           size_t count) {
+  auto& entry = named_dims_[name];
+  if (entry.second.empty()) {
+    entry.first = path;
+    entry.second.assign(count, -1);
+  }
+  int64_t& known = entry.second[index];
+  if (known == -1) {
+    known = size;
+  } else if (known != size) {
+    fail("size", index, path, "dim " + name + " = " + std::to_string(known) + " (as in field " + entry.first + ")",
+         "dim " + name + " = " + std::to_string(size), "fields that share a named dim must agree within a sample");
+  }
+}
+
+void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t index) {
+  if (!spec.has_range || value.numel() == 0) {
+    return;
+  }
+  at::Tensor contiguous = value.contiguous();
+  int64_t bad = -1;
+  double bad_value = 0;
+  AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, contiguous.scalar_type(), "check_range", [&] {
+    const scalar_t* data = contiguous.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < contiguous.numel(); ++i) {
+      const double v = static_cast<double>(data[i]);
+      if (!(v >= spec.low && v < spec.high)) {  // NaN fails too
+        bad = i;
+        bad_value = v;
+        break;
+      }
+    }
+  });
+  if (bad >= 0) {
+    std::ostringstream expected;
+    expected << "values in [" << spec.low << ", " << spec.high << ")";
+    // Report where, not the value: sample contents may be sensitive; the bound is enough to act on.
+    std::string got = std::isnan(bad_value) ? "NaN at flat position " + std::to_string(bad)
+                      : bad_value < spec.low ? "a value below the range at flat position " + std::to_string(bad)
+                                             : "a value at or above the upper bound at flat position " +
+                                                   std::to_string(bad);
+    fail("value", index, spec.path, expected.str(), got, "fix the label, or widen the declared range");
+  }
+}
+
+std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const std::string& path,
+                                    const FieldSpec* spec) {
+  const PythonHelpers& h = helpers();
+  const size_t count = items.size();
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Tensor;
+  node->path = path;
+  node->inputs.reserve(count);
+  bool leave_to_default = false;
+  for (size_t i = 0; i < count; ++i) {
+    PyObject* item = items[i];
+    if (THPVariable_Check(item)) {
+      node->inputs.push_back(THPVariable_Unpack(item));
+      leave_to_default |= !THPVariable_CheckExact(item);  // subclasses keep their own semantics
+      continue;
+    }
+    if (is_instance(item, h.ndarray)) {
+      const char kind = py::str(py::handle(item).attr("dtype").attr("kind")).cast<std::string>()[0];
+      if (kind == 'S' || kind == 'a' || kind == 'U' || kind == 'O') {
+        fail("type", i, path, "a numeric numpy array", "a numpy array of dtype kind '" + std::string(1, kind) + "'",
+             "numpy arrays of strings or objects cannot become tensors: convert them in the dataset");
+      }
+      py::object tensor = h.as_tensor(py::handle(item));
+      node->inputs.push_back(THPVariable_Unpack(tensor.ptr()));
+      plan_.keepalive.push_back(std::move(tensor));
+      continue;
+    }
+    if (spec != nullptr || !THPVariable_Check(items[0])) {
+      fail("type", i, path, spec ? "a tensor or numpy array" : "a numpy array (like sample 0)", type_name(item));
+    }
+    fail("type", i, path, "a tensor (like sample 0)", type_name(item),
+         "every sample must give the same type for a field");
+  }
+
+  const at::Tensor& first = node->inputs[0];
+  std::vector<int64_t> row_shape(first.sizes().begin(), first.sizes().end());
+  at::ScalarType dtype = first.scalar_type();
+  if (spec == nullptr) {
+    for (size_t i = 0; i < count; ++i) {
+      const at::Tensor& value = node->inputs[i];
+      if (value.sizes() != first.sizes()) {
+        fail("size", i, path, "shape " + shape_string(first.sizes()) + " (as sample 0)",
+             "shape " + shape_string(value.sizes()),
+             "Resize or crop it in the transform, or declare the conversion or padding in a Contract");
+      }
+      leave_to_default |= value.scalar_type() != dtype;  // type promotion: default_collate's rules
+      leave_to_default |= !value.device().is_cpu() || value.layout() != at::kStrided || value.requires_grad() ||
+                          value.is_quantized() || value.is_nested();
+    }
+    if (leave_to_default) {
+      return left_to_default(items, path);
+    }
+  } else {
+    dtype = spec->has_dtype ? spec->dtype : dtype;
+    if (spec->has_shape) {
+      row_shape = spec->shape;
+    }
+    node->padded = spec->padded;
+    for (size_t i = 0; i < count; ++i) {
+      const at::Tensor& value = node->inputs[i];
+      if (!value.device().is_cpu() || value.layout() != at::kStrided || value.is_quantized() || value.is_nested()) {
+        fail("type", i, path, "a dense CPU tensor", "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str());
+      }
+      if (value.scalar_type() != dtype &&
+          std::find(spec->cast_from.begin(), spec->cast_from.end(), value.scalar_type()) == spec->cast_from.end()) {
+        fail("type", i, path, dtype_string(dtype), dtype_string(value.scalar_type()),
+             "convert it in the transform, or declare cast_from=(" + dtype_string(value.scalar_type()) +
+                 ",) on the field");
+      }
+      if (spec->has_shape) {
+        bool ok = value.dim() == static_cast<int64_t>(spec->shape.size());
+        for (int64_t d = 0; ok && d < value.dim(); ++d) {
+          if (spec->dim_names[d].empty()) {
+            ok = value.size(d) == spec->shape[d];
+          }
+        }
+        bool expandable = false;
+        for (const auto& accepted : spec->expand_from) {
+          expandable |= value.sizes() == at::IntArrayRef(accepted);
+        }
+        if (!ok && !expandable) {
+          std::ostringstream expected;
+          expected << "shape [";
+          for (size_t d = 0; d < spec->shape.size(); ++d) {
+            expected << (d ? ", " : "") << (spec->dim_names[d].empty() ? std::to_string(spec->shape[d]) : spec->dim_names[d]);
+          }
+          expected << "]";
+          fail("size", i, path, expected.str(), "shape " + shape_string(value.sizes()),
+               "fix the transform, or declare the conversion on the field (e.g. expand_from=" +
+                   shape_string(value.sizes()) + ")");
+        }
+        if (ok) {
+          for (int64_t d = 0; d < value.dim(); ++d) {
+            if (!spec->dim_names[d].empty()) {
+              check_named_dim(spec->dim_names[d], i, value.size(d), path, count);
+            }
+          }
+        }
+      } else if (value.sizes() != first.sizes()) {
+        fail("size", i, path, "shape " + shape_string(first.sizes()) + " (as sample 0)",
+             "shape " + shape_string(value.sizes()), "declare the field's shape with named variable dims and a pad");
+      }
+      check_range(value, *spec, i);
+    }
+    // Named dims: padded to the longest, or equal across the batch.
+    if (spec->has_shape) {
+      for (size_t d = 0; d < spec->shape.size(); ++d) {
+        if (spec->dim_names[d].empty()) {
+          continue;
+        }
+        int64_t longest = 0;
+        for (size_t i = 0; i < count; ++i) {
+          const int64_t size = node->inputs[i].size(static_cast<int64_t>(d));
+          if (!spec->padded && i > 0 && size != node->inputs[0].size(static_cast<int64_t>(d))) {
+            fail("size", i, path,
+                 "dim " + spec->dim_names[d] + " = " + std::to_string(node->inputs[0].size(static_cast<int64_t>(d))) +
+                     " (as sample 0)",
+                 "dim " + spec->dim_names[d] + " = " + std::to_string(size),
+                 "declare pad=<value> on the field to pad it to the batch's longest");
+          }
+          longest = std::max(longest, size);
+        }
+        row_shape[d] = longest;
+      }
+    }
+  }
+
+  node->dtype = dtype;
+  node->shape.push_back(static_cast<int64_t>(count));
+  node->shape.insert(node->shape.end(), row_shape.begin(), row_shape.end());
+  node->needs_tensor_copy.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& value = node->inputs[i];
+    node->needs_tensor_copy[i] = value.scalar_type() != dtype || value.sizes() != at::IntArrayRef(row_shape) ||
+                                 !value.is_contiguous() || value.is_conj() || value.is_neg();
+  }
+  if (node->padded) {
+    node->pad_pattern = element_pattern(spec->pad_value, dtype);
+    node->mask_name = spec->mask_name;
+    node->lengths_name = spec->lengths_name;
+    std::vector<int64_t>& var_dims = node->var_dims;
+    for (size_t d = 0; d < spec->dim_names.size(); ++d) {
+      if (!spec->dim_names[d].empty()) {
+        var_dims.push_back(static_cast<int64_t>(d));
+      }
+    }
+    node->mask = std::make_unique<Node>();
+    node->mask->kind = Node::Kind::Numbers;
+    node->mask->dtype = at::kBool;
+    node->mask->shape = {static_cast<int64_t>(count)};
+    for (int64_t d : var_dims) {
+      node->mask->shape.push_back(row_shape[d]);
+    }
+    node->lengths = std::make_unique<Node>();
+    node->lengths->kind = Node::Kind::Numbers;
+    node->lengths->dtype = at::kLong;
+    node->lengths->shape = {static_cast<int64_t>(count)};
+    if (var_dims.size() > 1) {
+      node->lengths->shape.push_back(static_cast<int64_t>(var_dims.size()));
+    }
+    for (size_t i = 0; i < count; ++i) {
+      for (int64_t d : var_dims) {
+        node->lengths->ints.push_back(node->inputs[i].size(d));
+      }
+    }
+    lay_out(*node->mask);
+    lay_out(*node->lengths);
+  }
+  lay_out(*node);
+  return node;
+}
+
+std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const std::string& path,
+                                    const FieldSpec* spec) {
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Numbers;
+  node->path = path;
+  node->shape = {static_cast<int64_t>(items.size())};
+  PyObject* elem = items[0];
+  if (spec != nullptr) {
+    node->dtype = spec->has_dtype ? spec->dtype : (PyFloat_Check(elem) ? at::kDouble : at::kLong);
+  } else if (PyFloat_Check(elem)) {
+    node->dtype = at::kDouble;
+  } else if (PyBool_Check(elem)) {
+    node->dtype = at::kBool;
+  } else {
+    node->dtype = at::kLong;
+  }
+  const bool floating = at::isFloatingType(node->dtype);
+  const bool boolean = node->dtype == at::kBool;
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* item = items[i];
+    const bool is_bool = PyBool_Check(item);
+    const bool is_int = PyLong_Check(item) && !is_bool;
+    const bool is_float = PyFloat_Check(item);
+    bool accepted = boolean ? is_bool : floating ? (is_float || is_int) : is_int;
+    if (!accepted && spec == nullptr) {
+      // Mixed Python numbers (int and float, bool and int): torch.tensor's inference decides, as it
+      // does for default_collate. Anything else is not a number.
+      if (is_bool || is_int || is_float) {
+        node->kind = Node::Kind::Ready;
+        py::list values(items.size());
+        for (size_t j = 0; j < items.size(); ++j) {
+          values[j] = py::reinterpret_borrow<py::object>(items[j]);
+        }
+        if (floating) {
+          node->ready = helpers().tensor_from_list(values, py::arg("dtype") = py::module_::import("torch").attr("float64"));
+        } else {
+          node->ready = helpers().tensor_from_list(values);
+        }
+        return node;
+      }
+    }
+    if (!accepted) {
+      fail("type", i, path, spec ? "a Python " + std::string(boolean ? "bool" : floating ? "float or int" : "int") +
+                                      " (declared " + dtype_string(node->dtype) + ")"
+                                 : "a number (like sample 0)",
+           type_name(item), "return a number for this field in every sample");
+    }
+    double as_double = 0;
+    if (floating) {
+      as_double = PyFloat_AsDouble(item);
+      node->floats.push_back(as_double);
+    } else {
+      int overflow = 0;
+      const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) {
+        fail("size", i, path, "an integer that fits in int64", "an integer out of int64's range");
+      }
+      as_double = static_cast<double>(value);
+      node->ints.push_back(value);
+    }
+    if (spec != nullptr && spec->has_range && !(as_double >= spec->low && as_double < spec->high)) {
+      std::ostringstream expected;
+      expected << "a value in [" << spec->low << ", " << spec->high << ")";
+      fail("value", i, path, expected.str(), std::isnan(as_double) ? "NaN" : "a value outside that range",
+           "fix the label, or widen the declared range");
+    }
+  }
+  lay_out(*node);
+  return node;
+}
+
+std::unique_ptr<Node> Walk::texts(const std::vector<PyObject*>& items, const std::string& path,
+                                  const FieldSpec* spec) {
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Ready;
+  node->path = path;
+  py::list values(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (spec != nullptr && !PyUnicode_Check(items[i]) && !PyBytes_Check(items[i])) {
+      fail("type", i, path, "a str or bytes (declared text)", type_name(items[i]));
+    }
+    values[i] = py::reinterpret_borrow<py::object>(items[i]);
+  }
+  node->ready = std::move(values);
+  return node;
+}
+
+std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const std::string& path, bool is_dict) {
+  const PythonHelpers& h = helpers();
+  PyObject* elem = items[0];
+  auto node = std::make_unique<Node>();
+  node->kind = PyDict_CheckExact(elem) ? Node::Kind::Dict : Node::Kind::Mapping;
+  node->path = path;
+  node->elem = py::reinterpret_borrow<py::object>(elem);
+  if (is_dict) {
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(elem, &position, &key, &value)) {
+      node->keys.push_back(py::reinterpret_borrow<py::object>(key));
+    }
+  } else {
+    for (py::handle key : py::reinterpret_borrow<py::object>(elem).attr("keys")()) {
+      node->keys.push_back(py::reinterpret_borrow<py::object>(key));
+    }
+  }
+  const Py_ssize_t key_count = static_cast<Py_ssize_t>(node->keys.size());
+  for (size_t i = 1; i < items.size(); ++i) {
+    PyObject* item = items[i];
+    if (!PyDict_Check(item) && !is_instance(item, h.mapping_abc)) {
+      fail("type", i, path.empty() ? "<sample>" : path, "a mapping (like sample 0)", type_name(item));
+    }
+    const Py_ssize_t size = PyObject_Length(item);
+    if (size != key_count) {
+      // Find a key one side has and the other lacks, to name it.
+      for (const auto& key : node->keys) {
+        if (PySequence_Contains(py::handle(item).attr("keys")().ptr(), key.ptr()) != 1) {
+          fail("key", i, child_path(path, py::str(key)), "a value (sample 0 has this field)", "no such field",
+               "every sample must have the same fields");
+        }
+      }
+      for (py::handle key : py::handle(item).attr("keys")()) {
+        if (PySequence_Contains(py::handle(elem).attr("keys")().ptr(), key.ptr()) != 1) {
+          fail("key", i, child_path(path, py::str(key)), "no such field (sample 0 lacks it)", "a value",
+               "every sample must have the same fields; default_collate would have dropped this one silently");
+        }
+      }
+    }
+  }
+  std::vector<PyObject*> values(items.size());
+  py::list owned;  // values fetched through __getitem__ of non-dict mappings are new references
+  for (const auto& key : node->keys) {
+    const std::string key_path = child_path(path, py::str(key));
+    for (size_t i = 0; i < items.size(); ++i) {
+      PyObject* item = items[i];
+      PyObject* value = PyDict_Check(item) ? PyDict_GetItemWithError(item, key.ptr()) : nullptr;
+      if (value == nullptr && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      if (value == nullptr && !PyDict_Check(item)) {
+        py::object fetched = py::reinterpret_steal<py::object>(PyObject_GetItem(item, key.ptr()));
+        if (!fetched) {
+          PyErr_Clear();
+        } else {
+          value = fetched.ptr();
+          owned.append(fetched);
+        }
+      }
+      if (value == nullptr) {
+        fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
+             "every sample must have the same fields");
+      }
+      values[i] = value;
+    }
+    node->children.push_back(this->node(values, key_path));
+  }
+  plan_.keepalive.push_back(std::move(owned));
+  return node;
+}
+
+}  // namespace
+
+namespace {
+
+std::unique_ptr<Node> Walk::sequence(const std::vector<PyObject*>& items, const std::string& path) {
+  PyObject* elem = items[0];
+  auto node = std::make_unique<Node>();
+  node->path = path;
+  node->elem = py::reinterpret_borrow<py::object>(elem);
+  const bool named_tuple = PyTuple_Check(elem) && PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(elem)), "_fields");
+  node->kind = named_tuple           ? Node::Kind::NamedTuple
+               : PyTuple_Check(elem) || PyList_CheckExact(elem) ? Node::Kind::List
+                                                                 : Node::Kind::Sequence;
+  // PySequence_Fast gives list/tuple items without copying; other sequences are listed once.
+  std::vector<py::object> fast(items.size());
+  const Py_ssize_t length = PyObject_Length(elem);
+  if (length < 0) {
+    throw py::error_already_set();
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* item = items[i];
+    const bool is_sequence = PyList_Check(item) || PyTuple_Check(item) ||
+                             (!PyUnicode_Check(item) && !PyBytes_Check(item) && is_instance(item, helpers().sequence_abc));
+    if (!is_sequence) {
+      fail("type", i, path.empty() ? "<sample>" : path, "a sequence (like sample 0)", type_name(item));
+    }
+    fast[i] = py::reinterpret_steal<py::object>(PySequence_Fast(item, "not a sequence"));
+    if (!fast[i]) {
+      throw py::error_already_set();
+    }
+    if (PySequence_Fast_GET_SIZE(fast[i].ptr()) != length) {
+      fail("size", i, path.empty() ? "<sample>" : path,
+           std::to_string(length) + " elements (as sample 0)",
+           std::to_string(PySequence_Fast_GET_SIZE(fast[i].ptr())) + " elements",
+           "each element in list of batch should be of equal size");
+    }
+  }
+  std::vector<PyObject*> values(items.size());
+  for (Py_ssize_t k = 0; k < length; ++k) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      values[i] = PySequence_Fast_GET_ITEM(fast[i].ptr(), k);
+    }
+    std::string name = named_tuple ? py::str(py::handle(elem).attr("_fields")[py::int_(k)]).cast<std::string>()
+                                   : std::to_string(k);
+    node->children.push_back(this->node(values, child_path(path, name)));
+  }
+  for (auto& sequence : fast) {
+    plan_.keepalive.push_back(std::move(sequence));
+  }
+  return node;
+}
+
+void Walk::lay_out(Node& node) {
+  int64_t numel = 1;
+  for (int64_t size : node.shape) {
+    numel *= size;
+  }
+  node.offset = plan_.reserve(static_cast<size_t>(numel) * c10::elementSize(node.dtype));
+}
+
+}  // namespace
+
+namespace {
+
+at::Tensor view_into(const at::Tensor& buffer, size_t offset, at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  const size_t element_size = c10::elementSize(dtype);
+  const size_t start = static_cast<size_t>(buffer.storage_offset()) + offset;
+  TORCH_INTERNAL_ASSERT(start % element_size == 0, "misaligned field offset");
+  at::Tensor view = at::empty({0}, buffer.options().dtype(dtype));
+  view.set_(buffer.storage(), static_cast<int64_t>(start / element_size), shape, c10::contiguous_strides(shape));
+  return view;
+}
+
+void make_views(Node& node, const at::Tensor& buffer) {
+  for (auto& child : node.children) {
+    make_views(*child, buffer);
+  }
+  if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
+    node.out = view_into(buffer, node.offset, node.dtype, node.shape);
+  }
+  if (node.padded) {
+    make_views(*node.mask, buffer);
+    make_views(*node.lengths, buffer);
+  }
+}
+
+void write_numbers(Node& node) {
+  void* dst = node.out.data_ptr();
+  if (node.dtype == at::kBool) {
+    auto* out = static_cast<bool*>(dst);
+    for (size_t i = 0; i < node.ints.size(); ++i) {
+      out[i] = node.ints[i] != 0;
+    }
+    return;
+  }
+  // Values were converted to the declared dtype's family when read; cast to its width here.
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, node.dtype, "write_numbers", [&] {
+    auto* out = static_cast<scalar_t*>(dst);
+    if (!node.floats.empty()) {
+      for (size_t i = 0; i < node.floats.size(); ++i) {
+        out[i] = static_cast<scalar_t>(node.floats[i]);
+      }
+    } else {
+      for (size_t i = 0; i < node.ints.size(); ++i) {
+        out[i] = static_cast<scalar_t>(node.ints[i]);
+      }
+    }
+  });
+}
+
+// Copies into a padded field: fill with the pad value, then each sample into the top-left corner of its
+// row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy.
+void add_padded_jobs(Node& node, CopyJobs& jobs) {
+  const size_t element_size = c10::elementSize(node.dtype);
+  jobs.fills.push_back({node.out.data_ptr(), static_cast<size_t>(node.out.numel()), element_size, node.pad_pattern});
+  jobs.fills.push_back({node.mask->out.data_ptr(), static_cast<size_t>(node.mask->out.numel()), 1, 0});
+  const size_t var_dims = node.mask->shape.size() - 1;
+  const size_t count = node.inputs.size();
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& value = node.inputs[i];
+    at::Tensor row = node.out.select(0, static_cast<int64_t>(i));
+    at::Tensor mask_row = node.mask->out.select(0, static_cast<int64_t>(i));
+    const bool prefix = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
+                        value.is_contiguous() && !value.is_conj() && !value.is_neg() &&
+                        value.sizes().slice(1) == row.sizes().slice(1);
+    if (prefix) {
+      jobs.add_memcpy(value.const_data_ptr(), row.data_ptr(), value.nbytes());
+      jobs.fills.push_back({mask_row.data_ptr(), static_cast<size_t>(value.size(0)), 1, 1});
+      continue;
+    }
+    // Named dims are narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
+    at::Tensor target = row;
+    at::Tensor mask_target = mask_row;
+    for (size_t k = 0; k < var_dims; ++k) {
+      const int64_t d = node.var_dims[k];
+      target = target.narrow(d, 0, value.size(d));
+      mask_target = mask_target.narrow(static_cast<int64_t>(k), 0, value.size(d));
+    }
+    jobs.tensor_copies.push_back({value, target});
+    jobs.tensor_copies.push_back({at::ones({}, at::TensorOptions().dtype(at::kBool)), mask_target});
+  }
+}
+
+void add_tensor_jobs(Node& node, CopyJobs& jobs) {
+  if (node.padded) {
+    add_padded_jobs(node, jobs);
+    return;
+  }
+  const size_t count = node.inputs.size();
+  const size_t row_bytes = count == 0 ? 0 : static_cast<size_t>(node.out.nbytes()) / count;
+  auto* base = static_cast<unsigned char*>(node.out.data_ptr());
+  for (size_t i = 0; i < count; ++i) {
+    if (node.needs_tensor_copy[i]) {
+      jobs.tensor_copies.push_back({node.inputs[i], node.out.select(0, static_cast<int64_t>(i))});
+    } else {
+      jobs.add_memcpy(node.inputs[i].const_data_ptr(), base + i * row_bytes, row_bytes);
+    }
+  }
+}
+
+void collect_jobs(Node& node, CopyJobs& jobs) {
+  for (auto& child : node.children) {
+    collect_jobs(*child, jobs);
+  }
+  if (node.kind == Node::Kind::Tensor) {
+    add_tensor_jobs(node, jobs);
+  } else if (node.kind == Node::Kind::Numbers) {
+    write_numbers(node);
+  }
+  if (node.padded) {
+    write_numbers(*node.lengths);
+  }
+}
+
+py::object build_output(Node& node) {
+  const PythonHelpers& h = helpers();
+  switch (node.kind) {
+    case Node::Kind::Tensor:
+    case Node::Kind::Numbers:
+      return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(node.out)));
+    case Node::Kind::Ready:
+      return node.ready;
+    case Node::Kind::Dict:
+    case Node::Kind::Mapping: {
+      py::dict values;
+      for (size_t k = 0; k < node.keys.size(); ++k) {
+        Node& child = *node.children[k];
+        values[node.keys[k]] = build_output(child);
+        if (child.padded) {
+          values[py::str(child.mask_name)] = build_output(*child.mask);
+          if (!child.lengths_name.empty()) {
+            values[py::str(child.lengths_name)] = build_output(*child.lengths);
+          }
+        }
+      }
+      return node.kind == Node::Kind::Dict ? py::object(values) : h.rebuild_mapping(node.elem, values);
+    }
+    case Node::Kind::List:
+    case Node::Kind::NamedTuple:
+    case Node::Kind::Sequence: {
+      py::list values(node.children.size());
+      for (size_t k = 0; k < node.children.size(); ++k) {
+        values[k] = build_output(*node.children[k]);
+      }
+      if (node.kind == Node::Kind::List) {
+        return std::move(values);
+      }
+      if (node.kind == Node::Kind::NamedTuple) {
+        return py::type::of(node.elem)(*values);
+      }
+      return h.rebuild_sequence(node.elem, values);
+    }
+  }
+  throw std::logic_error("unreachable");
+}
+
+}  // namespace
+
+size_t BatchPlan::reserve(size_t bytes) {
+  const size_t offset = total_bytes_;
+  total_bytes_ += align_up(bytes);
+  return offset;
+}
+
+py::object BatchPlan::execute(const at::Tensor& buffer) {
+  TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 &&
+                  buffer.is_contiguous(),
+              "BatchPlan.execute: buffer must be a 1-D contiguous uint8 CPU tensor");
+  TORCH_CHECK(buffer.numel() >= nbytes(), "BatchPlan.execute: buffer holds ", buffer.numel(), " bytes, the batch needs ",
+              nbytes());
+  TORCH_CHECK(buffer.storage_offset() % static_cast<int64_t>(kFieldAlignment) == 0,
+              "BatchPlan.execute: buffer must start at a multiple of ", kFieldAlignment, " bytes in its storage");
+  executed_ = true;
+  make_views(*root, buffer);
+  CopyJobs jobs;
+  collect_jobs(*root, jobs);
+  {
+    py::gil_scoped_release no_gil;  // the copy touches no Python object; other threads run meanwhile
+    jobs.run();
+  }
+  py::object out = build_output(*root);
+  root.reset();
+  keepalive.clear();
+  batch = py::none();
+  return out;
+}
+
+Collator::Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract)
+    : id_key_(std::move(id_key)), fields_(std::move(fields)), has_contract_(has_contract) {
+  for (size_t i = 0; i < fields_.size(); ++i) {
+    const auto& field = fields_[i];
+    TORCH_CHECK(by_path_.emplace(field.path, i).second, "Contract: field '", field.path, "' declared twice");
+    TORCH_CHECK(field.dim_names.size() == field.shape.size(), "Contract: field '", field.path,
+                "': dim_names and shape differ in length");
+    // Every prefix of a declared path is a container ("" is the sample itself).
+    if (!field.path.empty()) {
+      container_paths_[""] = true;
+    }
+    for (size_t dot = field.path.find('.'); dot != std::string::npos; dot = field.path.find('.', dot + 1)) {
+      container_paths_[field.path.substr(0, dot)] = true;
+    }
+  }
+}
+
+const FieldSpec* Collator::field(const std::string& path) const {
+  auto found = by_path_.find(path);
+  return found == by_path_.end() ? nullptr : &fields_[found->second];
+}
+
+bool Collator::is_container_path(const std::string& path) const {
+  return container_paths_.count(path) != 0;
+}
+
+std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
+  auto plan = std::make_shared<BatchPlan>();
+  plan->batch = py::reinterpret_borrow<py::object>(samples);
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(samples.ptr(), "samples must be a sequence"));
+  if (!fast) {
+    throw py::error_already_set();
+  }
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast.ptr());
+  TORCH_CHECK(count > 0, "Collator.plan: an empty batch has no structure to follow");
+  std::vector<PyObject*> items(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    items[static_cast<size_t>(i)] = PySequence_Fast_GET_ITEM(fast.ptr(), i);
+  }
+  plan->keepalive.push_back(fast);
+  Walk walk(*this, samples, *plan);
+  plan->root = walk.node(items, "");
+  walk.check_all_fields_seen();
+  return plan;
+}
+
+void bind_batch_plan(py::module_& m) {
+  py::class_<FieldSpec>(m, "FieldSpec")
+      .def(py::init<>())
+      .def_readwrite("path", &FieldSpec::path)
+      .def_readwrite("kind", &FieldSpec::kind)
+      .def_readwrite("has_dtype", &FieldSpec::has_dtype)
+      .def_readwrite("dtype", &FieldSpec::dtype)
+      .def_readwrite("cast_from", &FieldSpec::cast_from)
+      .def_readwrite("has_shape", &FieldSpec::has_shape)
+      .def_readwrite("shape", &FieldSpec::shape)
+      .def_readwrite("dim_names", &FieldSpec::dim_names)
+      .def_readwrite("expand_from", &FieldSpec::expand_from)
+      .def_readwrite("has_range", &FieldSpec::has_range)
+      .def_readwrite("low", &FieldSpec::low)
+      .def_readwrite("high", &FieldSpec::high)
+      .def_readwrite("padded", &FieldSpec::padded)
+      .def_readwrite("pad_value", &FieldSpec::pad_value)
+      .def_readwrite("mask_name", &FieldSpec::mask_name)
+      .def_readwrite("lengths_name", &FieldSpec::lengths_name);
+  py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
+      .def_property_readonly("nbytes", &BatchPlan::nbytes)
+      .def("execute", &BatchPlan::execute, py::arg("buffer"));
+  py::class_<Collator>(m, "Collator")
+      .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
+           py::arg("has_contract"))
+      .def("plan", &Collator::plan, py::arg("samples"));
+}
+
+}  // namespace fastcollate

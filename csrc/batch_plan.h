@@ -1,0 +1,85 @@
+// Batch assembly in two steps. `Collator::plan` walks a list of samples (nested dicts, lists, tuples,
+// namedtuples, tensors, numpy arrays, numbers, strings) once, checks every sample against the first one
+// (drop-in mode) or against a declared contract, and lays every tensor field of the output out in one
+// block of bytes. Nothing is written yet, so a bad sample costs no copy. `BatchPlan::execute` then copies
+// all samples into a buffer the caller chose (a ring slot, shared memory) with the GIL released, and
+// builds the output structure with views into that buffer.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "copy_kernels.h"
+
+namespace fastcollate {
+
+namespace py = pybind11;
+
+// One declared leaf of a contract, filled from fastcollate.contract.Field by the Python layer.
+struct FieldSpec {
+  std::string path;                    // "meta.boxes", "0.label"
+  std::string kind = "tensor";         // "tensor" (tensors, numpy arrays), "number", "text"
+  bool has_dtype = false;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<at::ScalarType> cast_from;  // dtypes converted to `dtype` on copy
+  bool has_shape = false;
+  std::vector<int64_t> shape;          // -1 where the dim is named (variable)
+  std::vector<std::string> dim_names;  // "" where the dim is fixed
+  std::vector<std::vector<int64_t>> expand_from;  // shapes broadcast to `shape` on copy
+  bool has_range = false;
+  double low = 0;   // values must lie in [low, high)
+  double high = 0;
+  bool padded = false;  // named dims padded to the batch's longest
+  double pad_value = 0;
+  std::string mask_name;     // key of the mask put beside the field
+  std::string lengths_name;  // key of the lengths put beside the field ("" for none)
+};
+
+struct Node;
+
+class BatchPlan {
+ public:
+  // Bytes the buffer given to execute() must hold.
+  int64_t nbytes() const { return static_cast<int64_t>(total_bytes_); }
+  // Copies every sample into `buffer` (a 1-D uint8 CPU tensor of at least nbytes()) and returns the
+  // batch. The buffer's storage is shared by every tensor of the batch.
+  py::object execute(const at::Tensor& buffer);
+
+  // Reserves an aligned region and returns its offset.
+  size_t reserve(size_t bytes);
+
+  std::unique_ptr<Node> root;
+  std::vector<py::object> keepalive;  // tensors made from numpy arrays, read during execute()
+  py::object batch;                   // the samples: their tensors must outlive execute()
+
+ private:
+  size_t total_bytes_ = 0;
+  bool executed_ = false;
+};
+
+class Collator {
+ public:
+  Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract);
+  std::shared_ptr<BatchPlan> plan(py::handle samples) const;
+
+  const std::string& id_key() const { return id_key_; }
+  bool has_contract() const { return has_contract_; }
+  const FieldSpec* field(const std::string& path) const;
+  bool is_container_path(const std::string& path) const;
+  const std::vector<FieldSpec>& fields() const { return fields_; }
+
+ private:
+  std::string id_key_;
+  std::vector<FieldSpec> fields_;
+  std::unordered_map<std::string, size_t> by_path_;
+  std::unordered_map<std::string, bool> container_paths_;
+  bool has_contract_;
+};
+
+void bind_batch_plan(py::module_& m);
+
+}  // namespace fastcollate

@@ -1,0 +1,109 @@
+// Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
+#include "copy_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace fastcollate {
+
+namespace {
+
+// Below this many bytes a batch is copied on the calling thread: waking workers costs more.
+constexpr size_t kParallelThresholdBytes = 1 << 20;
+// Large samples are split so that, say, 4 huge images still keep every thread busy.
+constexpr size_t kChunkBytes = 1 << 20;
+
+void run_fill(const FillJob& job) {
+  auto* dst = static_cast<unsigned char*>(job.dst);
+  if (job.element_size == 1) {
+    std::memset(dst, static_cast<int>(job.pattern & 0xff), job.count);
+    return;
+  }
+  if (job.pattern == 0) {
+    std::memset(dst, 0, job.count * job.element_size);
+    return;
+  }
+  for (size_t i = 0; i < job.count; ++i) {
+    std::memcpy(dst + i * job.element_size, &job.pattern, job.element_size);
+  }
+}
+
+}  // namespace
+
+void CopyJobs::add_memcpy(const void* src, void* dst, size_t n) {
+  bytes += n;
+  auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  while (n > kChunkBytes * 3 / 2) {
+    memcpys.push_back({s, d, kChunkBytes});
+    s += kChunkBytes;
+    d += kChunkBytes;
+    n -= kChunkBytes;
+  }
+  if (n > 0) {
+    memcpys.push_back({s, d, n});
+  }
+}
+
+void CopyJobs::run() const {
+  for (const auto& fill : fills) {
+    run_fill(fill);
+  }
+  const int64_t n_memcpy = static_cast<int64_t>(memcpys.size());
+  if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
+    for (const auto& job : memcpys) {
+      std::memcpy(job.dst, job.src, job.bytes);
+    }
+  } else {
+    // Grain: about kChunkBytes of work per task, whatever the sample size.
+    const size_t average = std::max<size_t>(1, bytes / std::max<int64_t>(1, n_memcpy));
+    const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / average));
+    at::parallel_for(0, n_memcpy, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        std::memcpy(memcpys[i].dst, memcpys[i].src, memcpys[i].bytes);
+      }
+    });
+  }
+  for (const auto& job : tensor_copies) {
+    // copy_ broadcasts and casts; it parallelises internally when it is worth it.
+    const_cast<at::Tensor&>(job.dst).copy_(job.src);
+  }
+}
+
+uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype) {
+  at::Tensor one = at::scalar_tensor(value, at::TensorOptions().dtype(dtype));
+  uint64_t pattern = 0;
+  TORCH_CHECK(one.element_size() <= 8, "fastcollate: padding dtype ", dtype, " has elements over 8 bytes");
+  std::memcpy(&pattern, one.data_ptr(), one.element_size());
+  return pattern;
+}
+
+void stack_into_cpu(const std::vector<at::Tensor>& samples, const at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu(), "stack_into: out must be a CPU tensor, got ", out.device());
+  TORCH_CHECK(out.is_contiguous(), "stack_into: out must be contiguous");
+  TORCH_CHECK(out.dim() >= 1 && out.size(0) == static_cast<int64_t>(samples.size()),
+              "stack_into: out must have one row per sample: ", samples.size(), " samples, out has shape ",
+              out.sizes());
+  const auto row_shape = out.sizes().slice(1);
+  CopyJobs jobs;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const at::Tensor& sample = samples[i];
+    TORCH_CHECK(sample.sizes() == row_shape, "stack_into: sample ", i, " has shape ", sample.sizes(),
+                ", expected ", row_shape);
+    TORCH_CHECK(sample.scalar_type() == out.scalar_type(), "stack_into: sample ", i, " has dtype ",
+                sample.scalar_type(), ", expected ", out.scalar_type());
+    TORCH_CHECK(sample.device().is_cpu(), "stack_into: sample ", i, " is on ", sample.device(),
+                ", expected cpu");
+    at::Tensor row = out.select(0, static_cast<int64_t>(i));
+    if (sample.is_contiguous() && !sample.is_conj() && !sample.is_neg()) {
+      jobs.add_memcpy(sample.const_data_ptr(), row.data_ptr(), sample.nbytes());
+    } else {
+      jobs.tensor_copies.push_back({sample, row});
+    }
+  }
+  jobs.run();
+}
+
+}  // namespace fastcollate

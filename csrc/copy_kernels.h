@@ -1,0 +1,63 @@
+// Byte-moving kernels shared by the dispatcher ops and the batch assembler: plain jobs that run with the
+// GIL released, split across torch's intra-op threads when the batch is large enough to pay for it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace fastcollate {
+
+// Every field of a batch starts at a multiple of this many bytes inside its buffer, so each view is
+// aligned for any dtype and for vectorised copies, and a whole batch can still move as one block.
+constexpr size_t kFieldAlignment = 64;
+
+inline size_t align_up(size_t n) {
+  return (n + kFieldAlignment - 1) / kFieldAlignment * kFieldAlignment;
+}
+
+// One contiguous source range to one contiguous destination range.
+struct MemcpyJob {
+  const void* src;
+  void* dst;
+  size_t bytes;
+};
+
+// Fills `count` elements of `element_size` bytes at dst with one element's byte pattern.
+struct FillJob {
+  void* dst;
+  size_t count;
+  size_t element_size;
+  uint64_t pattern;  // the element's bytes (element_size <= 8)
+};
+
+// A copy that needs ATen: non-contiguous or channels-last input, a declared cast, a declared broadcast.
+struct TensorCopyJob {
+  at::Tensor src;
+  at::Tensor dst;
+};
+
+// The copies that fill one batch. Run order: fills, then memcpys and tensor copies (which may overwrite
+// part of a fill, as padded rows do).
+struct CopyJobs {
+  std::vector<FillJob> fills;
+  std::vector<MemcpyJob> memcpys;
+  std::vector<TensorCopyJob> tensor_copies;
+  size_t bytes = 0;
+
+  // Adds a memcpy, split into chunks so a few huge samples still spread over threads.
+  void add_memcpy(const void* src, void* dst, size_t bytes);
+  // Runs every job. Call without the GIL: it touches no Python object.
+  void run() const;
+};
+
+// The bytes of `value` converted to `dtype`, for FillJob::pattern.
+uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype);
+
+// Checks that every sample has the same sizes and dtype as out's rows, then copies sample i into
+// out[i]. Used by the `stack_into` op; the assembler builds its jobs directly.
+void stack_into_cpu(const std::vector<at::Tensor>& samples, const at::Tensor& out);
+
+}  // namespace fastcollate

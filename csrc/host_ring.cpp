@@ -1,0 +1,153 @@
+#include "host_ring.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+
+#include "copy_kernels.h"
+
+namespace fastcollate {
+
+namespace {
+
+void free_aligned(void* ptr) {
+  std::free(ptr);
+}
+
+at::Tensor bytes_view(const at::Storage& storage, int64_t nbytes) {
+  at::Tensor view = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  view.set_(storage, /*storage_offset=*/0, {nbytes}, {1});
+  return view;
+}
+
+}  // namespace
+
+at::DataPtr allocate_aligned_host_memory(size_t bytes) {
+  void* ptr = nullptr;
+  const size_t size = std::max<size_t>(align_up(bytes), kFieldAlignment);
+  TORCH_CHECK(posix_memalign(&ptr, 4096, size) == 0, "fastcollate: out of host memory allocating ", bytes,
+              " bytes");
+  return at::DataPtr(ptr, ptr, &free_aligned, at::Device(at::kCPU));
+}
+
+#ifndef FASTCOLLATE_WITH_CUDA
+// The CUDA build defines these two in csrc/cuda/pinned_memory.cpp.
+at::DataPtr allocate_host_memory(size_t bytes, bool pinned) {
+  TORCH_CHECK(!pinned, "fastcollate was built without CUDA: pinned memory is not available");
+  return allocate_aligned_host_memory(bytes);
+}
+
+bool pinned_memory_available() {
+  return false;
+}
+#endif
+
+HostRing::HostRing(int64_t max_slots, bool pinned) : max_slots_(max_slots), pinned_(pinned) {
+  TORCH_CHECK(max_slots >= 0, "HostRing: max_slots must be >= 0, got ", max_slots);
+  TORCH_CHECK(!pinned || pinned_memory_available(),
+              "HostRing: pinned slots need a CUDA build of fastcollate and a visible GPU");
+  counters_.max_slots = max_slots;
+  counters_.pinned = pinned;
+}
+
+HostRing::~HostRing() {
+  // A slot whose copy is still in flight must outlive that copy: wait for it rather than free memory
+  // the DMA engine may be reading.
+  for (auto& slot : slots_) {
+    if (slot.pending.wait) {
+      slot.pending.wait();
+    }
+  }
+}
+
+bool HostRing::is_free(Slot& slot) const {
+  if (slot.storage.use_count() != 1) {
+    return false;
+  }
+  if (slot.pending.done) {
+    if (!slot.pending.done()) {
+      return false;
+    }
+    slot.pending = PendingCopy{};
+  }
+  return true;
+}
+
+at::Storage HostRing::allocate(size_t bytes) {
+  return at::Storage(at::Storage::use_byte_size_t(), bytes, allocate_host_memory(bytes, pinned_),
+                     /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+at::Tensor HostRing::acquire(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "HostRing.acquire: nbytes must be >= 0, got ", nbytes);
+  const size_t wanted = static_cast<size_t>(nbytes);
+  // Best fit among free slots that are large enough; else the largest free slot, grown.
+  Slot* best = nullptr;
+  Slot* largest_free = nullptr;
+  for (auto& slot : slots_) {
+    if (!is_free(slot)) {
+      continue;
+    }
+    if (slot.capacity >= wanted && (best == nullptr || slot.capacity < best->capacity)) {
+      best = &slot;
+    }
+    if (largest_free == nullptr || slot.capacity > largest_free->capacity) {
+      largest_free = &slot;
+    }
+  }
+  if (best != nullptr) {
+    counters_.reuses += 1;
+    return bytes_view(best->storage, nbytes);
+  }
+  const size_t capacity = align_up(std::max<size_t>(wanted, 1));
+  if (largest_free == nullptr && static_cast<int64_t>(slots_.size()) >= max_slots_) {
+    counters_.overflow_allocations += 1;
+    return bytes_view(allocate(capacity), nbytes);
+  }
+  if (largest_free == nullptr) {
+    slots_.push_back(Slot{});
+    largest_free = &slots_.back();
+  }
+  largest_free->storage = allocate(capacity);  // grows: the old block is freed here
+  largest_free->capacity = capacity;
+  counters_.slot_allocations += 1;
+  return bytes_view(largest_free->storage, nbytes);
+}
+
+bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
+  for (auto& slot : slots_) {
+    if (slot.storage.is_alias_of(buffer.storage())) {
+      slot.pending = std::move(copy);
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t HostRing::trim() {
+  int64_t freed = 0;
+  std::vector<Slot> kept;
+  for (auto& slot : slots_) {
+    if (is_free(slot)) {
+      freed += static_cast<int64_t>(slot.capacity);
+    } else {
+      kept.push_back(std::move(slot));
+    }
+  }
+  slots_ = std::move(kept);
+  return freed;
+}
+
+RingStats HostRing::stats() const {
+  RingStats out = counters_;
+  out.slots = static_cast<int64_t>(slots_.size());
+  out.bytes_held = 0;
+  out.in_use = 0;
+  for (const auto& slot : slots_) {
+    out.bytes_held += static_cast<int64_t>(slot.capacity);
+    out.in_use += (slot.storage.use_count() != 1 || slot.pending.done) ? 1 : 0;
+  }
+  return out;
+}
+
+}  // namespace fastcollate

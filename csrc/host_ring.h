@@ -1,0 +1,72 @@
+// A bounded set of reusable host buffers ("slots") that batches are assembled into in the main process.
+// Reuse removes the page faults that fresh output memory costs on every batch; a slot is handed out
+// again only when no tensor outside the ring still points into it, so a batch a user kept is never
+// overwritten. With CUDA (issue: staging ring) slots are pinned and also wait for their copy's event.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace fastcollate {
+
+struct RingStats {
+  int64_t slots = 0;                 // slots the ring holds now
+  int64_t max_slots = 0;             // the bound
+  int64_t bytes_held = 0;            // sum of slot capacities
+  int64_t slot_allocations = 0;      // new slots and grown slots, since creation
+  int64_t reuses = 0;                // acquisitions served by an existing slot without allocating
+  int64_t overflow_allocations = 0;  // buffers handed out past the bound (not kept by the ring)
+  int64_t in_use = 0;                // slots some tensor still references
+  bool pinned = false;
+};
+
+// A device copy that may still be reading a slot.
+struct PendingCopy {
+  std::function<bool()> done;  // non-blocking query
+  std::function<void()> wait;  // blocks until done
+};
+
+class HostRing {
+ public:
+  // `pinned`: page-locked memory from the CUDA runtime (needs a CUDA build and a driver).
+  HostRing(int64_t max_slots, bool pinned);
+  ~HostRing();
+  HostRing(const HostRing&) = delete;
+  HostRing& operator=(const HostRing&) = delete;
+
+  // A 1-D uint8 tensor of exactly `nbytes` over a free slot (reused, grown, or new), or over a fresh
+  // buffer outside the ring when all `max_slots` are busy.
+  at::Tensor acquire(int64_t nbytes);
+  // Marks the slot under `buffer` busy until `copy.done()` (a CUDA copy still reading it). Returns false
+  // for a buffer outside the ring (an overflow one): its owner must keep it alive through the copy.
+  bool hold_until(const at::Tensor& buffer, PendingCopy copy);
+  // Drops every slot nothing references; returns how many bytes were freed.
+  int64_t trim();
+  RingStats stats() const;
+
+ private:
+  struct Slot {
+    at::Storage storage;
+    size_t capacity = 0;
+    PendingCopy pending;  // empty functions when no copy is reading the slot
+  };
+  bool is_free(Slot& slot) const;
+  at::Storage allocate(size_t bytes);
+
+  std::vector<Slot> slots_;
+  int64_t max_slots_;
+  bool pinned_;
+  RingStats counters_;
+};
+
+// Host memory for slots: page-locked when `pinned` (CUDA builds only), else page-aligned memory.
+at::DataPtr allocate_host_memory(size_t bytes, bool pinned);
+at::DataPtr allocate_aligned_host_memory(size_t bytes);
+// True when this build can pin memory and a CUDA driver and device are present.
+bool pinned_memory_available();
+
+}  // namespace fastcollate

@@ -1,0 +1,25 @@
+"""fastcollate: from Dataset samples to a GPU batch, correct by contract and as fast as the hardware allows.
+
+    from fastcollate import assemble
+    loader = DataLoader(dataset, batch_size=256, collate_fn=assemble)
+"""
+
+from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
+from .assemble import Assembler, assemble
+from .contract import Contract, Field
+from .errors import ContractError
+from .ids import IdentifiedSample, with_ids
+from .staging import StagingRing
+
+__all__ = [
+    "Assembler",
+    "Contract",
+    "ContractError",
+    "Field",
+    "IdentifiedSample",
+    "StagingRing",
+    "assemble",
+    "with_ids",
+]
+
+__version__ = "0.1.0"

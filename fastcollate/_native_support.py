@@ -1,0 +1,52 @@
+"""Python callbacks for the native batch walk: the rare cases it hands back, and error construction.
+
+The walk (csrc/batch_plan.cpp) calls these once per field per batch at most, never per sample.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import MutableMapping, MutableSequence
+
+from torch.utils.data import default_collate as _torch_default_collate
+
+from .errors import make_error
+
+# The id key of the collation running on this thread, so errors raised from C++ can name samples.
+_current = threading.local()
+
+
+def contract_error(kind, batch, position, field, expected, got, hint):
+    return make_error(kind, batch, position, field, expected, got, hint, getattr(_current, "id_key", "id"))
+
+
+def rebuild_mapping(elem, values: dict):
+    """The output mapping for a Mapping that is not a plain dict, by default_collate's rules."""
+    if isinstance(elem, MutableMapping):
+        clone = copy.copy(elem)
+        clone.update(values)
+        return clone
+    try:
+        return type(elem)(values)
+    except TypeError:  # the mapping type may not accept a dict in __init__
+        return values
+
+
+def rebuild_sequence(elem, values: list):
+    """The output sequence for a Sequence that is not a list, tuple or namedtuple."""
+    try:
+        if isinstance(elem, MutableSequence):
+            clone = copy.copy(elem)
+            for index, value in enumerate(values):
+                clone[index] = value
+            return clone
+        return type(elem)(values)
+    except TypeError:  # the sequence type may not accept an iterable in __init__
+        return values
+
+
+def default_collate(values: list, path: str):
+    """Leaves the native walk does not take over (tensor subclasses, mixed dtypes, CUDA or sparse
+    tensors, numpy scalars): exactly default_collate's result for them."""
+    return _torch_default_collate(values)

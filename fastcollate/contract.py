@@ -1,0 +1,224 @@
+"""Contract: the declared shape of a batch, field by field, enforced by ``assemble.using(contract)``.
+
+A field is a leaf of the sample's structure, named by its path (``"x"``, ``"meta.boxes"``, ``"0"`` for
+the first element of a tuple sample). Each declares its dtype, its shape (fixed sizes, or names for
+variable dims), the allowed range of its values, how variable dims are padded, and the conversions
+that are allowed. Anything undeclared is an error: nothing is converted or dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = ["Contract", "Field"]
+
+Dim = int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One declared leaf.
+
+    Args:
+        kind: ``"tensor"`` (a tensor or numpy array), ``"number"`` (a Python int, float or bool,
+            collated into a 1-D tensor), or ``"text"`` (str or bytes, collated into a list).
+        dtype: the batch's dtype for this field. Samples must have it, or one listed in ``cast_from``.
+        shape: the per-sample shape: ints are fixed sizes, strings name variable dims. A name shared by
+            two fields must have the same size within a sample (``tokens: ("T",)``, ``labels: ("T",)``).
+        range: ``(low, high)``: every value must satisfy ``low <= value < high`` (NaN never does).
+            For class indices: ``(0, num_classes)``.
+        pad: the padding value. When set, named dims are padded on the right (at the end) to the
+            batch's longest; the batch gets ``mask`` (True at real positions, shape
+            ``[batch, *longest named dims]``) and, if named, ``lengths`` (int64 ``[batch]``, or
+            ``[batch, n_named_dims]``) beside the field. Without it, named dims must agree across the batch.
+        mask: the mask's key (default ``"<field>_mask"``); only with ``pad``.
+        lengths: the lengths' key, or None for none (default ``"<field>_lengths"``); only with ``pad``.
+        expand_from: other shapes accepted and broadcast to ``shape`` on copy: ``expand_from=((1, 16, 16),)``
+            on a ``(3, 16, 16)`` field turns a grayscale image into three identical channels.
+        cast_from: other dtypes accepted and converted to ``dtype`` on copy.
+    """
+
+    kind: Literal["tensor", "number", "text"] = "tensor"
+    dtype: torch.dtype | None = None
+    shape: tuple[Dim, ...] | None = None
+    range: tuple[float, float] | None = None
+    pad: float | int | bool | None = None
+    mask: str | None = None
+    lengths: str | None = ""
+    expand_from: tuple[tuple[int, ...], ...] = ()
+    cast_from: tuple[torch.dtype, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tensor", "number", "text"):
+            raise ValueError(f"Field kind must be 'tensor', 'number' or 'text', got {self.kind!r}")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", tuple(self.shape))
+            for dim in self.shape:
+                if not (isinstance(dim, str) and dim) and not (isinstance(dim, int) and dim >= 0):
+                    raise ValueError(f"shape dims are sizes >= 0 or dim names, got {dim!r} in {self.shape}")
+        object.__setattr__(self, "expand_from", tuple(tuple(s) for s in self.expand_from))
+        object.__setattr__(self, "cast_from", tuple(self.cast_from))
+        if self.range is not None:
+            low, high = self.range
+            if not low < high:
+                raise ValueError(f"range must be (low, high) with low < high, got {self.range}")
+        if self.pad is not None and not any(isinstance(d, str) for d in self.shape or ()):
+            raise ValueError("pad needs at least one named (variable) dim in shape, e.g. shape=('T',)")
+        if self.pad is None and (self.mask is not None or self.lengths):
+            raise ValueError("mask and lengths only apply to padded fields: set pad=<value>")
+        if self.kind != "tensor" and (self.shape or self.pad is not None or self.expand_from):
+            raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {self.kind!r} ones")
+        if self.kind == "text" and (self.dtype is not None or self.range is not None):
+            raise ValueError("text fields have no dtype or range")
+
+    def describe(self) -> str:
+        """One line: ``tensor torch.float32 [3, 16, 16] in [0, 1)``."""
+        parts = [self.kind]
+        if self.dtype is not None:
+            parts.append(str(self.dtype))
+        if self.shape is not None:
+            parts.append("[" + ", ".join(str(d) for d in self.shape) + "]")
+        if self.range is not None:
+            parts.append(f"in [{self.range[0]}, {self.range[1]})")
+        if self.pad is not None:
+            parts.append(f"padded right with {self.pad!r}")
+        if self.expand_from:
+            parts.append("expands from " + ", ".join(str(list(s)) for s in self.expand_from))
+        if self.cast_from:
+            parts.append("casts from " + ", ".join(str(d) for d in self.cast_from))
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """The declared fields of a batch's samples.
+
+    Args:
+        fields: field path to Field. Paths join mapping keys and sequence indices with dots.
+        id: the path of the field holding each sample's id (named in errors), or None.
+    """
+
+    fields: Mapping[str, Field]
+    id: str | None = "id"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", dict(self.fields))
+        for path, field in self.fields.items():
+            if not isinstance(field, Field):
+                raise TypeError(f"Contract field {path!r} must be a fastcollate.Field, got {type(field).__name__}")
+        keys = set(self.fields)
+        for path, field in self.fields.items():
+            if field.pad is None:
+                continue
+            parent = path.rpartition(".")[0]
+            for extra in filter(None, (self.mask_key(path), self.lengths_key(path))):
+                full = f"{parent}.{extra}" if parent else extra
+                if full in keys:
+                    raise ValueError(f"padded field {path!r} would add {full!r}, which is already a field")
+
+    def mask_key(self, path: str) -> str | None:
+        field = self.fields[path]
+        if field.pad is None:
+            return None
+        return field.mask or f"{path.rpartition('.')[2]}_mask"
+
+    def lengths_key(self, path: str) -> str | None:
+        field = self.fields[path]
+        if field.pad is None or field.lengths is None:
+            return None
+        return field.lengths or f"{path.rpartition('.')[2]}_lengths"
+
+    @classmethod
+    def infer(cls, sample: Any, id: str | None = "id") -> Contract:
+        """The contract one sample satisfies exactly: every leaf's kind, dtype and shape as they are."""
+        fields: dict[str, Field] = {}
+        _infer_into(sample, "", fields)
+        if id is not None and id not in fields:
+            id = None
+        return cls(fields=fields, id=id)
+
+    def __str__(self) -> str:
+        width = max((len(p) for p in self.fields), default=0)
+        lines = [f"Contract ({len(self.fields)} fields, id field: {self.id!r})"]
+        for path, field in self.fields.items():
+            lines.append(f"  {path.ljust(width)}  {field.describe()}")
+        return "\n".join(lines)
+
+    def diff(self, other: Contract) -> list[str]:
+        """Human-readable differences from ``other``; empty when they are equal."""
+        out = []
+        for path in self.fields.keys() - other.fields.keys():
+            out.append(f"{path}: only in this contract ({self.fields[path].describe()})")
+        for path in other.fields.keys() - self.fields.keys():
+            out.append(f"{path}: only in the other contract ({other.fields[path].describe()})")
+        for path in self.fields.keys() & other.fields.keys():
+            if self.fields[path] != other.fields[path]:
+                out.append(f"{path}: {self.fields[path].describe()} != {other.fields[path].describe()}")
+        if self.id != other.id:
+            out.append(f"id field: {self.id!r} != {other.id!r}")
+        return sorted(out)
+
+    def native_specs(self) -> list:
+        """The fields as the C++ walk reads them."""
+        from ._ext import _C
+
+        specs = []
+        for path, field in self.fields.items():
+            spec = _C.FieldSpec()
+            spec.path = path
+            spec.kind = field.kind
+            if field.dtype is not None:
+                spec.has_dtype = True
+                spec.dtype = field.dtype
+            spec.cast_from = list(field.cast_from)
+            if field.shape is not None:
+                spec.has_shape = True
+                spec.shape = [d if isinstance(d, int) else -1 for d in field.shape]
+                spec.dim_names = [d if isinstance(d, str) else "" for d in field.shape]
+            spec.expand_from = [list(s) for s in field.expand_from]
+            if field.range is not None:
+                spec.has_range = True
+                spec.low, spec.high = float(field.range[0]), float(field.range[1])
+            if field.pad is not None:
+                spec.padded = True
+                spec.pad_value = float(field.pad)
+                spec.mask_name = self.mask_key(path)
+                spec.lengths_name = self.lengths_key(path) or ""
+            specs.append(spec)
+        return specs
+
+
+def _join(parent: str, key: Any) -> str:
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _infer_into(value: Any, path: str, fields: dict[str, Field]) -> None:
+    if isinstance(value, torch.Tensor):
+        fields[path] = Field(dtype=value.dtype, shape=tuple(value.shape))
+    elif isinstance(value, np.ndarray):
+        fields[path] = Field(dtype=torch.from_numpy(np.empty(0, value.dtype)).dtype, shape=value.shape)
+    elif isinstance(value, bool):
+        fields[path] = Field(kind="number", dtype=torch.bool)
+    elif isinstance(value, int):
+        fields[path] = Field(kind="number", dtype=torch.int64)
+    elif isinstance(value, float):
+        fields[path] = Field(kind="number", dtype=torch.float64)
+    elif isinstance(value, (str, bytes)):
+        fields[path] = Field(kind="text")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _infer_into(item, _join(path, key), fields)
+    elif isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        for name, item in zip(type(value)._fields, value):
+            _infer_into(item, _join(path, name), fields)
+    elif isinstance(value, Sequence):
+        for index, item in enumerate(value):
+            _infer_into(item, _join(path, index), fields)
+    else:
+        raise TypeError(f"Contract.infer: field {path or '<sample>'!r} is a {type(value).__name__}, "
+                        "which a batch cannot hold")

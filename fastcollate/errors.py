@@ -1,0 +1,131 @@
+"""ContractError: the one exception a batch that breaks its contract raises.
+
+It names the sample (by id, or by batch position when samples carry none), the field path, what was
+expected and what arrived, and what to do. It never includes the sample's values, which may be
+sensitive. Code written for ``default_collate`` keeps working: where that raised ``RuntimeError``
+(sizes differ), ``TypeError`` (unsupported element) or ``KeyError`` (missing key), the ContractError
+raised here is also an instance of that class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ContractError", "sample_id"]
+
+
+class ContractError(Exception):
+    """A sample does not fit the batch's contract.
+
+    Attributes:
+        sample_id: the sample's id, or ``None`` when samples carry none (see ``position``).
+        position: the sample's position in the batch.
+        field: the field path, e.g. ``"meta.boxes"`` (``"<sample>"`` for the sample itself).
+        expected: what the contract or the batch's first sample requires.
+        got: what this sample has.
+        hint: what to do about it.
+    """
+
+    def __init__(
+        self,
+        *,
+        sample_id: Any,
+        position: int | None,
+        field: str,
+        expected: str,
+        got: str,
+        hint: str = "",
+        id_key: str = "id",
+    ) -> None:
+        self.sample_id = sample_id
+        self.position = position
+        self.field = field
+        self.expected = expected
+        self.got = got
+        self.hint = hint
+        if sample_id is not None:
+            who = f"sample id={sample_id!r}"
+            if position is not None:
+                who += f" (batch position {position})"
+        else:
+            who = (
+                f"sample at batch position {position} (samples carry no {id_key!r}; "
+                "wrap the dataset in fastcollate.with_ids to name them)"
+            )
+        message = f"{who}, field {field!r}: expected {expected}, got {got}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # picklable across DataLoader workers, whatever class it is mixed into
+        return (
+            _rebuild,
+            (type(self).__name__, self.sample_id, self.position, self.field, self.expected, self.got, self.hint),
+        )
+
+
+class ContractSizeError(ContractError, RuntimeError):
+    """Shapes, lengths or sizes differ (``default_collate`` raised RuntimeError)."""
+
+
+class ContractTypeError(ContractError, TypeError):
+    """A value of an unsupported or different type (``default_collate`` raised TypeError)."""
+
+
+class ContractKeyError(ContractError, KeyError):
+    """A field missing or extra (``default_collate`` raised KeyError or dropped it)."""
+
+
+class ContractValueError(ContractError, ValueError):
+    """A value outside its declared range."""
+
+
+class ContractEmptyError(ContractError, IndexError):
+    """An empty batch without a contract to give it a structure (``default_collate`` raised IndexError)."""
+
+
+_KINDS = {
+    "size": ContractSizeError,
+    "type": ContractTypeError,
+    "key": ContractKeyError,
+    "value": ContractValueError,
+    "empty": ContractEmptyError,
+}
+_BY_NAME = {cls.__name__: cls for cls in _KINDS.values()} | {"ContractError": ContractError}
+
+
+def _rebuild(name, sample_id, position, field, expected, got, hint):
+    return _BY_NAME[name](
+        sample_id=sample_id, position=position, field=field, expected=expected, got=got, hint=hint
+    )
+
+
+def sample_id(sample: Any, id_key: str) -> Any:
+    """The id a sample carries under ``id_key`` (a mapping key or an attribute), else None."""
+    if isinstance(sample, Mapping):
+        value = sample.get(id_key)
+    else:
+        value = getattr(sample, id_key, None)
+    if hasattr(value, "item"):  # a 0-d tensor or numpy scalar: show the number
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            return None
+    return value if isinstance(value, (int, str, bytes)) else None
+
+
+def make_error(kind: str, batch, position: int, field: str, expected: str, got: str, hint: str, id_key: str):
+    """Builds the ContractError for sample ``batch[position]``: the class for ``kind``, its id looked up."""
+    return _KINDS[kind](
+        sample_id=sample_id(batch[position], id_key) if batch is not None else None,
+        position=position,
+        field=field or "<sample>",
+        expected=expected,
+        got=got,
+        hint=hint,
+        id_key=id_key,
+    )

@@ -1,0 +1,148 @@
+"""Builds fastcollate._C: a CUDA extension when torch is a CUDA build and a toolkit is found, else CPU-only.
+
+Every decision is printed, because a wrong guess (the wrong toolkit, no CUDA at all) otherwise only
+shows up later as a missing symbol or a silently CPU-only build.
+
+Switches (environment):
+  FASTCOLLATE_CUDA=1 forces the CUDA build (fails if no toolkit), =0 forces CPU-only.
+  CUDA_HOME / CUDA_PATH name the toolkit; otherwise it is found from nvcc on PATH.
+  TORCH_CUDA_ARCH_LIST chooses GPU architectures; default 9.0 (Hopper) when no GPU is visible.
+  FASTCOLLATE_DEBUG=1 builds with -O0 -g; FASTCOLLATE_SANITIZE=1 adds ASan and UBSan.
+"""
+
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import setup
+
+
+def say(message: str) -> None:
+    print(f"[fastcollate build] {message}", flush=True)
+
+
+def _toolkit_root_from_nvcc(nvcc: str) -> str | None:
+    """The toolkit folder holding this nvcc; follows links and wrapper scripts that exec another nvcc."""
+    real = os.path.realpath(nvcc)
+    candidates = [os.path.dirname(os.path.dirname(real))]
+    try:
+        with open(real, "rb") as handle:
+            head = handle.read(4096)
+        if head.startswith(b"#!"):  # a wrapper script: find the nvcc it runs
+            for match in re.finditer(rb"(/[^\s\"']+/bin/nvcc)\b", head):
+                target = os.path.realpath(match.group(1).decode())
+                candidates.insert(0, os.path.dirname(os.path.dirname(target)))
+    except OSError:
+        pass
+    for root in candidates:
+        if _is_toolkit(root):
+            return root
+    return None
+
+
+def _is_toolkit(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, "bin", "nvcc")) and os.path.isfile(
+        os.path.join(root, "include", "cuda_runtime.h")
+    )
+
+
+def find_cuda_home() -> str | None:
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(variable)
+        if value:
+            say(f"CUDA toolkit from ${variable}: {value}")
+            return value
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = _toolkit_root_from_nvcc(nvcc)
+        if root:
+            say(f"CUDA toolkit found from nvcc on PATH ({nvcc}): {root}")
+            return root
+        say(f"nvcc on PATH ({nvcc}) does not lead to a toolkit with include/cuda_runtime.h")
+    for root in ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]:
+        if _is_toolkit(root):
+            say(f"CUDA toolkit found at the usual place: {root}")
+            return root
+    say("no CUDA toolkit found")
+    return None
+
+
+# torch.utils.cpp_extension reads CUDA_HOME once, at import: decide it before importing.
+CUDA_SWITCH = os.environ.get("FASTCOLLATE_CUDA", "auto")
+CUDA_HOME = None if CUDA_SWITCH == "0" else find_cuda_home()
+if CUDA_HOME:
+    os.environ["CUDA_HOME"] = CUDA_HOME
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+say(f"python {sys.version.split()[0]}, torch {torch.__version__}, torch.version.cuda = {torch.version.cuda}")
+say(f"FASTCOLLATE_CUDA = {CUDA_SWITCH!r}")
+
+if CUDA_SWITCH == "0":
+    USE_CUDA = False
+    say("CUDA build: off (FASTCOLLATE_CUDA=0)")
+elif torch.version.cuda is None:
+    USE_CUDA = False
+    say("CUDA build: off (this torch is a CPU-only build)")
+elif CUDA_HOME is None:
+    USE_CUDA = False
+    say("CUDA build: off (torch is a CUDA build but no toolkit was found; set CUDA_HOME)")
+else:
+    USE_CUDA = True
+    say(f"CUDA build: on, toolkit {CUDA_HOME}")
+if CUDA_SWITCH == "1" and not USE_CUDA:
+    sys.exit("[fastcollate build] FASTCOLLATE_CUDA=1 but a CUDA build is not possible (see above)")
+
+if USE_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    visible = False
+    try:
+        visible = torch.cuda.is_available()
+    except Exception:  # no driver: same as no GPU
+        visible = False
+    if visible:
+        say("TORCH_CUDA_ARCH_LIST unset; a GPU is visible, so torch builds for it")
+    else:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        say("TORCH_CUDA_ARCH_LIST unset and no GPU visible: building for 9.0 (Hopper)")
+elif USE_CUDA:
+    say(f"TORCH_CUDA_ARCH_LIST = {os.environ['TORCH_CUDA_ARCH_LIST']} (from the environment)")
+
+debug = os.environ.get("FASTCOLLATE_DEBUG") == "1"
+sanitize = os.environ.get("FASTCOLLATE_SANITIZE") == "1"
+cxx_flags = ["-O0", "-g"] if debug or sanitize else ["-O3"]
+cxx_flags += ["-fdiagnostics-color=never", "-fvisibility=hidden"]  # the C++ standard is torch's choice (C++20 from torch 2.13)
+link_flags = []
+if sanitize:
+    cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    link_flags += ["-fsanitize=address,undefined"]
+say(f"optimisation: {'debug' if debug else 'release'}; sanitizers: {'address,undefined' if sanitize else 'none'}")
+
+sources = sorted(glob.glob("csrc/*.cpp"))
+define_macros = []
+include_dirs = [os.path.abspath("csrc")]
+extra = {"cxx": cxx_flags}
+if USE_CUDA:
+    sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    define_macros.append(("FASTCOLLATE_WITH_CUDA", None))
+    extra["nvcc"] = ["-O3", "-lineinfo"] + (["-g", "-G"] if debug else [])
+    extension_class = CUDAExtension
+else:
+    extension_class = CppExtension
+say(f"sources: {' '.join(sources)}")
+
+setup(
+    ext_modules=[
+        extension_class(
+            "fastcollate._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args=extra,
+            extra_link_args=link_flags,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,36 @@
+"""``python -m fastcollate <command>``: bench, profile, doctor. Each command lives in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "bench": ("fastcollate.bench", "compare default_collate, assemble and DeviceLoader side by side"),
+    "profile": ("fastcollate.profiling", "trace batch_wait / h2d_transfer / compute and draw the timeline"),
+    "doctor": ("fastcollate.doctor", "check that a dataset's loader delivers every sample, once, unchanged"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m fastcollate <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines.append("\n'python -m fastcollate <command> --help' describes each command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,8 @@ raised here is also an instance of that class.
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,15 +31,20 @@ class ContractError(Exception):
 
     def __init__(
         self,
+        message: str | None = None,
         *,
-        sample_id: Any,
-        position: int | None,
-        field: str,
-        expected: str,
-        got: str,
+        sample_id: Any = None,
+        position: int | None = None,
+        field: str = "<sample>",
+        expected: str = "",
+        got: str = "",
         hint: str = "",
         id_key: str = "id",
     ) -> None:
+        if message is not None:
+            # DataLoader re-raises a worker's exception as type(exc)(text): recover the fields from it.
+            self._init_from_text(message)
+            return
         self.sample_id = sample_id
         self.position = position
         self.field = field
@@ -58,6 +65,21 @@ class ContractError(Exception):
             message += f". {hint}"
         super().__init__(message)
 
+    def _init_from_text(self, text: str) -> None:
+        self.sample_id = self.position = None
+        self.field = self.expected = self.got = self.hint = ""
+        match = _MESSAGE.search(text)
+        if match:
+            if match["id"] is not None:
+                try:
+                    self.sample_id = ast.literal_eval(match["id"])
+                except (ValueError, SyntaxError):
+                    self.sample_id = match["id"]
+            position = match["position"] or match["position2"]
+            self.position = int(position) if position else None
+            self.field, self.expected, self.got = match["field"], match["expected"], match["got"]
+        super().__init__(text)
+
     def __str__(self) -> str:  # KeyError would otherwise print the message quoted
         return str(self.args[0]) if self.args else ""
 
@@ -66,6 +88,13 @@ class ContractError(Exception):
             _rebuild,
             (type(self).__name__, self.sample_id, self.position, self.field, self.expected, self.got, self.hint),
         )
+
+
+_MESSAGE = re.compile(
+    r"sample (?:id=(?P<id>.+?) \(batch position (?P<position>\d+)\)|at batch position (?P<position2>\d+)[^,]*?\))"
+    r", field '(?P<field>[^']*)': expected (?P<expected>.*?), got (?P<got>.*?)(?:\. [A-Z]|$)",
+    re.MULTILINE,
+)
 
 
 class ContractSizeError(ContractError, RuntimeError):

@@ -1,0 +1,316 @@
+"""assemble as a drop-in for default_collate: same structure, types, dtypes and values.
+
+The cases follow PyTorch's own default_collate tests (test/test_dataloader.py, TestCollate /
+TestDefaultCollate*): their semantics, written here for assemble.
+"""
+
+import collections
+from collections import namedtuple
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from fastcollate import ContractError, assemble
+
+
+def assert_same(ours, theirs, path="batch"):
+    assert type(ours) is type(theirs), f"{path}: {type(ours).__name__} != {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype, f"{path}: dtype {ours.dtype} != {theirs.dtype}"
+        assert ours.shape == theirs.shape, f"{path}: shape {ours.shape} != {theirs.shape}"
+        assert torch.equal(ours, theirs) or (
+            ours.is_floating_point() and torch.allclose(ours, theirs, equal_nan=True)
+        ), f"{path}: values differ"
+    elif isinstance(theirs, Mapping):
+        assert list(ours.keys()) == list(theirs.keys()), f"{path}: keys differ"
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{path}.{key}")
+    elif isinstance(theirs, Sequence) and not isinstance(theirs, (str, bytes)):
+        assert len(ours) == len(theirs), f"{path}: lengths differ"
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{path}[{index}]")
+    else:
+        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
+
+
+def check(batch):
+    expected = default_collate(batch)
+    got = assemble(batch)
+    assert_same(got, expected)
+    return got
+
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+class UserDict(collections.UserDict):
+    pass
+
+
+class MyList(list):
+    pass
+
+
+class TupleOnlyFromArgs(Sequence):
+    """A Sequence whose constructor does not take an iterable: default_collate falls back to a list."""
+
+    def __init__(self, a, b):
+        self._items = (a, b)
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+    def __len__(self):
+        return 2
+
+
+def test_tensor_leaves_stack_like_default_collate():
+    check([torch.randn(3, 4) for _ in range(5)])
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+              torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+)
+def test_every_tensor_dtype_is_kept(dtype):
+    samples = [torch.arange(6).reshape(2, 3).to(dtype) for _ in range(4)]
+    got = check(samples)
+    assert got.dtype == dtype
+
+
+def test_zero_dim_tensors_become_a_vector():
+    got = check([torch.tensor(float(i)) for i in range(7)])
+    assert got.shape == (7,)
+
+
+def test_zero_size_tensors():
+    check([torch.empty(0, 3) for _ in range(4)])
+
+
+def test_python_numbers_become_int64_float64_and_bool_tensors():
+    assert check([1, 2, 3]).dtype == torch.int64
+    assert check([1.5, 2.0, 3.25]).dtype == torch.float64
+    assert check([True, False]).dtype == torch.bool
+
+
+def test_mixed_python_numbers_follow_torch_tensor_inference():
+    check([1, 2.5, 3])  # default_collate: torch.tensor -> float32
+    check([1.5, 2, 3])  # float first: float64
+    check([True, 1, 0])
+
+
+def test_strings_and_bytes_stay_lists():
+    assert check(["a", "b", "c"]) == ["a", "b", "c"]
+    assert check([b"a", b"b"]) == [b"a", b"b"]
+
+
+def test_nested_dicts_lists_tuples_and_namedtuples():
+    batch = [
+        {
+            "id": i,
+            "image": torch.full((2, 2), float(i)),
+            "meta": {"name": f"s{i}", "boxes": torch.ones(3, 4) * i, "pair": (i, float(i))},
+            "points": [Point(torch.tensor(i), i * 2.0), Point(torch.tensor(-i), 0.5)],
+        }
+        for i in range(6)
+    ]
+    got = check(batch)
+    assert isinstance(got["meta"]["pair"], list)  # default_collate turns tuples into lists
+    assert isinstance(got["points"][0], Point)
+
+
+def test_mapping_and_sequence_subclasses_keep_their_type():
+    check([UserDict({"a": torch.zeros(2), "b": 1}) for _ in range(3)])
+    check([MyList([torch.zeros(2), 1]) for _ in range(3)])
+    check([TupleOnlyFromArgs(torch.zeros(1), 2) for _ in range(3)])
+
+
+def test_numpy_arrays_and_scalars():
+    check([np.arange(6, dtype=np.float32).reshape(2, 3) for _ in range(4)])
+    check([np.int16(3), np.int16(4)])
+    check([np.float32(1.5), np.float32(2.5)])
+    check([np.array(1.0), np.array(2.0)])
+    check([np.bool_(True), np.bool_(False)])
+
+
+def test_numpy_memmap(tmp_path):
+    path = tmp_path / "data.bin"
+    array = np.memmap(path, dtype=np.float64, mode="w+", shape=(4, 3))
+    array[:] = np.arange(12).reshape(4, 3)
+    array.flush()
+    view = np.memmap(path, dtype=np.float64, mode="r", shape=(4, 3))
+    check([view[i] for i in range(4)])
+
+
+@pytest.mark.parametrize("bad", [np.array(["a", "b"]), np.array([b"a"]), np.array([object(), object()])])
+def test_numpy_string_and_object_arrays_raise_type_error(bad):
+    with pytest.raises(TypeError):
+        default_collate([bad, bad])
+    with pytest.raises(TypeError) as caught:
+        assemble([bad, bad])
+    assert isinstance(caught.value, ContractError)
+
+
+def test_non_contiguous_and_channels_last_inputs():
+    base = torch.randn(4, 3, 8, 8)
+    check([base[i].transpose(1, 2) for i in range(4)])  # non-contiguous views
+    check([base[i, :, ::2] for i in range(4)])  # strided
+    images = [torch.randn(1, 3, 5, 5).contiguous(memory_format=torch.channels_last)[0] for _ in range(3)]
+    check(images)
+    check([torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last) for _ in range(3)])
+
+
+def test_conjugate_and_negative_views_are_resolved():
+    check([torch.randn(3, dtype=torch.complex64).conj() for _ in range(4)])
+
+
+def test_mixed_dtypes_promote_as_default_collate_does():
+    check([torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.float32)])
+
+
+def test_tensors_that_require_grad_are_left_to_default_collate():
+    batch = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    got = assemble(batch)
+    assert got.requires_grad and torch.equal(got.detach(), torch.stack([b.detach() for b in batch]))
+
+
+def test_tensor_subclasses_keep_default_collate_semantics():
+    class Tagged(torch.Tensor):
+        pass
+
+    batch = [torch.randn(2).as_subclass(Tagged) for _ in range(3)]
+    got = assemble(batch)
+    assert torch.equal(got.as_subclass(torch.Tensor), default_collate(batch).as_subclass(torch.Tensor))
+
+
+def test_output_tensors_are_contiguous_and_share_one_buffer():
+    batch = [{"a": torch.randn(3), "b": torch.randn(2, 2), "c": i} for i in range(4)]
+    got = assemble(batch)
+    storages = {got[k].untyped_storage().data_ptr() for k in ("a", "b", "c")}
+    assert len(storages) == 1  # one block: the whole batch can move as one copy
+    assert all(got[k].is_contiguous() for k in ("a", "b", "c"))
+
+
+def test_sizes_that_differ_raise_a_runtime_error_naming_sample_and_field():
+    batch = [{"id": f"img-{i}", "x": torch.zeros(3, 4)} for i in range(4)]
+    batch[2]["x"] = torch.zeros(3, 5)
+    with pytest.raises(RuntimeError) as caught:
+        assemble(batch)
+    error = caught.value
+    assert isinstance(error, ContractError)
+    assert (error.sample_id, error.field, error.position) == ("img-2", "x", 2)
+    assert "[3, 4]" in error.expected and "[3, 5]" in error.got
+    assert "img-2" in str(error) and "'x'" in str(error)
+
+
+def test_without_ids_the_error_names_the_position_and_says_how_to_add_ids():
+    batch = [torch.zeros(2), torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    assert caught.value.sample_id is None and caught.value.position == 2
+    assert "batch position 2" in str(caught.value) and "with_ids" in str(caught.value)
+
+
+def test_errors_never_include_sample_values():
+    secret = 987654.25
+    batch = [{"id": i, "x": torch.full((2,), secret)} for i in range(3)]
+    batch[1]["x"] = torch.full((3,), secret)
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    assert "987654" not in str(caught.value)
+
+
+def test_unsupported_leaf_raises_type_error_naming_the_field():
+    batch = [{"id": i, "x": None} for i in range(3)]
+    with pytest.raises(TypeError):
+        default_collate(batch)
+    with pytest.raises(TypeError) as caught:
+        assemble(batch)
+    assert caught.value.field == "x" and caught.value.sample_id == 0
+
+
+def test_a_missing_key_raises_key_error_naming_the_sample():
+    batch = [{"id": i, "x": torch.zeros(1), "y": 1} for i in range(3)]
+    del batch[2]["y"]
+    with pytest.raises(KeyError) as caught:
+        assemble(batch)
+    assert caught.value.sample_id == 2 and caught.value.field == "y"
+
+
+def test_an_extra_key_is_an_error_not_silently_dropped():
+    batch = [{"id": i, "x": torch.zeros(1)} for i in range(3)]
+    batch[1]["z"] = 5
+    assert "z" not in default_collate(batch)  # what we refuse to do: lose data silently
+    with pytest.raises(KeyError) as caught:
+        assemble(batch)
+    assert caught.value.sample_id == 1 and caught.value.field == "z"
+
+
+def test_sequences_of_different_lengths_raise_runtime_error():
+    batch = [[torch.zeros(1), 1], [torch.zeros(1), 1, 2]]
+    with pytest.raises(RuntimeError):
+        default_collate(batch)
+    with pytest.raises(RuntimeError) as caught:
+        assemble(batch)
+    assert isinstance(caught.value, ContractError) and caught.value.position == 1
+
+
+def test_a_different_type_in_a_later_sample_is_named():
+    batch = [{"id": i, "x": torch.zeros(2)} for i in range(3)]
+    batch[2]["x"] = [0.0, 0.0]
+    with pytest.raises(TypeError) as caught:
+        assemble(batch)
+    assert caught.value.sample_id == 2 and caught.value.field == "x"
+
+
+def test_integer_overflow_is_named():
+    with pytest.raises(RuntimeError) as caught:
+        assemble([{"id": 0, "n": 1}, {"id": 1, "n": 2**70}])
+    assert caught.value.sample_id == 1 and caught.value.field == "n"
+
+
+def test_empty_batch_raises_index_error_like_default_collate():
+    with pytest.raises(IndexError):
+        default_collate([])
+    with pytest.raises(IndexError) as caught:
+        assemble([])
+    assert isinstance(caught.value, ContractError)
+
+
+def test_an_error_leaves_nothing_half_written():
+    from fastcollate.staging import main_process_ring
+
+    ring = main_process_ring()
+    before = ring.stats()
+    batch = [{"id": i, "x": torch.zeros(1000)} for i in range(4)]
+    batch[3]["x"] = torch.zeros(999)
+    with pytest.raises(ContractError):
+        assemble(batch)
+    after = ring.stats()
+    # The check failed before any buffer was taken: no slot was handed out.
+    assert (after.reuses, after.slot_allocations, after.overflow_allocations) == (
+        before.reuses, before.slot_allocations, before.overflow_allocations)
+
+
+def test_ids_read_from_a_configured_key():
+    assembler = assemble.using(id_key="uid")
+    batch = [{"uid": f"u{i}", "x": torch.zeros(2)} for i in range(3)]
+    batch[1]["x"] = torch.zeros(4)
+    with pytest.raises(ContractError) as caught:
+        assembler(batch)
+    assert caught.value.sample_id == "u1"
+
+
+def test_contract_error_pickles_with_its_attributes():
+    import pickle
+
+    batch = [{"id": 7, "x": torch.zeros(2)}, {"id": 8, "x": torch.zeros(3)}]
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    clone = pickle.loads(pickle.dumps(caught.value))
+    assert type(clone) is type(caught.value)
+    assert (clone.sample_id, clone.field, clone.expected, clone.got) == (8, "x", caught.value.expected, caught.value.got)
+    assert str(clone) == str(caught.value)

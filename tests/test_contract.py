@@ -1,0 +1,213 @@
+"""Contracts: declared fields checked in C++ before any byte is copied, conversions only when declared."""
+
+import pickle
+
+import pytest
+import torch
+
+from fastcollate import Contract, ContractError, Field, assemble, with_ids
+
+RECORDS_CONTRACT = Contract(
+    fields={
+        "id": Field(kind="number", dtype=torch.int64),
+        "x": Field(dtype=torch.float32, shape=(3, 16, 16)),
+        "y": Field(kind="number", dtype=torch.int64, range=(0, 10)),
+    }
+)
+
+
+def seed_records():
+    """The seeds' worked example: four records, the fourth image has one channel."""
+    records = [{"id": 100 + i, "x": torch.rand(3, 16, 16), "y": i} for i in range(3)]
+    records.append({"id": 103, "x": torch.rand(1, 16, 16), "y": 3})
+    return records
+
+
+def test_fourth_record_with_one_channel_is_named_before_stacking():
+    from fastcollate.staging import main_process_ring
+
+    before = main_process_ring().stats()
+    with pytest.raises(ContractError) as caught:
+        assemble.using(RECORDS_CONTRACT)(seed_records())
+    error = caught.value
+    assert (error.sample_id, error.field) == (103, "x")
+    assert error.expected == "shape [3, 16, 16]" and error.got == "shape [1, 16, 16]"
+    assert "expand_from" in str(error)  # says what to do
+    after = main_process_ring().stats()
+    assert after.reuses + after.slot_allocations == before.reuses + before.slot_allocations  # nothing stacked
+
+
+def test_declared_one_to_three_channel_conversion_keeps_all_four_ids():
+    contract = Contract(
+        fields={**RECORDS_CONTRACT.fields, "x": Field(dtype=torch.float32, shape=(3, 16, 16), expand_from=((1, 16, 16),))}
+    )
+    records = seed_records()
+    batch = assemble.using(contract)(records)
+    assert batch["x"].shape == (4, 3, 16, 16)
+    assert batch["id"].tolist() == [100, 101, 102, 103]
+    for channel in range(3):
+        assert torch.equal(batch["x"][3, channel], records[3]["x"][0])
+    assert torch.equal(batch["x"][0], records[0]["x"])
+
+
+def test_a_correctly_shaped_record_with_an_out_of_range_label_is_rejected_by_id():
+    records = [{"id": 100 + i, "x": torch.rand(3, 16, 16), "y": i} for i in range(4)]
+    records[2]["y"] = 10
+    with pytest.raises(ValueError) as caught:
+        assemble.using(RECORDS_CONTRACT)(records)
+    assert (caught.value.sample_id, caught.value.field) == (102, "y")
+    assert "[0, 10)" in caught.value.expected
+
+
+def test_tensor_targets_are_range_checked_and_nan_is_out_of_range():
+    contract = Contract(fields={"id": Field(kind="number"), "t": Field(dtype=torch.float32, shape=(2,), range=(0, 1))})
+    good = [{"id": i, "t": torch.tensor([0.0, 0.5])} for i in range(3)]
+    assert assemble.using(contract)(good)["t"].shape == (3, 2)
+    bad = [dict(s) for s in good]
+    bad[1]["t"] = torch.tensor([0.2, float("nan")])
+    with pytest.raises(ValueError) as caught:
+        assemble.using(contract)(bad)
+    assert caught.value.sample_id == 1 and "NaN" in caught.value.got
+
+
+def test_mixed_dtypes_are_an_error_under_a_contract_unless_a_cast_is_declared():
+    records = [{"id": i, "x": torch.zeros(2, dtype=torch.float32)} for i in range(3)]
+    records[1]["x"] = torch.zeros(2, dtype=torch.float64)
+    strict = Contract(fields={"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(2,))})
+    with pytest.raises(TypeError) as caught:
+        assemble.using(strict)(records)
+    assert caught.value.sample_id == 1 and "cast_from" in str(caught.value)
+    lenient = Contract(
+        fields={"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(2,), cast_from=(torch.float64,))}
+    )
+    assert assemble.using(lenient)(records)["x"].dtype == torch.float32
+
+
+def test_undeclared_and_missing_fields_are_errors():
+    contract = Contract(fields={"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(2,))})
+    extra = [{"id": i, "x": torch.zeros(2), "z": 1} for i in range(2)]
+    with pytest.raises(KeyError) as caught:
+        assemble.using(contract)(extra)
+    assert caught.value.field == "z"
+    missing = [{"id": i} for i in range(2)]
+    with pytest.raises(KeyError) as caught:
+        assemble.using(contract)(missing)
+    assert caught.value.field == "x"
+
+
+def test_padded_tokens_get_a_mask_and_lengths_padded_on_the_right():
+    contract = Contract(
+        fields={"id": Field(kind="number"), "tokens": Field(dtype=torch.int64, shape=("T",), pad=-1)}
+    )
+    lengths = [3, 1, 5, 0]
+    records = [{"id": i, "tokens": torch.arange(1, n + 1)} for i, n in enumerate(lengths)]
+    batch = assemble.using(contract)(records)
+    assert batch["tokens"].shape == (4, 5)
+    assert batch["tokens"][1].tolist() == [1, -1, -1, -1, -1]
+    assert batch["tokens_mask"].dtype == torch.bool
+    assert batch["tokens_mask"].tolist() == [[j < n for j in range(5)] for n in lengths]
+    assert batch["tokens_lengths"].tolist() == lengths
+    assert list(batch) == ["id", "tokens", "tokens_mask", "tokens_lengths"]
+
+
+def test_padding_boxes_with_fixed_trailing_dims_and_a_shared_named_dim():
+    contract = Contract(
+        fields={
+            "id": Field(kind="number"),
+            "boxes": Field(dtype=torch.float32, shape=("N", 4), pad=0.0, mask="box_mask", lengths=None),
+            "labels": Field(dtype=torch.int64, shape=("N",), pad=-100, range=(0, 5)),
+        }
+    )
+    counts = [2, 0, 3]
+    records = [{"id": i, "boxes": torch.rand(n, 4), "labels": torch.arange(n) % 5} for i, n in enumerate(counts)]
+    batch = assemble.using(contract)(records)
+    assert batch["boxes"].shape == (3, 3, 4) and batch["labels"].shape == (3, 3)
+    assert "boxes_lengths" not in batch and batch["box_mask"].tolist() == [[j < n for j in range(3)] for n in counts]
+    assert torch.equal(batch["boxes"][2], records[2]["boxes"])
+    assert batch["labels"][0].tolist() == [0, 1, -100]
+    records[1]["labels"] = torch.arange(2)  # N disagrees with boxes in the same sample
+    with pytest.raises(RuntimeError) as caught:
+        assemble.using(contract)(records)
+    assert caught.value.sample_id == 1 and caught.value.field == "labels"
+
+
+def test_padding_two_named_dims_and_a_non_contiguous_sample():
+    contract = Contract(fields={"id": Field(kind="number"), "m": Field(dtype=torch.float32, shape=("H", "W"), pad=0.0)})
+    records = [{"id": 0, "m": torch.ones(2, 3)}, {"id": 1, "m": torch.ones(2, 2)[:, :1].t()}]  # [1, 2], strided
+    batch = assemble.using(contract)(records)
+    assert batch["m"].shape == (2, 2, 3)
+    assert records[1]["m"].stride() == (1, 2) and records[1]["m"].shape == (1, 2)
+    assert batch["m_lengths"].tolist() == [[2, 3], [1, 2]]
+    assert batch["m_mask"][1].tolist() == [[True, True, False], [False, False, False]]
+    assert batch["m"][1].tolist() == [[1, 1, 0], [0, 0, 0]]
+
+
+def test_named_dims_without_pad_must_agree_across_the_batch():
+    contract = Contract(fields={"id": Field(kind="number"), "v": Field(dtype=torch.float32, shape=("T",))})
+    assert assemble.using(contract)([{"id": i, "v": torch.zeros(4)} for i in range(2)])["v"].shape == (2, 4)
+    with pytest.raises(RuntimeError) as caught:
+        assemble.using(contract)([{"id": 0, "v": torch.zeros(4)}, {"id": 1, "v": torch.zeros(5)}])
+    assert caught.value.sample_id == 1 and "pad" in str(caught.value)
+
+
+def test_text_and_number_fields_are_type_checked():
+    contract = Contract(fields={"id": Field(kind="text"), "y": Field(kind="number", dtype=torch.int64)})
+    with pytest.raises(TypeError) as caught:
+        assemble.using(contract)([{"id": "a", "y": 1}, {"id": "b", "y": 1.5}])
+    assert caught.value.sample_id == "b" and caught.value.field == "y"
+    with pytest.raises(TypeError):
+        assemble.using(contract)([{"id": "a", "y": 1}, {"id": 5, "y": 1}])
+
+
+def test_infer_prints_compares_and_enforces_its_own_sample():
+    sample = {"id": 3, "image": torch.zeros(1, 28, 28), "label": 4, "meta": {"name": "a", "w": 0.5}}
+    contract = Contract.infer(sample)
+    text = str(contract)
+    assert "image" in text and "torch.float32 [1, 28, 28]" in text and "meta.name" in text
+    assert contract == Contract.infer(dict(sample))
+    other = Contract.infer({**sample, "image": torch.zeros(3, 28, 28)})
+    assert contract != other and contract.diff(other) == [
+        "image: tensor torch.float32 [1, 28, 28] != tensor torch.float32 [3, 28, 28]"
+    ]
+    batch = assemble.using(contract)([sample, sample])
+    assert batch["image"].shape == (2, 1, 28, 28) and batch["meta"]["name"] == ["a", "a"]
+
+
+def test_contract_assembler_pickles_for_spawned_workers():
+    assembler = assemble.using(RECORDS_CONTRACT)
+    clone = pickle.loads(pickle.dumps(assembler))
+    records = [{"id": 100 + i, "x": torch.rand(3, 16, 16), "y": i} for i in range(2)]
+    assert torch.equal(clone(records)["x"], assembler(records)["x"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(shape=(3, -1)),
+        dict(range=(5, 1)),
+        dict(pad=0, shape=(3,)),
+        dict(mask="m"),
+        dict(kind="number", shape=(2,)),
+        dict(kind="text", dtype=torch.int64),
+        dict(kind="image"),
+    ],
+)
+def test_inconsistent_field_declarations_are_refused(bad):
+    with pytest.raises(ValueError):
+        Field(**bad)
+
+
+def test_a_padded_field_cannot_shadow_a_declared_one():
+    with pytest.raises(ValueError):
+        Contract(fields={"t": Field(dtype=torch.int64, shape=("T",), pad=0), "t_mask": Field(kind="number")})
+
+
+def test_with_ids_attaches_the_dataset_index():
+    dataset = [{"x": torch.zeros(2)}, {"x": torch.zeros(3)}, (torch.zeros(1), 5)]
+    tagged = with_ids(dataset)
+    assert tagged[0]["id"] == 0 and tagged[2].id == 2 and tagged[2].sample[1] == 5
+    with pytest.raises(ContractError) as caught:
+        assemble([tagged[0], tagged[1]])
+    assert caught.value.sample_id == 1
+    batch = assemble([tagged[2], tagged[2]])
+    assert batch.id.tolist() == [2, 2] and batch.sample[1].tolist() == [5, 5]

@@ -1,0 +1,79 @@
+"""The dispatcher ops against pure-Python references, and torch.library.opcheck."""
+
+import pytest
+import torch
+
+from fastcollate import ops
+from tests.conftest import cpu_and_cuda
+
+
+def sample_stack_inputs(device):
+    samples = [torch.randn(3, 4, device=device) for _ in range(5)]
+    return samples, torch.empty(5, 3, 4, device=device)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_stack_into_matches_torch_stack(device):
+    samples, out = sample_stack_inputs(device)
+    samples[1] = samples[1].t().contiguous().t()  # non-contiguous layout, same values
+    ops.stack_into(samples, out)
+    assert torch.equal(out, torch.stack(samples))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_stack_into_refuses_a_wrong_shape(device):
+    samples, out = sample_stack_inputs(device)
+    samples[2] = torch.randn(3, 5, device=device)
+    with pytest.raises(RuntimeError, match="sample 2"):
+        ops.stack_into(samples, out)
+
+
+def test_pad_into_matches_pad_sequence():
+    samples = [torch.arange(n) for n in (4, 1, 6)]
+    out = torch.empty(3, 6, dtype=torch.int64)
+    mask = torch.empty(3, 6, dtype=torch.bool)
+    lengths = torch.empty(3, dtype=torch.int64)
+    ops.pad_into(samples, -7, out, mask, lengths)
+    expected = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=-7)
+    assert torch.equal(out, expected)
+    assert lengths.tolist() == [4, 1, 6]
+    assert torch.equal(mask, torch.arange(6)[None] < lengths[:, None])
+
+
+def test_pad_into_refuses_a_sample_longer_than_out():
+    out = torch.empty(2, 3)
+    with pytest.raises(RuntimeError, match="longer"):
+        ops.pad_into([torch.ones(2), torch.ones(4)], 0, out, torch.empty(2, 3, dtype=torch.bool),
+                     torch.empty(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalize_images_matches_the_reference(device, channels_last):
+    images = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8, device=device)
+    mean = torch.tensor([0.485, 0.456, 0.406], device=device)
+    std = torch.tensor([0.229, 0.224, 0.225], device=device)
+    out = ops.normalize_images(images, mean, std, torch.float32, channels_last)
+    reference = (images.float() / 255 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    torch.testing.assert_close(out, reference)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_opcheck_stack_into(device):
+    samples, out = sample_stack_inputs(device)
+    torch.library.opcheck(torch.ops.fastcollate.stack_into.default, (samples, out))
+
+
+def test_opcheck_pad_into():
+    samples = [torch.arange(n) for n in (2, 3)]
+    args = (samples, 0, torch.empty(2, 3, dtype=torch.int64), torch.empty(2, 3, dtype=torch.bool),
+            torch.empty(2, dtype=torch.int64))
+    torch.library.opcheck(torch.ops.fastcollate.pad_into.default, args)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_opcheck_normalize_images(device):
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8, device=device)
+    mean, std = torch.rand(3, device=device), torch.rand(3, device=device) + 0.5
+    torch.library.opcheck(torch.ops.fastcollate.normalize_images.default, (images, mean, std, torch.float16, True))

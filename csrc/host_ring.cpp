@@ -40,6 +40,10 @@ at::DataPtr allocate_host_memory(size_t bytes, bool pinned) {
 bool pinned_memory_available() {
   return false;
 }
+
+PendingCopy record_on_stream(int64_t) {
+  TORCH_CHECK(false, "fastcollate was built without CUDA: there are no streams to wait for");
+}
 #endif
 
 HostRing::HostRing(int64_t max_slots, bool pinned) : max_slots_(max_slots), pinned_(pinned) {
@@ -79,6 +83,11 @@ at::Storage HostRing::allocate(size_t bytes) {
 }
 
 at::Tensor HostRing::acquire(int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return acquire_locked(nbytes);
+}
+
+at::Tensor HostRing::acquire_locked(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "HostRing.acquire: nbytes must be >= 0, got ", nbytes);
   const size_t wanted = static_cast<size_t>(nbytes);
   // Best fit among free slots that are large enough; else the largest free slot, grown.
@@ -101,6 +110,16 @@ at::Tensor HostRing::acquire(int64_t nbytes) {
   }
   const size_t capacity = align_up(std::max<size_t>(wanted, 1));
   if (largest_free == nullptr && static_cast<int64_t>(slots_.size()) >= max_slots_) {
+    // A slot that only a device copy still reads will be free shortly: waiting for that copy beats
+    // allocating (pinned allocation is slow) and cannot deadlock, the copy is already queued.
+    for (auto& slot : slots_) {
+      if (slot.storage.use_count() == 1 && slot.pending.wait) {
+        slot.pending.wait();
+        slot.pending = PendingCopy{};
+        counters_.waits_for_copies += 1;
+        return acquire_locked(nbytes);
+      }
+    }
     counters_.overflow_allocations += 1;
     return bytes_view(allocate(capacity), nbytes);
   }
@@ -115,6 +134,7 @@ at::Tensor HostRing::acquire(int64_t nbytes) {
 }
 
 bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
+  std::lock_guard<std::mutex> lock(mutex_);
   for (auto& slot : slots_) {
     if (slot.storage.is_alias_of(buffer.storage())) {
       slot.pending = std::move(copy);
@@ -124,7 +144,49 @@ bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
   return false;
 }
 
+std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> offsets;
+  size_t total = 0;
+  for (const auto& tensor : tensors) {
+    TORCH_CHECK(tensor.device().is_cpu() && tensor.layout() == at::kStrided, "HostRing.pack: tensors must be dense CPU tensors, got ",
+                tensor.device(), " ", tensor.layout());
+    offsets.push_back(static_cast<int64_t>(total));
+    total += align_up(tensor.nbytes());
+  }
+  at::Tensor buffer;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    buffer = acquire_locked(static_cast<int64_t>(total));
+  }
+  auto* base = static_cast<unsigned char*>(buffer.data_ptr());
+  CopyJobs jobs;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& tensor = tensors[i];
+    if (tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg()) {
+      jobs.add_memcpy(tensor.const_data_ptr(), base + offsets[i], tensor.nbytes());
+    } else {
+      at::Tensor target = at::empty({0}, tensor.options().memory_format(at::MemoryFormat::Contiguous));
+      target.set_(buffer.storage(), static_cast<int64_t>(offsets[i] / tensor.element_size()), tensor.sizes(),
+                  c10::contiguous_strides(tensor.sizes()));
+      jobs.tensor_copies.push_back({tensor, target});
+    }
+  }
+  jobs.run();
+  return {buffer, offsets};
+}
+
+bool HostRing::owns(const at::Tensor& tensor) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& slot : slots_) {
+    if (tensor.has_storage() && slot.storage.is_alias_of(tensor.storage())) {
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t HostRing::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
   int64_t freed = 0;
   std::vector<Slot> kept;
   for (auto& slot : slots_) {
@@ -139,6 +201,7 @@ int64_t HostRing::trim() {
 }
 
 RingStats HostRing::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
   RingStats out = counters_;
   out.slots = static_cast<int64_t>(slots_.size());
   out.bytes_held = 0;

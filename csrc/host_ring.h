@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 namespace fastcollate {
@@ -20,7 +22,8 @@ struct RingStats {
   int64_t slot_allocations = 0;      // new slots and grown slots, since creation
   int64_t reuses = 0;                // acquisitions served by an existing slot without allocating
   int64_t overflow_allocations = 0;  // buffers handed out past the bound (not kept by the ring)
-  int64_t in_use = 0;                // slots some tensor still references
+  int64_t waits_for_copies = 0;      // acquisitions that waited for a device copy to free a slot
+  int64_t in_use = 0;                // slots some tensor or device copy still uses
   bool pinned = false;
 };
 
@@ -44,6 +47,12 @@ class HostRing {
   // Marks the slot under `buffer` busy until `copy.done()` (a CUDA copy still reading it). Returns false
   // for a buffer outside the ring (an overflow one): its owner must keep it alive through the copy.
   bool hold_until(const at::Tensor& buffer, PendingCopy copy);
+  // Copies `tensors` (CPU) into one slot at aligned offsets, with the GIL released by the caller's
+  // binding; returns the slot's bytes and each tensor's byte offset in it. Lets a batch that arrived in
+  // shared memory from a worker cross to the device as one copy.
+  std::pair<at::Tensor, std::vector<int64_t>> pack(const std::vector<at::Tensor>& tensors);
+  // True when `tensor` points into one of this ring's slots.
+  bool owns(const at::Tensor& tensor) const;
   // Drops every slot nothing references; returns how many bytes were freed.
   int64_t trim();
   RingStats stats() const;
@@ -55,8 +64,10 @@ class HostRing {
     PendingCopy pending;  // empty functions when no copy is reading the slot
   };
   bool is_free(Slot& slot) const;
+  at::Tensor acquire_locked(int64_t nbytes);
   at::Storage allocate(size_t bytes);
 
+  mutable std::mutex mutex_;  // two threads may collate or pack at once
   std::vector<Slot> slots_;
   int64_t max_slots_;
   bool pinned_;
@@ -68,5 +79,8 @@ at::DataPtr allocate_host_memory(size_t bytes, bool pinned);
 at::DataPtr allocate_aligned_host_memory(size_t bytes);
 // True when this build can pin memory and a CUDA driver and device are present.
 bool pinned_memory_available();
+// A PendingCopy that is done once all work queued so far on `stream` (a cudaStream_t) has finished.
+// CUDA builds only.
+PendingCopy record_on_stream(int64_t stream);
 
 }  // namespace fastcollate

@@ -7,16 +7,20 @@
 from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
 from .assemble import Assembler, assemble
 from .contract import Contract, Field
+from .device_loader import DeviceLoader
 from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
 from .staging import StagingRing
+from .transforms import Normalize
 
 __all__ = [
     "Assembler",
     "Contract",
     "ContractError",
+    "DeviceLoader",
     "Field",
     "IdentifiedSample",
+    "Normalize",
     "StagingRing",
     "assemble",
     "with_ids",

@@ -70,7 +70,7 @@ class Assembler:
         if get_worker_info() is not None:
             buffer = _shared_memory_buffer(plan.nbytes)
         else:
-            buffer = (self.ring or main_process_ring()).acquire(plan.nbytes)
+            buffer = (self.ring or main_process_ring()).acquire(plan.nbytes)  # DeviceLoader's, if active
         return plan.execute(buffer)
 
     def __getstate__(self) -> dict:

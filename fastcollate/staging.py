@@ -8,16 +8,18 @@ warning) instead of waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ._ext import _C
 
-__all__ = ["RingStats", "StagingRing", "main_process_ring"]
+__all__ = ["RingStats", "StagingRing", "main_process_ring", "staging_into"]
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -32,6 +34,7 @@ class RingStats:
     slot_allocations: int
     reuses: int
     overflow_allocations: int
+    waits_for_copies: int
     in_use: int
     pinned: bool
 
@@ -66,6 +69,22 @@ class StagingRing:
             )
         return buffer
 
+    def pack(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """Copies CPU tensors into one slot at aligned offsets (multi-threaded, GIL released).
+
+        Returns the slot's bytes and each tensor's byte offset in it.
+        """
+        return self._native.pack(list(tensors))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` points into one of this ring's slots."""
+        return self._native.owns(tensor)
+
+    def hold_until_stream_done(self, buffer: torch.Tensor, stream: torch.cuda.Stream) -> bool:
+        """Keeps the slot under ``buffer`` from reuse until the work queued so far on ``stream`` (a copy
+        reading the slot) has finished. False for a buffer outside the ring."""
+        return self._native.hold_until_stream_done(buffer, stream.cuda_stream)
+
     def trim(self) -> int:
         """Frees every slot nothing references; returns the bytes freed."""
         with self._lock:
@@ -80,6 +99,7 @@ class StagingRing:
             slot_allocations=s.slot_allocations,
             reuses=s.reuses,
             overflow_allocations=s.overflow_allocations,
+            waits_for_copies=s.waits_for_copies,
             in_use=s.in_use,
             pinned=s.pinned,
         )
@@ -87,10 +107,30 @@ class StagingRing:
 
 _rings: dict[int, StagingRing] = {}
 _rings_lock = threading.Lock()
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def staging_into(ring: StagingRing) -> Iterator[None]:
+    """Within this block, on this thread, ``assemble`` in the main process writes batches into ``ring``.
+
+    DeviceLoader uses it so that a batch collated in the main process lands straight in its pinned
+    ring and crosses to the device with no further host copy.
+    """
+    previous = getattr(_active, "ring", None)
+    _active.ring = ring
+    try:
+        yield
+    finally:
+        _active.ring = previous
 
 
 def main_process_ring() -> StagingRing:
-    """This process's default ring (a forked child gets its own, never its parent's)."""
+    """The ring ``assemble`` writes to here: the one ``staging_into`` set on this thread, else this
+    process's default (pageable) ring. A forked child gets its own, never its parent's."""
+    active = getattr(_active, "ring", None)
+    if active is not None:
+        return active
     pid = os.getpid()
     ring = _rings.get(pid)
     if ring is None:

@@ -1,6 +1,10 @@
 // Page-locked host memory for the staging ring, from the CUDA runtime. Only this file and the .cu files
 // talk to CUDA directly, so the CPU build needs no toolkit.
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
+
+#include <memory>
+#include <type_traits>
 
 #include "host_ring.h"
 
@@ -32,6 +36,25 @@ bool pinned_memory_available() {
     return false;
   }
   return count > 0;
+}
+
+PendingCopy record_on_stream(int64_t stream) {
+  cudaEvent_t raw = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
+  std::shared_ptr<std::remove_pointer_t<cudaEvent_t>> event(raw, [](cudaEvent_t e) { cudaEventDestroy(e); });
+  C10_CUDA_CHECK(cudaEventRecord(event.get(), reinterpret_cast<cudaStream_t>(stream)));
+  return PendingCopy{
+      [event] {
+        const cudaError_t status = cudaEventQuery(event.get());
+        if (status == cudaErrorNotReady) {
+          cudaGetLastError();  // not-ready is not an error; don't leave it set
+          return false;
+        }
+        C10_CUDA_CHECK(status);
+        return true;
+      },
+      // Runs from the ring's destructor, possibly at exit: it must not throw.
+      [event] { cudaEventSynchronize(event.get()); }};
 }
 
 }  // namespace fastcollate

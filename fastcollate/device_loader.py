@@ -1,0 +1,265 @@
+"""DeviceLoader: batches to the GPU as one host-to-device copy each, on a side stream, overlapped with compute.
+
+For every batch: its tensors sit in one pinned staging slot (``assemble`` in the main process writes
+there directly; a batch from a worker's shared memory, or from ``default_collate``, is packed into one
+with a multi-threaded copy), one ``cudaMemcpyAsync`` moves the slot to the device on a dedicated copy
+stream, optional transforms run there, and the consumer's stream waits only on that batch's event.
+``depth`` batches are kept in flight. A slot is reused only after its copy's event has completed and
+no tensor references it; device memory is tied to the consumer stream with ``record_stream``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from ._native_support import rebuild_mapping
+from .staging import StagingRing, staging_into
+
+__all__ = ["DeviceLoader"]
+
+
+def _flatten(batch: Any, leaves: list) -> Callable[[list], Any]:
+    """Appends batch's leaves to ``leaves``; returns a function that rebuilds the batch from new leaves."""
+    if isinstance(batch, Mapping):
+        keys = list(batch.keys())
+        parts = [_flatten(batch[key], leaves) for key in keys]
+
+        def rebuild_map(values: list) -> Any:
+            items = {key: part(values) for key, part in zip(keys, parts)}
+            return items if type(batch) is dict else rebuild_mapping(batch, items)
+
+        return rebuild_map
+    if isinstance(batch, (list, tuple)):
+        parts = [_flatten(item, leaves) for item in batch]
+        if hasattr(type(batch), "_fields"):  # namedtuple
+            return lambda values: type(batch)(*(part(values) for part in parts))
+        return lambda values: type(batch)(part(values) for part in parts)
+    index = len(leaves)
+    leaves.append(batch)
+    return lambda values: values[index]
+
+
+@dataclass
+class _Staged:
+    batch: Any
+    ready: torch.cuda.Event | None = None
+    device_tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class DeviceLoader:
+    """Wraps an iterable of batches and yields them on ``device``, ``depth`` batches ahead.
+
+    Args:
+        loader: any iterable of batches: a DataLoader with ``collate_fn=fastcollate.assemble`` (best: no
+            extra host copy with ``num_workers=0``), or with ``default_collate``; any nesting of dicts,
+            lists, tuples and namedtuples. Non-tensor leaves (ids, strings) pass through unchanged.
+        device: ``"cuda"``, ``"cuda:N"``, or ``"cpu"`` (batches pass through; transforms still run).
+        depth: batches copied ahead of the one being consumed.
+        transforms: field name (a top-level key of mapping batches) to a callable run on the device
+            after the copy, on the copy stream, e.g. ``{"image": fastcollate.Normalize(mean, std)}``.
+        record_copy_events: keep a timing CUDA event pair (start, end) for each copy in
+            ``copy_events``, so copy intervals can be laid against compute intervals.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable,
+        device: str | torch.device = "cuda",
+        depth: int = 2,
+        transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        record_copy_events: bool = False,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"DeviceLoader: depth must be >= 1, got {depth}")
+        self.loader = loader
+        self.device = torch.device(device)
+        self.depth = depth
+        self.transforms = dict(transforms or {})
+        self.copy_events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._ring: StagingRing | None = None
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "DeviceLoader: device 'cuda' was asked for but no CUDA device is visible. "
+                    "Use device='cpu' to pass batches through unchanged."
+                )
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # depth slots in flight, one being filled: more would only hold pinned memory idle.
+            self._ring = StagingRing(max_slots=depth + 1, pinned=True)
+            if record_copy_events:
+                self.copy_events = deque(maxlen=4096)
+        elif self.device.type != "cpu":
+            raise ValueError(f"DeviceLoader: device must be 'cuda' or 'cpu', got {self.device}")
+        self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0}
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]  (TypeError when the loader has no length)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("DeviceLoader: iterated after close()")
+        return _DeviceIterator(self)
+
+    def close(self) -> None:
+        """Waits for copies in flight, then releases the copy stream and the pinned slots."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        if self._ring is not None:
+            self._ring.trim()
+        self._ring = None
+        self._copy_stream = None
+
+    def __enter__(self) -> DeviceLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, int]:
+        """batches handed out; host_packs (batches copied into a slot on the host) and
+        direct_from_slot (batches already in a slot); pinned_bytes held and pinned_allocations made."""
+        ring = self._ring.stats() if self._ring is not None else None
+        return {
+            **self._counts,
+            "pinned_bytes": ring.bytes_held if ring else 0,
+            "pinned_allocations": ring.slot_allocations + ring.overflow_allocations if ring else 0,
+            "pinned_slots": ring.slots if ring else 0,
+            "waits_for_copies": ring.waits_for_copies if ring else 0,
+        }
+
+    # Staging and hand-over, on the producing side and the consuming side of one batch.
+
+    def _next_from(self, source: Iterator[Any]) -> Any:
+        ring = self._ring
+        with staging_into(ring) if ring is not None else contextlib.nullcontext():
+            return next(source)
+
+    def _stage(self, batch: Any) -> _Staged:
+        if self._copy_stream is None:
+            return _Staged(self._apply_transforms(batch))
+        leaves: list = []
+        rebuild = _flatten(batch, leaves)
+        host = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
+        staged = _Staged(batch)
+        stream = self._copy_stream
+        with torch.cuda.stream(stream):
+            if host:
+                buffer, offsets = self._into_slot([leaves[i] for i in host])
+                nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets))
+                if self.copy_events is not None:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                device_bytes.copy_(buffer[:nbytes], non_blocking=True)
+                if self.copy_events is not None:
+                    end.record(stream)
+                    self.copy_events.append((start, end))
+                self._ring.hold_until_stream_done(buffer, stream)  # the slot stays untouched until then
+                for i, offset in zip(host, offsets):
+                    leaf = leaves[i]
+                    leaves[i] = device_bytes[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+                staged.device_tensors.append(device_bytes)
+            out = rebuild(leaves)
+            del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
+            out = self._apply_transforms(out, staged.device_tensors)
+            staged.batch = out
+            staged.ready = torch.cuda.Event()
+            staged.ready.record(stream)
+        return staged
+
+    def _into_slot(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The slot holding ``tensors`` and their byte offsets: the one ``assemble`` already wrote them
+        into, or one they are packed into now."""
+        first = tensors[0]
+        storage = first.untyped_storage()
+        if (
+            self._ring.owns(first)
+            and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors)
+        ):
+            self._counts["direct_from_slot"] += 1
+            slot = torch.empty(0, dtype=torch.uint8).set_(storage)
+            return slot, [t.storage_offset() * t.element_size() for t in tensors]
+        self._counts["host_packs"] += 1
+        return self._ring.pack(tensors)
+
+    def _apply_transforms(self, batch: Any, outputs: list[torch.Tensor] | None = None) -> Any:
+        if not self.transforms:
+            return batch
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"DeviceLoader transforms apply to mapping batches (by key), got {type(batch).__name__}")
+        missing = self.transforms.keys() - batch.keys()
+        if missing:
+            raise KeyError(f"DeviceLoader transforms name fields the batch lacks: {sorted(missing)}")
+        values = dict(batch)
+        for key, transform in self.transforms.items():
+            values[key] = transform(values[key])
+            if outputs is not None:
+                outputs.append(values[key])
+        return values if type(batch) is dict else rebuild_mapping(batch, values)
+
+    def _hand_over(self, staged: _Staged) -> Any:
+        if staged.ready is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(staged.ready)
+            for tensor in staged.device_tensors:
+                # Made on the copy stream, used on the consumer's: the allocator must not reuse the
+                # memory until the consumer's work on it is done.
+                tensor.record_stream(consumer)
+        self._counts["batches"] += 1
+        return staged.batch
+
+
+class _DeviceIterator:
+    """One epoch: keeps ``depth`` batches staged ahead of the consumer."""
+
+    def __init__(self, owner: DeviceLoader) -> None:
+        self.owner = owner
+        self.source = iter(owner.loader)
+        self.staged: deque[_Staged] = deque()
+        self.error: BaseException | None = None  # raised once the batches before it are delivered
+        self.exhausted = False
+
+    def __iter__(self) -> _DeviceIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self._fill()
+        if not self.staged:
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            raise StopIteration
+        batch = self.owner._hand_over(self.staged.popleft())
+        self._fill()  # queue the next copy now, so it overlaps the consumer's compute on this batch
+        return batch
+
+    def _fill(self) -> None:
+        owner = self.owner
+        while not self.exhausted and self.error is None and len(self.staged) < owner.depth:
+            if owner._closed:
+                raise RuntimeError("DeviceLoader: closed while iterating")
+            with record_function("batch_wait"):
+                try:
+                    batch = owner._next_from(self.source)
+                except StopIteration:
+                    self.exhausted = True
+                    return
+                except Exception as error:  # the loader's own error, delivered in order
+                    self.error = error
+                    return
+            with record_function("h2d_transfer"):
+                self.staged.append(owner._stage(batch))

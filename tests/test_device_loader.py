@@ -1,0 +1,229 @@
+"""DeviceLoader: the iteration contract (on the CPU here), and on a GPU the copy, overlap and lifetimes."""
+
+import gc
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, default_collate
+
+from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
+from tests.test_assemble_dropin import assert_same
+from tests.worker_datasets import BadFourth, Records
+
+
+def loader(n=40, batch_size=8, **kwargs):
+    kwargs.setdefault("collate_fn", assemble)
+    return DataLoader(Records(n), batch_size=batch_size, **kwargs)
+
+
+def test_cpu_device_passes_batches_through_unchanged():
+    expected = list(loader(collate_fn=default_collate))
+    got = list(DeviceLoader(loader(), device="cpu"))
+    assert len(got) == len(expected) == 5
+    for a, b in zip(got, expected):
+        assert_same(a, b)
+
+
+def test_len_reiteration_and_exhaustion():
+    device_loader = DeviceLoader(loader(n=20), device="cpu", depth=3)
+    assert len(device_loader) == 3
+    first = [b["id"].tolist() for b in device_loader]
+    second = [b["id"].tolist() for b in device_loader]
+    assert first == second == [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
+    iterator = iter(device_loader)
+    for _ in range(3):
+        next(iterator)
+    for _ in range(2):  # exhausted stays exhausted
+        with pytest.raises(StopIteration):
+            next(iterator)
+
+
+def test_an_iterable_without_len_has_no_len():
+    device_loader = DeviceLoader(iter([{"a": torch.zeros(2)}]), device="cpu")
+    with pytest.raises(TypeError):
+        len(device_loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loaders_error_arrives_unchanged_after_the_batches_before_it(workers):
+    source = DataLoader(BadFourth(24), batch_size=2, num_workers=workers, collate_fn=assemble)
+    delivered = []
+    with pytest.raises(ContractError) as caught:
+        for batch in DeviceLoader(source, device="cpu", depth=2):
+            delivered.append(batch["id"].tolist())
+    assert delivered == [[0, 1]]  # sample 3 is in the second batch
+    assert caught.value.sample_id == 3 and caught.value.field == "image"
+
+
+def test_close_and_context_manager():
+    with DeviceLoader(loader(), device="cpu") as device_loader:
+        next(iter(device_loader))
+    with pytest.raises(RuntimeError, match="after close"):
+        iter(device_loader)
+    device_loader.close()  # closing twice is harmless
+
+
+def test_persistent_workers_and_a_second_epoch():
+    source = loader(num_workers=2, persistent_workers=True)
+    device_loader = DeviceLoader(source, device="cpu")
+    epochs = [[i for b in device_loader for i in b["id"].tolist()] for _ in range(2)]
+    assert epochs[0] == epochs[1] == list(range(40))
+
+
+def test_transforms_run_after_the_copy():
+    normalize = Normalize(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), dtype=torch.float16)
+    for batch, raw in zip(DeviceLoader(loader(), device="cpu", transforms={"image": normalize}),
+                          loader(collate_fn=default_collate)):
+        assert batch["image"].dtype == torch.float16
+        torch.testing.assert_close(batch["image"].float(), (raw["image"].float() / 255 - 0.5) / 0.25,
+                                   atol=2e-3, rtol=2e-3)
+        assert batch["name"] == raw["name"]
+
+
+def test_transform_errors_are_clear():
+    with pytest.raises(KeyError, match="pixels"):
+        next(iter(DeviceLoader(loader(), device="cpu", transforms={"pixels": lambda x: x})))
+    tuples = [(torch.zeros(2), 1)]
+    with pytest.raises(TypeError, match="mapping"):
+        next(iter(DeviceLoader(tuples, device="cpu", transforms={"x": lambda x: x})))
+    with pytest.raises(TypeError, match="uint8"):
+        Normalize((0.5,), (0.5,))(torch.zeros(1, 1, 2, 2))
+    with pytest.raises(ValueError):
+        Normalize((0.5, 0.5), (0.5,))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        DeviceLoader([], device="cpu", depth=0)
+    with pytest.raises(ValueError):
+        DeviceLoader([], device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            DeviceLoader([], device="cuda")
+
+
+def test_profiler_sees_batch_wait_and_h2d_transfer():
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in DeviceLoader(loader(n=16), device="cpu"):
+            pass
+    names = {event.name for event in prof.events()}
+    assert {"batch_wait", "h2d_transfer"} <= names
+
+
+def test_pack_puts_tensors_at_aligned_offsets_in_one_slot():
+    ring = StagingRing(max_slots=2)
+    tensors = [torch.arange(5, dtype=torch.int16), torch.randn(3, 4).t(), torch.tensor(2.5, dtype=torch.float64)]
+    buffer, offsets = ring.pack(tensors)
+    assert ring.owns(buffer) and all(offset % 64 == 0 for offset in offsets)
+    for tensor, offset in zip(tensors, offsets):
+        view = buffer[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        assert torch.equal(view, tensor)
+    assert not ring.owns(torch.zeros(3))
+
+
+# ---- On a GPU -------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.needs_cuda
+
+
+def checksum(batch):
+    return (batch["id"].double() * 1000003 + batch["image"].double().flatten(1).sum(1)).sum().item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_batch_arrives_intact_under_stress(workers):
+    # Many small copies racing long kernels: each device batch must equal its host twin exactly.
+    source = DataLoader(Records(2048), batch_size=4, num_workers=workers, collate_fn=assemble)
+    reference = DataLoader(Records(2048), batch_size=4, collate_fn=default_collate)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for batch, host in zip(DeviceLoader(source, depth=3), reference):
+        busy = busy @ busy  # long kernel on the consumer stream
+        busy = busy / busy.norm()
+        assert batch["image"].is_cuda and batch["name"] == host["name"]
+        assert checksum({k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}) == checksum(host)
+
+
+@needs_cuda
+def test_no_slot_is_reused_while_its_copy_is_pending():
+    ring = StagingRing(max_slots=1, pinned=True)
+    stream = torch.cuda.Stream()
+    first = ring.acquire(1 << 20)
+    first.fill_(7)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # the DMA starts late: the slot is still to be read
+        on_device = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        on_device.copy_(first, non_blocking=True)
+    assert ring.hold_until_stream_done(first, stream)
+    del first  # nothing references the slot any more, but its copy has not run
+    second = ring.acquire(1 << 20)  # the only slot: it must wait for the copy, not hand it out now
+    second.fill_(9)
+    torch.cuda.synchronize()
+    assert ring.stats().waits_for_copies == 1 and ring.stats().overflow_allocations == 0
+    assert int(on_device.min()) == int(on_device.max()) == 7
+
+
+@needs_cuda
+def test_no_pinned_allocation_after_warm_up_and_pinned_bytes_bounded():
+    device_loader = DeviceLoader(loader(n=256, batch_size=32), depth=2)
+    iterator = iter(device_loader)
+    for _ in range(3):
+        next(iterator)
+    warm = device_loader.stats()["pinned_allocations"]
+    for _ in iterator:
+        pass
+    stats = device_loader.stats()
+    assert stats["pinned_allocations"] == warm
+    batch_bytes = 32 * (3 * 8 * 8 + 64 * 4)  # an upper bound of one packed batch, fields aligned
+    assert stats["pinned_bytes"] <= (device_loader.depth + 1) * batch_bytes
+
+
+@needs_cuda
+def test_device_memory_is_flat_across_epochs():
+    device_loader = DeviceLoader(loader(n=256, batch_size=32), depth=2)
+    allocated = []
+    for _ in range(5):
+        for batch in device_loader:
+            del batch
+        torch.cuda.synchronize()
+        gc.collect()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[-1] <= allocated[1]
+
+
+@needs_cuda
+def test_copies_overlap_compute():
+    source = DataLoader(Records(256), batch_size=32, collate_fn=assemble)
+    device_loader = DeviceLoader(source, depth=2, record_copy_events=True)
+    compute = []
+    weights = torch.randn(4096, 4096, device="cuda")
+    for batch in device_loader:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(4):
+            weights = torch.tanh(weights @ weights)
+        end.record()
+        compute.append((start, end))
+    torch.cuda.synchronize()
+    origin = compute[0][0]
+    copies = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in device_loader.copy_events]
+    kernels = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in compute]
+    inside = sum(any(ks <= cs and ce <= ke for ks, ke in kernels) for cs, ce in copies[2:])
+    assert inside >= len(copies[2:]) // 2
+
+
+@needs_cuda
+def test_default_collate_batches_are_staged_too():
+    expected = list(loader(collate_fn=default_collate))
+    device_loader = DeviceLoader(loader(collate_fn=default_collate, num_workers=2))
+    for a, b in zip(device_loader, expected):
+        assert torch.equal(a["image"].cpu(), b["image"]) and a["name"] == b["name"]
+    assert device_loader.stats()["host_packs"] == len(expected)
+
+
+@needs_cuda
+def test_normalize_on_the_gpu_matches_the_cpu():
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    normalize = Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), dtype=torch.float16, channels_last=True)
+    torch.testing.assert_close(normalize(images.cuda()).cpu(), normalize(images), atol=2e-3, rtol=2e-3)

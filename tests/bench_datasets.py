@@ -1,0 +1,50 @@
+"""Data sets for the bench and profile tests: tiny, module-level (so workers can unpickle them), and one
+that is deliberately wrong."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+def _sample(i: int) -> dict:
+    return {"id": i, "x": torch.full((4,), float(i)), "target": i % 3}
+
+
+class DropsOneInWorkers(IterableDataset):
+    """Streams ids 0..size-1, split between workers, but a worker silently skips ``dropped``:
+    correct with num_workers=0, one sample short with any workers. The bench must flag it."""
+
+    def __init__(self, size: int = 96, dropped: int = 5) -> None:
+        self.size = size
+        self.dropped = dropped
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.size, step):
+            if info is not None and i == self.dropped:
+                continue
+            yield _sample(i)
+
+
+def drops_one_in_workers() -> DropsOneInWorkers:
+    return DropsOneInWorkers()
+
+
+class Tiny(Dataset):
+    """A correct map-style data set of small dict samples."""
+
+    def __init__(self, size: int = 96) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        return _sample(index)
+
+
+def tiny(size: int = 96) -> dict:
+    """The factory form that returns a mapping: a data set and a batch size."""
+    return {"dataset": Tiny(size), "batch_size": 16}

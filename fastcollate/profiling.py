@@ -1,0 +1,305 @@
+"""``python -m fastcollate profile``: N training steps under ``torch.profiler`` with the ranges
+``batch_wait``, ``h2d_transfer`` and ``compute``, for the default path and for DeviceLoader; writes a
+Chrome trace per path and a timeline PNG of where each step's time went (and, on a GPU, the copy and
+compute streams, so overlap is visible).
+
+Profiled step times carry the profiler's own overhead: they show where the waits are, they are not
+throughput figures. ``python -m fastcollate bench`` measures throughput, with the profiler off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.data import DataLoader, Subset
+
+from . import bench
+from .datasets import PRESETS
+
+__all__ = ["RANGES", "main", "profile_path", "read_trace"]
+
+RANGES = ("batch_wait", "h2d_transfer", "compute")
+NOT_THROUGHPUT = ("profiled step times include the profiler's overhead: they show where time goes, they are "
+                  "not throughput figures (python -m fastcollate bench measures those, profiler off)")
+COLORS = {"batch_wait": "tab:blue", "h2d_transfer": "tab:orange", "compute": "tab:green",
+          "copy": "tab:orange", "kernel": "tab:green"}
+PATHS = {
+    "default": ("default_collate + pin_memory + .to(non_blocking=True)", "default"),
+    "device_loader": ("assemble + DeviceLoader", "device_loader"),
+}
+
+
+def _loader(setup: bench.Setup, variant: bench.Variant, workers: int) -> DataLoader:
+    dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
+    collate = setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn
+    extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
+    return DataLoader(dataset, batch_size=setup.batch_size, shuffle=False, num_workers=workers,
+                      collate_fn=collate, pin_memory=setup.pin_memory and variant.transfer != "DeviceLoader",
+                      **extra)
+
+
+def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace_path: Path) -> dict[str, Any]:
+    """Runs ``setup.warmup`` unprofiled steps, then ``setup.steps`` profiled ones; exports the trace.
+
+    The default path is wrapped in all three ranges here. DeviceLoader emits ``batch_wait`` and
+    ``h2d_transfer`` itself (its copy is issued inside ``next()``), so only ``compute`` is added.
+    """
+    device = setup.device
+    loader = _loader(setup, variant, workers)
+    device_loader = variant.transfer == "DeviceLoader"
+    source: Any = loader
+    if device_loader:
+        source = bench._device_loader_class()(loader, device=device, transforms=setup.device_transforms or None)
+    step = setup.make_step() if setup.make_step is not None else None
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    iterator = iter(source)
+    done = 0
+    try:
+        for _ in range(setup.warmup):
+            batch = _next_batch(iterator, setup, device, device_loader, profiled=False)
+            if batch is None:
+                break
+            if step is not None:
+                step(batch)
+            done += 1
+        bench._sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(setup.steps):
+                batch = _next_batch(iterator, setup, device, device_loader, profiled=True)
+                if batch is None:
+                    break
+                with record_function("compute"):
+                    if step is not None:
+                        step(batch)
+                del batch
+                prof.step()
+                done += 1
+            bench._sync(device)
+        prof.export_chrome_trace(str(trace_path))
+    finally:
+        bench._shutdown(loader, source)
+    return {"steps_run": done}
+
+
+def _next_batch(iterator: Any, setup: bench.Setup, device: torch.device, device_loader: bool,
+                profiled: bool) -> Any:
+    if device_loader:
+        try:
+            return next(iterator)  # DeviceLoader records batch_wait and h2d_transfer itself
+        except StopIteration:
+            return None
+    with record_function("batch_wait"):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return None
+    with record_function("h2d_transfer"):
+        if device.type != "cpu":
+            batch = bench.to_device(batch, device, non_blocking=True)
+        batch = bench.apply_transforms(batch, setup.device_transforms)
+    return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a trace back and drawing it.
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    """The ranges and GPU activity of an exported trace, in ms from the first range's start.
+
+    Returns ``{"cpu": {tid: [(name, start_ms, dur_ms)]}, "gpu": {stream: [(kind, start_ms, dur_ms)]}}``
+    where ``kind`` is ``"copy"`` (memcpy) or ``"kernel"``.
+    """
+    events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("name") in RANGES
+              and e.get("cat") in ("user_annotation", "cpu_op", "python_function")]
+    t0 = min((float(e["ts"]) for e in ranges), default=0.0)
+    cpu: dict[str, list[tuple[str, float, float]]] = {}
+    for e in ranges:
+        cpu.setdefault(str(e.get("tid")), []).append(
+            (e["name"], (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3))
+    gpu: dict[str, list[tuple[str, float, float]]] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = str((e.get("args") or {}).get("stream", e.get("tid")))
+            kind = "copy" if cat == "gpu_memcpy" else "kernel"
+            gpu.setdefault(stream, []).append((kind, (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3))
+    for rows in (cpu, gpu):
+        for key in rows:
+            rows[key].sort(key=lambda r: r[1])
+    return {"cpu": cpu, "gpu": gpu}
+
+
+def range_summary(trace: dict[str, Any]) -> dict[str, Any]:
+    """Per range: count, median and 95th percentile of its duration, in ms (profiled)."""
+    out: dict[str, Any] = {}
+    for name in RANGES:
+        durations = sorted(d for rows in trace["cpu"].values() for n, _, d in rows if n == name)
+        if durations:
+            out[name] = {
+                "count": len(durations),
+                "median_ms": statistics.median(durations),
+                "p95_ms": durations[min(len(durations) - 1, int(round(0.95 * (len(durations) - 1))))],
+            }
+    return out
+
+
+def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> str | None:
+    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        return "matplotlib is not installed: no timeline (pip install matplotlib)"
+    heights = [max(1, len(t["cpu"]) + len(t["gpu"])) for _, t in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.2 + sum(0.8 * h + 0.9 for h in heights)),
+                             squeeze=False, gridspec_kw={"height_ratios": [h + 1 for h in heights]})
+    for ax, (label, trace) in zip(axes[:, 0], panels):
+        rows: list[tuple[str, list[tuple[str, float, float]]]] = []
+        for tid, ranges in sorted(trace["cpu"].items(), key=lambda kv: -len(kv[1])):
+            rows.append((f"CPU thread {tid}", ranges))
+        for stream, items in sorted(trace["gpu"].items()):
+            copies = sum(d for k, _, d in items if k == "copy")
+            kernels = sum(d for k, _, d in items if k == "kernel")
+            role = "copy" if copies > kernels else "compute"
+            rows.append((f"GPU stream {stream} ({role})", items))
+        for y, (_, items) in enumerate(rows):
+            for name, start, dur in items:
+                ax.broken_barh([(start, max(dur, 1e-3))], (y - 0.35, 0.7), facecolors=COLORS.get(name, "gray"),
+                               edgecolor="black" if name in RANGES else "none", linewidth=0.3)
+        waits = [s for rows_ in trace["cpu"].values() for n, s, _ in rows_ if n == "batch_wait"]
+        for start in waits:  # each step starts with its wait
+            ax.axvline(start, color="black", linewidth=0.3, alpha=0.4)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r[0] for r in rows], fontsize=8)
+        ax.set_ylim(-0.8, len(rows) - 0.2)
+        ax.invert_yaxis()
+        summary = range_summary(trace)
+        parts = [f"{n} {summary[n]['median_ms']:.2f} ms" for n in RANGES if n in summary]
+        ax.set_title(f"{label}: median per step (profiled): " + ", ".join(parts), fontsize=9)
+        ax.set_xlabel("ms since the first profiled step (each panel has its own scale)", fontsize=8)
+    legend = [Patch(color=COLORS[n], label=n) for n in RANGES]
+    legend += [Patch(color=COLORS["copy"], alpha=0.6, label="GPU memcpy"),
+               Patch(color=COLORS["kernel"], alpha=0.6, label="GPU kernel")]
+    fig.legend(handles=legend, loc="upper right", fontsize=8, ncol=5)
+    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+    fig.text(0.01, 0.005, f"Note: {NOT_THROUGHPUT}.", fontsize=8, ha="left", va="bottom", color="darkred")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The command.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastcollate profile",
+        description="Run N steps under torch.profiler with ranges batch_wait / h2d_transfer / compute, for the "
+                    "default path and for DeviceLoader; write a Chrome trace per path and a timeline PNG.",
+        epilog=NOT_THROUGHPUT + ".",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="fashion")
+    source.add_argument("--dataset", metavar="MODULE:FACTORY", help="your own data set (see bench --help)")
+    parser.add_argument("--size", type=int, help="samples in the embedded data set")
+    parser.add_argument("--workers", type=int, help="DataLoader workers (default: 2, capped at the usable CPUs)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--steps", type=int, default=20, help="profiled steps per path (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5)")
+    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["default", "device_loader"])
+    parser.add_argument("--no-model", action="store_true", help="no compute: the ranges of the loader alone")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
+    parser.add_argument("--model-width", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="output folder (default: a new ./fastcollate-profile-<time>)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = args.workers if args.workers is not None else min(2, cpus)
+    bench_args = argparse.Namespace(
+        preset=args.preset, dataset=args.dataset, size=args.size, workers=[workers], batch_size=args.batch_size,
+        steps=args.steps, warmup=args.warmup, repeat=1, quick=False,
+        observation="loader" if args.no_model else "both", no_model=args.no_model, device=args.device,
+        model_width=args.model_width, seed=args.seed,
+    )
+    setup = bench.resolve(bench_args)
+    out = args.out or Path(f"fastcollate-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    variants = {v.key: v for v in setup.variants}
+
+    print(f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
+          f"device {setup.device}")
+    print(f"  {setup.warmup} unprofiled warm-up steps, then {setup.steps} profiled steps per path; "
+          f"activities: CPU{' + CUDA' if setup.device.type == 'cuda' else ''}")
+    if setup.make_step is not None:
+        print(f"  compute: {setup.model_note}")
+    for note in setup.notes:
+        print(f"  note: {note}")
+    print(f"  NOTE: {NOT_THROUGHPUT}.")
+
+    panels = []
+    summary: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        for key in args.paths:
+            label, variant_key = PATHS[key]
+            if variant_key not in variants:
+                print(f"  skipped {label}: not available in this build")
+                continue
+            trace_path = out / f"trace_{key}.json"
+            started = time.perf_counter()
+            info = profile_path(setup, variants[variant_key], workers, trace_path)
+            trace = read_trace(trace_path)
+            ranges = range_summary(trace)
+            summary[key] = {"label": label, "trace": trace_path.name, "steps": info["steps_run"],
+                            "ranges_ms": ranges, "gpu_streams": sorted(trace["gpu"])}
+            panels.append((label, trace))
+            parts = ", ".join(f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items())
+            print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
+
+    title = (f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
+             f"device {setup.device}, {setup.steps} profiled steps")
+    problem = draw_timeline(panels, out / "timeline.png", title) if panels else "nothing profiled"
+    (out / "profile.json").write_text(json.dumps(bench._jsonable({
+        "command": "python -m fastcollate profile " + " ".join(sys.argv[1:] if argv is None else argv),
+        "note": NOT_THROUGHPUT,
+        "machine": bench.machine_info(),
+        "versions": bench.versions(),
+        "config": {"data": setup.name, "batch_size": setup.batch_size, "workers": workers,
+                   "device": str(setup.device), "warmup_steps": setup.warmup, "profiled_steps": setup.steps,
+                   "compute": setup.model_note if setup.make_step is not None else None},
+        "paths": summary,
+    }), indent=1))
+    print(f"wrote {out / 'profile.json'}" + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})"))
+    print(f"  reminder: {NOT_THROUGHPUT}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``python -m fastcollate profile``: the traces carry batch_wait / h2d_transfer / compute, the timeline
+is drawn (CPU here; GPU stream rows from a synthetic trace), and the output says that profiled step
+times are not throughput figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastcollate import profiling
+from tests.test_bench import assert_valid_png
+
+TINY = ["--preset", "fields", "--size", "512", "--batch-size", "32", "--steps", "3", "--warmup", "1",
+        "--workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    assert profiling.main([*TINY, "--out", str(out)]) == 0
+    return out
+
+
+def _range_names(trace_path: Path) -> set[str]:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    return {e.get("name") for e in events if e.get("ph") == "X"}
+
+
+@pytest.mark.parametrize("path", ["default", "device_loader"])
+def test_each_path_writes_a_chrome_trace_with_the_three_ranges(profiled, path):
+    names = _range_names(profiled / f"trace_{path}.json")
+    assert {"batch_wait", "h2d_transfer", "compute"} <= names
+
+
+def test_every_profiled_step_has_its_wait_and_its_compute(profiled):
+    summary = json.loads((profiled / "profile.json").read_text())
+    for path in ("default", "device_loader"):
+        ranges = summary["paths"][path]["ranges_ms"]
+        assert ranges["compute"]["count"] == 3
+        assert ranges["batch_wait"]["count"] >= 3
+        assert ranges["h2d_transfer"]["count"] >= 1
+
+
+def test_timeline_is_a_valid_png(profiled):
+    assert_valid_png(profiled / "timeline.png")
+
+
+def test_output_and_json_say_profiled_step_times_are_not_throughput(tmp_path, capsys):
+    assert profiling.main([*TINY, "--paths", "default", "--no-model", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not throughput figures" in out
+    assert "not throughput figures" in json.loads((tmp_path / "profile.json").read_text())["note"]
+
+
+def _synthetic_gpu_trace(path: Path) -> None:
+    """What a CUDA run's trace holds: CPU ranges, memcpys on a copy stream, kernels on the compute stream."""
+    events = []
+    for step in range(3):
+        t = 1_000_000 + step * 10_000
+        events += [
+            {"ph": "X", "cat": "user_annotation", "name": "batch_wait", "pid": 1, "tid": 5, "ts": t, "dur": 1000},
+            {"ph": "X", "cat": "user_annotation", "name": "h2d_transfer", "pid": 1, "tid": 5, "ts": t + 1000,
+             "dur": 200},
+            {"ph": "X", "cat": "user_annotation", "name": "compute", "pid": 1, "tid": 5, "ts": t + 1200,
+             "dur": 8000},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0, "tid": 13,
+             "ts": t + 1100, "dur": 3000, "args": {"stream": 13}},
+            {"ph": "X", "cat": "kernel", "name": "conv", "pid": 0, "tid": 7, "ts": t + 1500, "dur": 7000,
+             "args": {"stream": 7}},
+        ]
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
+    trace_path = tmp_path / "trace.json"
+    _synthetic_gpu_trace(trace_path)
+    trace = profiling.read_trace(trace_path)
+    assert set(trace["gpu"]) == {"13", "7"}
+    assert {kind for kind, _, _ in trace["gpu"]["13"]} == {"copy"}
+    assert {kind for kind, _, _ in trace["gpu"]["7"]} == {"kernel"}
+    assert trace["cpu"]["5"][0] == ("batch_wait", 0.0, 1.0)
+    summary = profiling.range_summary(trace)
+    assert summary["compute"]["median_ms"] == pytest.approx(8.0) and summary["compute"]["count"] == 3
+    assert profiling.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t") is None
+    assert_valid_png(tmp_path / "t.png")

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 import fastcollate
 
 from .datasets import PRESETS
+from .device_loader import DeviceLoader
 from .models import TrainStep
 
 __all__ = ["main"]
@@ -356,10 +357,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _device_loader_class() -> type | None:
-    return getattr(fastcollate, "DeviceLoader", None)
-
-
 def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
 
@@ -397,7 +394,6 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str) ->
                         collate_fn=collate, pin_memory=pin, drop_last=False, **loader_kwargs)
     source: Any = loader
     if use_device_loader:
-        DeviceLoader = _device_loader_class()
         source = DeviceLoader(loader, device=device, depth=DEVICE_LOADER_DEPTH, transforms=transforms or None,
                               record_copy_events=device.type == "cuda")
 
@@ -655,9 +651,6 @@ def resolve(args: argparse.Namespace) -> Setup:
     observations = {"loader": ["loader"], "integrated": ["integrated"], "both": ["loader", "integrated"]}[
         "loader" if args.no_model else args.observation]
     variants = list(VARIANTS)
-    if _device_loader_class() is None:
-        variants = [v for v in variants if v.transfer != "DeviceLoader"]
-        notes.append("fastcollate.DeviceLoader is not in this build: its column is left out")
 
     width = args.model_width or (32 if device.type == "cuda" else 8)
     if args.dataset:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .contract import Contract, Field
+from .transforms import Normalize
 
 __all__ = [
     "PRESETS",
@@ -207,28 +208,6 @@ class ImageNetLike(Dataset):
         return state
 
 
-class NormalizeImages:
-    """uint8 ``[B, C, H, W]`` to ``dtype``, ``(x / 255 - mean) / std``, on whatever device it is given.
-
-    The bench applies the same callable after ``.to(device)`` on the default path and as a
-    DeviceLoader transform, so every configuration hands the model the same thing.
-    """
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype = torch.float32) -> None:
-        self.mean = tuple(mean)
-        self.std = tuple(std)
-        self.dtype = dtype
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1, 1, 1)
-        mean = torch.tensor(self.mean, device=images.device, dtype=self.dtype).view(shape) * 255.0
-        std = torch.tensor(self.std, device=images.device, dtype=self.dtype).view(shape) * 255.0
-        return (images.to(self.dtype) - mean) / std
-
-    def __repr__(self) -> str:
-        return f"NormalizeImages(mean={self.mean}, std={self.std}, dtype={self.dtype})"
-
-
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -402,7 +381,9 @@ def _make_fields(size: int, seed: int) -> Dataset:
 
 
 def _imagenet_device_transforms() -> dict[str, Callable]:
-    return {"image": NormalizeImages(IMAGENET_MEAN, IMAGENET_STD)}
+    # The bench runs it after .to() on the default path and as a DeviceLoader transform: every
+    # configuration hands the model the same float images, and all of them move uint8.
+    return {"image": Normalize(IMAGENET_MEAN, IMAGENET_STD)}
 
 
 PRESETS: dict[str, Preset] = {

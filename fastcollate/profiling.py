@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Subset
 
 from . import bench
 from .datasets import PRESETS
+from .device_loader import DeviceLoader
 
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 
@@ -61,7 +62,8 @@ def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace
     device_loader = variant.transfer == "DeviceLoader"
     source: Any = loader
     if device_loader:
-        source = bench._device_loader_class()(loader, device=device, transforms=setup.device_transforms or None)
+        source = DeviceLoader(loader, device=device, depth=bench.DEVICE_LOADER_DEPTH,
+                              transforms=setup.device_transforms or None)
     step = setup.make_step() if setup.make_step is not None else None
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":

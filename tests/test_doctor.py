@@ -1,0 +1,189 @@
+"""``python -m fastcollate doctor``: the checklist names the failing sample and stage, catches lost,
+duplicated and changed data between settings, makes a stuck worker visible, and passes clean datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastcollate import doctor
+
+DATASETS = "tests.audit_datasets"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(capsys, tmp_path, factory: str, *options: str) -> tuple[int, str, dict]:
+    path = tmp_path / "report.json"
+    status = doctor.main([f"{DATASETS}:{factory}", "--batch-size", "4", "--json", str(path), *options])
+    out = capsys.readouterr().out
+    return status, out, json.loads(path.read_text())
+
+
+def row(report: dict, setting: str) -> dict:
+    return next(r for r in report["table"] if r["setting"] == setting)
+
+
+# --- clean datasets pass ---------------------------------------------------------------------------
+
+
+def test_a_clean_dataset_passes_every_step(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "clean")
+    assert status == 0 and report["ok"] and report["exit_status"] == 0
+    assert report["ids"] == "dataset indices (with_ids)"  # its samples carry no id
+    assert report["targets"] == ["y"]
+    assert [r["setting"] for r in report["table"]] == [
+        "samples one by one",
+        "workers=0, shuffle=False, batch 4",
+        "transfer (reference batches)",
+        "workers=2",
+        "workers=2, second epoch",
+    ]
+    assert all(r["ok"] in (True, None) for r in report["table"])
+    assert row(report, "workers=2")["conclusion"].startswith("same data")
+    epochs = report["steps"][-1]["epochs"]
+    assert [e["samples"] for e in epochs] == [12, 12]
+    assert all(e["first_batch_seconds"] is not None for e in epochs)  # start-up shown apart
+    for step in ("1. Representative", "2. Reference", "3. workers=2", "4. Same setting, second epoch", "5. Record sheet"):
+        assert step in out
+    assert "Verdict: OK" in out
+
+
+def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):
+    assert run(capsys, tmp_path, "named")[0] == 0
+    status, out, report = run(capsys, tmp_path, "sharded_stream")
+    assert status == 0, out
+    assert report["kind"] == "iterable"
+
+
+def test_transfer_is_skipped_without_a_gpu(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the transfer stage runs")
+    _, _, report = run(capsys, tmp_path, "clean")
+    assert row(report, "transfer (reference batches)")["conclusion"] == "skipped: no GPU"
+
+
+# --- stages: the failing sample and the stage, never its content ------------------------------------
+
+
+def test_fourth_record_with_one_channel_is_named_with_its_field_and_stage(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "one_channel_fourth")
+    assert status == 1 and not report["ok"]
+    failure = report["failure"]
+    assert failure["stage"] == "collate"
+    assert failure["sample_id"] == 3
+    assert failure["field"] == "x"
+    assert "[1, 16, 16]" in failure["error"] and "[3, 16, 16]" in failure["error"]
+    assert "collate failed at id 3, field 'x'" in out
+    assert row(report, "workers=0, shuffle=False, batch 4")["ok"] is False
+    assert "workers=2" not in [r["setting"] for r in report["table"]]  # fix it in one process first
+
+
+def test_an_unreadable_file_is_a_raw_access_failure_whose_message_is_withheld(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "broken_file")
+    assert status == 1
+    assert report["failure"]["stage"] == "raw access"
+    assert report["failure"]["sample"] == "index 5"  # its own ids are unknown until it is read
+    assert "OSError" in out and "secret-patient" not in out  # the message may quote the sample
+    assert "secret-patient" not in json.dumps(report)
+
+
+def test_show_errors_prints_the_message(capsys, tmp_path):
+    _, out, _ = run(capsys, tmp_path, "broken_file", "--show-errors")
+    assert "secret-patient-0005" in out
+
+
+def test_a_failing_transform_is_told_apart_from_raw_access(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "failing_transform")
+    assert status == 1
+    assert report["failure"]["stage"] == "transform"
+    assert report["failure"]["sample_id"] == 6
+    assert "transform failed at index 6" in out
+    assert "pixel value" not in out
+
+
+# --- data lost, duplicated or changed ---------------------------------------------------------------
+
+
+def test_a_target_changed_in_workers_fails_with_its_id(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "targets_change")
+    assert status == 1 and report["failure"] is None
+    first = report["steps"][-1]["epochs"][0]["report"]
+    assert first["changed_targets"] == {"count": 1, "ids": [5]}
+    assert row(report, "workers=2")["conclusion"].startswith("DATA DIFFERS: 1 with changed targets")
+
+
+def test_a_stale_cache_in_workers_is_a_loss_and_a_duplicate(capsys, tmp_path):
+    status, _, report = run(capsys, tmp_path, "stale_cache")
+    assert status == 1
+    first = report["steps"][-1]["epochs"][0]["report"]
+    assert first["missing"]["ids"] == [7]
+    assert first["duplicated"]["ids"] == [{"id": 6, "count": 2, "workers": [1, 1]}]
+
+
+def test_every_worker_reading_the_whole_stream_is_caught_with_worker_ids(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "whole_stream")
+    assert status == 1
+    first = report["steps"][-1]["epochs"][0]["report"]
+    assert first["duplicated"]["count"] == 12
+    assert {"id": 0, "count": 2, "workers": [0, 1]} in first["duplicated"]["ids"]
+    assert "each of the 2 workers delivered the whole stream" in out
+
+
+def test_a_source_exhausted_in_kept_workers_fails_the_second_epoch(capsys, tmp_path):
+    status, _, report = run(capsys, tmp_path, "exhausted_stream", "--persistent-workers")
+    assert status == 1
+    first, second = report["steps"][-1]["epochs"]
+    assert first["report"]["ok"]
+    assert second["samples"] == 0 and second["report"]["missing"]["count"] == 12
+    assert row(report, "workers=2, second epoch")["ok"] is False
+    assert run(capsys, tmp_path, "exhausted_stream")[0] == 0  # fresh workers each epoch hide it
+
+
+# --- timeouts ---------------------------------------------------------------------------------------
+
+
+def test_a_stuck_worker_is_shown_with_its_last_step_and_the_timeout_repairs_nothing(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "stuck_in_workers", "--timeout", "1.5")
+    assert status == 1
+    failure = report["failure"]
+    assert failure["stage"] == "timeout"
+    assert failure["sample"] == "index 5 (raw access and transform) in worker 1"
+    assert any(step.startswith("worker 1: reading index 5") for step in failure["last_steps"])
+    assert "repairs nothing" in out and "repairs nothing" in report["verdict"]
+
+
+def test_a_reference_stuck_in_the_main_process_times_out_too(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "stuck_everywhere", "--timeout", "1")
+    assert status == 1
+    assert report["failure"]["sample"] == "index 2 (raw access and transform) in the main process"
+
+
+# --- what cannot be verified, and the command line ---------------------------------------------------
+
+
+def test_a_stream_without_ids_cannot_be_verified(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "stream_without_ids")
+    assert status == 2
+    assert report["verdict"].startswith("NOT VERIFIED")
+
+
+def test_a_factory_that_does_not_load_is_a_usage_error(capsys):
+    assert doctor.main(["tests.audit_datasets:no_such_factory"]) == 2
+    assert "cannot load" in capsys.readouterr().err
+
+
+def test_the_command_runs_from_python_dash_m(tmp_path):
+    path = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fastcollate", "doctor", f"{DATASETS}:one_channel_fourth", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "collate failed at id 3, field 'x'" in result.stdout
+    assert json.loads(path.read_text())["failure"]["sample_id"] == 3

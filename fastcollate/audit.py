@@ -105,7 +105,9 @@ class _Column:
         done = 0
         while done < values.size:
             if not self.blocks or self.fill == self.blocks[-1].size:
-                grow = self._FIRST_BLOCK if not self.blocks else min(2 * self.blocks[-1].size, self._MAX_BLOCK)
+                grow = (
+                    self._FIRST_BLOCK if not self.blocks else min(2 * self.blocks[-1].size, self._MAX_BLOCK)
+                )
                 self.blocks.append(np.empty(grow, self.dtype))
                 self.fill = 0
             block = self.blocks[-1]
@@ -276,18 +278,24 @@ def _coefficients(width: int) -> np.ndarray:
     if _COEFFICIENTS.size < width:
         size = max(width, 2 * _COEFFICIENTS.size, 64)
         rng = np.random.default_rng(0x5EED_FA57)
-        _COEFFICIENTS = rng.integers(0, np.iinfo(np.uint64).max, size=size, dtype=np.uint64, endpoint=True) | 1
+        _COEFFICIENTS = (
+            rng.integers(0, np.iinfo(np.uint64).max, size=size, dtype=np.uint64, endpoint=True) | 1
+        )
     return _COEFFICIENTS[:width]
 
 
 def _mix(h: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: spreads every input bit over the whole digest."""
+    """splitmix64's finaliser: spreads every input bit over the whole digest. In place on a copy, with
+    one scratch array: fresh temporaries cost more than the arithmetic on large inputs."""
+    h = np.array(h, dtype=np.uint64)  # a copy
+    scratch = np.empty_like(h)
     with np.errstate(over="ignore"):
-        h = h ^ (h >> np.uint64(30))
-        h = h * np.uint64(0xBF58476D1CE4E5B9)
-        h = h ^ (h >> np.uint64(27))
-        h = h * np.uint64(0x94D049BB133111EB)
-        return h ^ (h >> np.uint64(31))
+        for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+            np.right_shift(h, np.uint64(shift), out=scratch)
+            h ^= scratch
+            if multiplier is not None:
+                h *= np.uint64(multiplier)
+    return h
 
 
 def _seed(text: str) -> np.uint64:
@@ -355,7 +363,9 @@ class Ledger:
         label: a name for reports (``"workers=0"``).
     """
 
-    def __init__(self, id_key: str = "id", target_key: str | Sequence[str] | None = None, *, label: str = "") -> None:
+    def __init__(
+        self, id_key: str = "id", target_key: str | Sequence[str] | None = None, *, label: str = ""
+    ) -> None:
         self.id_key = id_key
         self.target_keys: tuple[str, ...] = (
             () if target_key is None else (target_key,) if isinstance(target_key, str) else tuple(target_key)
@@ -407,7 +417,9 @@ class Ledger:
                 try:
                     value = _lookup(batch, key)
                 except (KeyError, IndexError, TypeError):
-                    raise KeyError(f"the batch has no target field {key!r} (Ledger(target_key=...))") from None
+                    raise KeyError(
+                        f"the batch has no target field {key!r} (Ledger(target_key=...))"
+                    ) from None
                 digests = _combine(digests, _digest_rows(value, n))
         self.record_ids(ids, digests=digests, worker=worker)
 
@@ -608,7 +620,10 @@ class AuditReport:
 
     def __str__(self) -> str:
         verdict = "OK" if self.ok else "FAILED: " + ", ".join(self.problems())
-        lines = [f"{self.what}: {verdict}", f"  delivered {self.delivered} samples; reference has {self.expected} ids"]
+        lines = [
+            f"{self.what}: {verdict}",
+            f"  delivered {self.delivered} samples; reference has {self.expected} ids",
+        ]
         if self.missing:
             lines.append(f"  missing ({len(self.missing)}): {_few(self.missing)}")
         if self.duplicated:
@@ -631,9 +646,13 @@ class AuditReport:
                 where = f", first at position {position} (reference id {ref!r}, delivered {got!r})"
             lines.append(f"  order differs{where}: {expected[self.order]}")
         if self.dropped:
-            lines.append(f"  dropped by drop_last, accounted, not lost ({len(self.dropped)}): {_few(self.dropped)}")
+            lines.append(
+                f"  dropped by drop_last, accounted, not lost ({len(self.dropped)}): {_few(self.dropped)}"
+            )
         if self.padded:
-            lines.append(f"  repeated by the sampler's padding, accounted ({len(self.padded)}): {_few(list(self.padded))}")
+            lines.append(
+                f"  repeated by the sampler's padding, accounted ({len(self.padded)}): {_few(list(self.padded))}"
+            )
         lines.append("  targets: " + ("compared" if self.targets_compared else "not compared (ids only)"))
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -654,7 +673,11 @@ class AuditReport:
             "duplicated": {
                 "count": len(self.duplicated),
                 "ids": [
-                    {"id": _plain(k), "count": int(c), f"{self.source_kind}s": [int(s) for s in self.duplicate_sources.get(k, ())]}
+                    {
+                        "id": _plain(k),
+                        "count": int(c),
+                        f"{self.source_kind}s": [int(s) for s in self.duplicate_sources.get(k, ())],
+                    }
                     for k, c in list(self.duplicated.items())[:limit]
                 ],
             },
@@ -809,17 +832,6 @@ def _difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a[~_member(a, b)]
 
 
-def _first_digests(ids: np.ndarray, digests: np.ndarray) -> np.ndarray:
-    """The digest of each distinct id, in sorted id order (its first delivery's, if it came twice)."""
-    order = np.argsort(ids)
-    ordered = ids[order]
-    head = np.ones(ordered.size, bool)
-    np.not_equal(ordered[1:], ordered[:-1], out=head[1:])
-    starts = np.flatnonzero(head)
-    first = np.minimum.reduceat(order, starts) if starts.size else starts  # a run's first delivery
-    return digests[first]
-
-
 def _differences_sorted(
     reference: np.ndarray | int,
     reference_digests: np.ndarray | None,
@@ -834,17 +846,7 @@ def _differences_sorted(
         duplicated_ids, duplicated_counts = got.unique[repeated], got.counts[repeated]
     changed = None
     if digests is not None and reference_digests is not None:
-        ref_digests, got_digests = _first_digests(reference, reference_digests), _first_digests(ids, digests)
-        common = _member(got.unique, ref.unique)
-        at = np.searchsorted(ref.unique, got.unique[common])
-        changed = got.unique[common][ref_digests[at] != got_digests[common]]
-        if duplicated_ids.size:  # every copy of a repeated id against the reference
-            rows = np.flatnonzero(_member(ids, duplicated_ids))
-            copies = ids[rows]
-            known = _member(copies, ref.unique)
-            at = np.searchsorted(ref.unique, copies[known])
-            differs = ref_digests[at] != digests[rows][known]
-            changed = np.union1d(changed, copies[known][differs])
+        changed = _changed_sorted(reference, reference_digests, ids, digests, ref.unique)
     return _Differences(
         int(ref.unique.size),
         int(got.unique.size),
@@ -855,6 +857,35 @@ def _differences_sorted(
         0 if ref.counts is None else int(np.sum(ref.counts - 1)),
         changed,
     )
+
+
+def _pairs(ids: np.ndarray, digests: np.ndarray) -> np.ndarray:
+    """One 64-bit code per (id, target digest) pair."""
+    return _combine(_mix(ids.view(np.uint64)), digests).view(np.int64)
+
+
+def _changed_sorted(
+    reference: np.ndarray,
+    reference_digests: np.ndarray,
+    ids: np.ndarray,
+    digests: np.ndarray,
+    known: np.ndarray,
+) -> np.ndarray:
+    """Ids (among ``known``, the reference's) delivered at least once with another digest than the
+    reference's. Each (id, digest) pair becomes one word, and the two sorted word sets are compared:
+    plain sorts, no argsort to align digests by id; ids are looked up only for the pairs that differ."""
+    pairs = _pairs(ids, digests)
+    odd = _difference(np.sort(pairs), np.sort(_pairs(reference, reference_digests)))
+    if odd.size == 0:
+        return np.zeros(0, np.int64)
+    odd = np.unique(odd)
+    if odd.size * 8 < ids.size:
+        rows = np.flatnonzero(_member(pairs, odd))  # few differ: probe a small set
+    else:
+        values, order = torch.sort(torch.from_numpy(pairs))
+        rows = order.numpy()[_member(values.numpy(), odd)]
+    candidates = np.unique(ids[rows])
+    return candidates[_member(candidates, known)]
 
 
 def _copies_by_source(epoch: Epoch, duplicated_ids: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -907,7 +938,9 @@ def compare(
     compare_targets = not is_range and reference.digests is not None and other.digests is not None
     names = {**((reference.names if not is_range else None) or {}), **(other.names or {})} or None
     label = Epoch(ids=np.zeros(0, np.int64), names=names).labels
-    same_sequence = not is_range and reference.ids.size == other.ids.size and np.array_equal(reference.ids, other.ids)
+    same_sequence = (
+        not is_range and reference.ids.size == other.ids.size and np.array_equal(reference.ids, other.ids)
+    )
 
     # With the same sequence, digests compare position by position: no per-id alignment needed.
     aligned = compare_targets and not same_sequence
@@ -923,9 +956,13 @@ def compare(
     dropped = np.zeros(0, np.int64)
     if 0 < missing.size <= allowed_dropped:
         dropped, missing = missing, dropped
-        notes.append(f"{dropped.size} ids not delivered are within drop_last's allowance of {allowed_dropped}")
+        notes.append(
+            f"{dropped.size} ids not delivered are within drop_last's allowance of {allowed_dropped}"
+        )
     elif missing.size and allowed_dropped:
-        notes.append(f"drop_last accounts for at most {allowed_dropped} undelivered ids; {missing.size} are missing")
+        notes.append(
+            f"drop_last accounts for at most {allowed_dropped} undelivered ids; {missing.size} are missing"
+        )
     if (
         unexpected.size
         and dataset_size is not None
@@ -962,11 +999,16 @@ def compare(
         if not same_sequence and not np.array_equal(reference.ids[:length], other.ids[:length]):
             position = int(np.argmax(reference.ids[:length] != other.ids[:length]))
             order_differs = True
-            first_difference = (position, label(reference.ids[position : position + 1])[0],
-                                label(other.ids[position : position + 1])[0])
+            first_difference = (
+                position,
+                label(reference.ids[position : position + 1])[0],
+                label(other.ids[position : position + 1])[0],
+            )
         elif order == "shuffled" and length > 1:
-            notes.append("the order is the same as the reference's although shuffling was expected: "
-                         "is the sampler's generator re-seeded every epoch?")
+            notes.append(
+                "the order is the same as the reference's although shuffling was expected: "
+                "is the sampler's generator re-seeded every epoch?"
+            )
     if order == "same" and order_differs and (missing.size or duplicated):
         notes.append("the order difference may only follow from the missing or duplicated samples")
     if not other.complete:
@@ -995,16 +1037,22 @@ def compare(
 def _duplicate_diagnosis(diff: _Differences, workers: np.ndarray | None, source_kind: str) -> list[str]:
     """Names the classic pattern: every worker (or rank) read the whole stream."""
     if workers is None:
-        return ["the loader's batches carry no worker tag: use fastcollate.audit.TagWorker to name the workers"]
+        return [
+            "the loader's batches carry no worker tag: use fastcollate.audit.TagWorker to name the workers"
+        ]
     sources = np.unique(workers)
     sources = sources[sources >= 0]
     everything_repeated = diff.duplicated_ids.size == diff.delivered_unique >= diff.expected
     if sources.size > 1 and everything_repeated and np.all(diff.duplicated_counts == sources.size):
         if source_kind == "rank":
-            return [f"each of the {sources.size} ranks delivered every sample: the sampler does not shard "
-                    "(use DistributedSampler, or shard the IterableDataset by rank)"]
-        return [f"each of the {sources.size} workers delivered the whole stream: an IterableDataset must shard "
-                "its stream in __iter__ with torch.utils.data.get_worker_info() (id, num_workers)"]
+            return [
+                f"each of the {sources.size} ranks delivered every sample: the sampler does not shard "
+                "(use DistributedSampler, or shard the IterableDataset by rank)"
+            ]
+        return [
+            f"each of the {sources.size} workers delivered the whole stream: an IterableDataset must shard "
+            "its stream in __iter__ with torch.utils.data.get_worker_info() (id, num_workers)"
+        ]
     return []
 
 
@@ -1017,7 +1065,9 @@ def _as_reference(expected: int | Iterable | Epoch | None, epoch: Epoch) -> Epoc
     if isinstance(expected, (int, np.integer)):
         return int(expected)
     names: dict[int, str] = {}
-    codes, _ = _id_codes(list(expected) if not isinstance(expected, (np.ndarray, torch.Tensor)) else expected, names)
+    codes, _ = _id_codes(
+        list(expected) if not isinstance(expected, (np.ndarray, torch.Tensor)) else expected, names
+    )
     return Epoch(ids=np.unique(codes), names=names or None)
 
 

@@ -80,9 +80,13 @@ class Failure:
         if self.stage == "timeout":
             out = [f"stuck at {self.sample}"]
         else:
-            out = [f"{self.stage} failed at {self.sample}" + (f", field {self.field!r}" if self.field else "")]
+            out = [
+                f"{self.stage} failed at {self.sample}" + (f", field {self.field!r}" if self.field else "")
+            ]
         if self.worker is not None:
-            out[0] += " in the main process" if self.worker == audit.MAIN_PROCESS else f" in worker {self.worker}"
+            out[0] += (
+                " in the main process" if self.worker == audit.MAIN_PROCESS else f" in worker {self.worker}"
+            )
         out.append(f"error: {self.error}")
         if self.where:
             out.append(f"raised at {self.where}")
@@ -91,7 +95,9 @@ class Failure:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        data["sample_id"] = self.sample_id if isinstance(self.sample_id, (int, str, type(None))) else repr(self.sample_id)
+        data["sample_id"] = (
+            self.sample_id if isinstance(self.sample_id, (int, str, type(None))) else repr(self.sample_id)
+        )
         return data
 
 
@@ -153,8 +159,11 @@ class _Board:
 
     def stuck_at(self, unit: str) -> str:
         """The step waited on longest, as ``"index 5 in worker 1"``; ``"an unknown step"`` if none."""
-        active = [(started, slot, step, where) for slot, (step, where, started, steps) in enumerate(self.cells.tolist())
-                  if steps and step in (_ACCESS, _COLLATE)]
+        active = [
+            (started, slot, step, where)
+            for slot, (step, where, started, steps) in enumerate(self.cells.tolist())
+            if steps and step in (_ACCESS, _COLLATE)
+        ]
         if not active:
             return "an unknown step"
         _, slot, step, where = min(active)
@@ -170,12 +179,14 @@ class _Board:
             if steps == 0:
                 continue
             if step == _ACCESS:
-                lines.append(f"{who}: reading {unit} {int(where)} (raw access and transform), "
-                             f"started {now - started:.1f} s ago")
+                lines.append(
+                    f"{who}: reading {unit} {int(where)} (raw access and transform), "
+                    f"started {now - started:.1f} s ago"
+                )
             elif step == _COLLATE:
                 lines.append(f"{who}: collating a batch, started {now - started:.1f} s ago")
             else:
-                lines.append(f"{who}: idle, {int(steps)} steps done")
+                lines.append(f"{who}: between steps (its last one finished)")
         return lines
 
 
@@ -301,17 +312,34 @@ class _TracedCollate:
         try:
             batch = assemble(samples)
         except ContractError as error:
-            who = f"id {error.sample_id!r}" if error.sample_id is not None else f"batch position {error.position}"
-            return audit.WorkerTagged(worker, Failure(  # no `where`: it would point into assemble
-                stage="collate", sample=who, error=_error_text(error, True),
-                field=error.field, worker=worker, sample_id=error.sample_id,
-            ))
+            who = (
+                f"id {error.sample_id!r}"
+                if error.sample_id is not None
+                else f"batch position {error.position}"
+            )
+            return audit.WorkerTagged(
+                worker,
+                Failure(  # no `where`: it would point into assemble
+                    stage="collate",
+                    sample=who,
+                    error=_error_text(error, True),
+                    field=error.field,
+                    worker=worker,
+                    sample_id=error.sample_id,
+                ),
+            )
         except Exception as error:
             ids = [sample_id(s, self.id_key) for s in samples]
-            return audit.WorkerTagged(worker, Failure(
-                stage="collate", sample=f"the batch of ids {ids}", error=_error_text(error, self.show_errors),
-                where=_where(error), worker=worker,
-            ))
+            return audit.WorkerTagged(
+                worker,
+                Failure(
+                    stage="collate",
+                    sample=f"the batch of ids {ids}",
+                    error=_error_text(error, self.show_errors),
+                    where=_where(error),
+                    worker=worker,
+                ),
+            )
         self.board.mark(_IDLE, -1)
         return audit.WorkerTagged(worker, batch)
 
@@ -319,7 +347,9 @@ class _TracedCollate:
 @contextlib.contextmanager
 def _alarm(seconds: float) -> Iterator[None]:
     """Raises ``_Stuck`` in the main thread after ``seconds``: DataLoader's own timeout needs workers."""
-    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    usable = (
+        seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    )
     if not usable:
         yield
         return
@@ -463,6 +493,7 @@ class Doctor:
         self.notes: list[str] = []
         self.ids_are_indices = False
         self.stream_ids: list | None = None
+        self.shapes_vary = False
         self.failure: Failure | None = None
         self.data_problem = False
         self.unverified: str | None = None
@@ -473,8 +504,10 @@ class Doctor:
         """Runs every step (stopping at the first failure) and returns the report as a dict."""
         kind = "iterable" if self.iterable else "map-style"
         size = "" if self.iterable else f", {len(self.dataset)} samples"  # type: ignore[arg-type]
-        self.say(f"fastcollate doctor: {type(self.dataset).__name__} ({kind}{size}), batch {self.batch_size}, "
-                 f"{self.workers} workers, timeout {self.timeout:g} s")
+        self.say(
+            f"fastcollate doctor: {type(self.dataset).__name__} ({kind}{size}), batch {self.batch_size}, "
+            f"{self.workers} workers, timeout {self.timeout:g} s"
+        )
         reference = None
         if self.step_samples():
             reference = self.step_reference()
@@ -495,8 +528,12 @@ class Doctor:
             picked = self._pick_samples(board)
         except _Stuck:
             unit = "stream position" if self.iterable else "index"
-            picked = Failure("timeout", board.stuck_at(unit), f"no sample within --timeout {self.timeout:g} s",
-                             last_steps=board.last_steps(unit))
+            picked = Failure(
+                "timeout",
+                board.stuck_at(unit),
+                f"no sample within --timeout {self.timeout:g} s",
+                last_steps=board.last_steps(unit),
+            )
         if isinstance(picked, Failure):
             return self._failed("samples one by one", "raw access, transform", picked, started)
         if self.unverified:
@@ -528,24 +565,38 @@ class Doctor:
         try:
             batch = assemble(samples)
         except ContractError as error:
-            failure = Failure("collate", f"id {error.sample_id!r}", _error_text(error, True),
-                              field=error.field, sample_id=error.sample_id)
+            failure = Failure(
+                "collate",
+                f"id {error.sample_id!r}",
+                _error_text(error, True),
+                field=error.field,
+                sample_id=error.sample_id,
+            )
             return self._failed("samples one by one", "access, contract, collate", failure, started)
         self.say(f"   collate of the {len(samples)} together: ok")
         del batch
         self._pick_targets(picked[0][1])
         elapsed = time.perf_counter() - started
         varying = any(contracts[0].diff(c) for c in contracts[1:])
-        self.rows.append(Row(
-            "samples one by one",
-            "access, contract, collate",
-            _duration(elapsed),
-            "contracts differ (see above)" if varying else "consistent contract; they stack",
-            True,
-        ))
-        self.steps.append({"step": 1, "samples": [w for w, _ in picked], "contract": str(contracts[0]),
-                           "contract_differences": [contracts[0].diff(c) for c in contracts[1:]],
-                           "transform": separable, "targets": self.targets})
+        self.rows.append(
+            Row(
+                "samples one by one",
+                "access, contract, collate",
+                _duration(elapsed),
+                "contracts differ (see above)" if varying else "consistent contract; they stack",
+                True,
+            )
+        )
+        self.steps.append(
+            {
+                "step": 1,
+                "samples": [w for w, _ in picked],
+                "contract": str(contracts[0]),
+                "contract_differences": [contracts[0].diff(c) for c in contracts[1:]],
+                "transform": separable,
+                "targets": self.targets,
+            }
+        )
         return True
 
     def _pick_samples(self, board: _Board) -> list[tuple[str, Any]] | Failure:
@@ -570,8 +621,13 @@ class Doctor:
                 self.notes.append(note)
                 self.say(f"   note: {note}")
                 sample = self.dataset[index]
-            picked.append((f"index {index}" + (f" (id {sample_id(sample, self.id_key)!r})"
-                                               if not self.ids_are_indices else ""), sample))
+            picked.append(
+                (
+                    f"index {index}"
+                    + (f" (id {sample_id(sample, self.id_key)!r})" if not self.ids_are_indices else ""),
+                    sample,
+                )
+            )
         return picked
 
     def _pick_from_stream(self, board: _Board) -> list[tuple[str, Any]] | Failure:
@@ -586,8 +642,10 @@ class Doctor:
             if first is None:
                 first = sample
                 if sample_id(sample, self.id_key) is None:
-                    self.unverified = (f"the stream's samples carry no {self.id_key!r} field: an IterableDataset "
-                                       "must yield one (a stream position is no id: each worker has its own)")
+                    self.unverified = (
+                        f"the stream's samples carry no {self.id_key!r} field: an IterableDataset "
+                        "must yield one (a stream position is no id: each worker has its own)"
+                    )
                     return []
             last = sample
             count += 1
@@ -600,7 +658,9 @@ class Doctor:
                 if isinstance(sample, Failure):
                     return sample
                 if position == count // 2:
-                    picked.append((f"stream position {position} (id {sample_id(sample, self.id_key)!r})", sample))
+                    picked.append(
+                        (f"stream position {position} (id {sample_id(sample, self.id_key)!r})", sample)
+                    )
                     break
         if count > 1:
             picked.append((f"stream position {count - 1} (id {sample_id(last, self.id_key)!r})", last))
@@ -614,8 +674,10 @@ class Doctor:
         else:
             self.targets = _guess_targets(sample)
         if self.targets:
-            self.say(f"   targets compared between settings: {', '.join(map(repr, self.targets))}"
-                     + (" (--targets to change)" if self.targets else ""))
+            self.say(
+                f"   targets compared between settings: {', '.join(map(repr, self.targets))}"
+                + (" (--targets to change)" if self.targets else "")
+            )
         else:
             note = "no target field recognised (y, label, target...): ids only are compared; --targets KEY names one"
             self.notes.append(note)
@@ -639,6 +701,12 @@ class Doctor:
             problems.append(f"{len(epoch)} samples delivered for len(dataset) = {len(self.dataset)}")  # type: ignore[arg-type]
         for note in run.notes:
             self.say(f"   note: {note}")
+        if run.notes:
+            self.shapes_vary = True
+            self.notes.append(
+                "shapes or dtypes vary from batch to batch (step 2): declare a Contract (fastcollate.Contract) "
+                "if they must not, or padding if they may"
+            )
         self.say(f"   {len(epoch)} samples in {epoch.batches} batches, {_seconds(epoch)}")
         if problems:
             self.data_problem = True
@@ -649,12 +717,28 @@ class Doctor:
         if run.notes:
             conclusion += "; shapes vary across batches"
         self.rows.append(Row(setting, "ids, shapes, targets", _seconds(epoch), conclusion, not problems))
-        self.steps.append({"step": 2, "setting": setting, "samples": len(epoch), "batches": epoch.batches,
-                           "seconds": epoch.wait_seconds, "first_batch_seconds": epoch.first_batch_seconds,
-                           "report": report.to_dict(), "notes": run.notes})
+        self.steps.append(
+            {
+                "step": 2,
+                "setting": setting,
+                "samples": len(epoch),
+                "batches": epoch.batches,
+                "seconds": epoch.wait_seconds,
+                "first_batch_seconds": epoch.first_batch_seconds,
+                "report": report.to_dict(),
+                "notes": run.notes,
+            }
+        )
         transfer = "skipped: no GPU" if not _cuda() else "every batch copied to the GPU"
-        self.rows.append(Row("transfer (reference batches)", "host to device copy", "-", transfer,
-                             True if _cuda() else None))
+        self.rows.append(
+            Row(
+                "transfer (reference batches)",
+                "host to device copy",
+                "-",
+                transfer,
+                True if _cuda() else None,
+            )
+        )
         return None if problems else epoch
 
     # -- 3 and 4. a few workers, two epochs -------------------------------------------------------
@@ -666,14 +750,16 @@ class Doctor:
         run = self._run(workers=self.workers, epochs=2)
         order: audit.Order = "any" if self.iterable else "same"
         if self.iterable:
-            self.notes.append("an IterableDataset's batches interleave its workers' streams: order not compared")
+            self.notes.append(
+                "an IterableDataset's batches interleave its workers' streams: order not compared"
+            )
         reports = []
         for number, epoch in enumerate(run.epochs, start=1):
             what = f"workers={self.workers}, epoch {number}, against the reference"
             report = audit.compare(reference, epoch, order=order, what=what)
             reports.append(report)
             if number == 2:
-                self.say(f"\n4. Same setting, second epoch")
+                self.say("\n4. Same setting, second epoch")
             self.say(f"   {len(epoch)} samples in {epoch.batches} batches, {_seconds(epoch)}")
             self.say("   " + str(report).replace("\n", "\n   "))
             if not report.ok:
@@ -681,31 +767,49 @@ class Doctor:
         ref_rate = _rate(reference)
         if run.epochs:
             first = run.epochs[0]
-            self.rows.append(Row(
-                f"workers={self.workers}",
-                "same ids and targets as the reference",
-                _seconds(first),
-                _conclusion(reports[0], _speed(first, ref_rate)),
-                reports[0].ok,
-            ))
+            self.rows.append(
+                Row(
+                    f"workers={self.workers}",
+                    "same ids and targets as the reference",
+                    _seconds(first),
+                    _conclusion(reports[0], _speed(first, ref_rate)),
+                    reports[0].ok,
+                )
+            )
         if len(run.epochs) > 1:
             second = run.epochs[1]
-            self.rows.append(Row(
-                f"workers={self.workers}, second epoch",
-                "nothing missing or duplicated",
-                _seconds(second),
-                _conclusion(reports[1], _startup(run.epochs[0], second, self.persistent_workers)),
-                reports[1].ok,
-            ))
-        self.steps.append({"step": 3, "setting": setting, "epochs": [
-            {"epoch": n, "samples": len(e), "batches": e.batches, "seconds": e.wait_seconds,
-             "first_batch_seconds": e.first_batch_seconds, "steady_samples_per_second": e.steady_samples_per_second,
-             "report": r.to_dict()}
-            for n, (e, r) in enumerate(zip(run.epochs, reports), start=1)
-        ]})
+            self.rows.append(
+                Row(
+                    f"workers={self.workers}, second epoch",
+                    "nothing missing or duplicated",
+                    _seconds(second),
+                    _conclusion(reports[1], _startup(run.epochs[0], second, self.persistent_workers)),
+                    reports[1].ok,
+                )
+            )
+        self.steps.append(
+            {
+                "step": 3,
+                "setting": setting,
+                "epochs": [
+                    {
+                        "epoch": n,
+                        "samples": len(e),
+                        "batches": e.batches,
+                        "seconds": e.wait_seconds,
+                        "first_batch_seconds": e.first_batch_seconds,
+                        "steady_samples_per_second": e.steady_samples_per_second,
+                        "report": r.to_dict(),
+                    }
+                    for n, (e, r) in enumerate(zip(run.epochs, reports), start=1)
+                ],
+            }
+        )
         if run.failure is not None:
             epoch_number = len(run.epochs) + 1
-            self._failed(f"workers={self.workers}, epoch {epoch_number}", "ids and targets", run.failure, started)
+            self._failed(
+                f"workers={self.workers}, epoch {epoch_number}", "ids and targets", run.failure, started
+            )
 
     # -- running a setting ------------------------------------------------------------------------
 
@@ -726,7 +830,6 @@ class Doctor:
         )
         ledger = audit.Ledger(self.id_key, target_key=self.targets or None)
         run = _Run(epochs=[])
-        unit = "stream position" if self.iterable else "index"
         device = torch.device("cuda") if transfer and _cuda() else None
         for _ in range(epochs):
             shape: dict[str, str] | None = None
@@ -736,33 +839,37 @@ class Doctor:
                     if shape is None:
                         shape = signature
                     elif signature != shape and len(run.notes) < 5:
-                        changed = sorted(k for k in set(shape) | set(signature) if shape.get(k) != signature.get(k))
-                        run.notes.append(f"batch {number} differs from batch 0 in "
-                                         + ", ".join(f"{k!r} ({shape.get(k)} -> {signature.get(k)})" for k in changed))
+                        changed = sorted(
+                            k for k in set(shape) | set(signature) if shape.get(k) != signature.get(k)
+                        )
+                        run.notes.append(
+                            f"batch {number} differs from batch 0 in "
+                            + ", ".join(f"{k!r} ({shape.get(k)} -> {signature.get(k)})" for k in changed)
+                        )
                     if device is not None:
                         self._transfer(batch, device)
             except _StageFailed as failed:
                 run.failure = failed.failure
                 break
-            except _Stuck:
-                run.failure = Failure("timeout", board.stuck_at(unit), f"no batch within --timeout {self.timeout:g} s",
-                                      last_steps=board.last_steps(unit))
-                break
-            except RuntimeError as error:  # DataLoader's own timeout, or a worker that died
-                if "timed out" in str(error):
-                    run.failure = Failure("timeout", board.stuck_at(unit), f"no batch within --timeout {self.timeout:g} s",
-                                          last_steps=board.last_steps(unit))
-                else:
-                    run.failure = Failure("worker", board.stuck_at(unit), _error_text(error, True).splitlines()[0],
-                                          last_steps=board.last_steps(unit))
-                break
-            except Exception as error:  # the sampler, or a worker's error outside the traced steps
-                run.failure = Failure("loader", "a batch", _error_text(error, self.show_errors), _where(error),
-                                      last_steps=board.last_steps(unit))
+            except (_Stuck, Exception) as error:
+                run.failure = self._failure_of(error, board)
                 break
             run.epochs.append(ledger.last)
         del loader  # shuts persistent workers down
         return run
+
+    def _failure_of(self, error: BaseException, board: _Board) -> Failure:
+        """What a setting's loop ended on, with each process's last step: a timeout (the alarm in one
+        process, DataLoader's own with workers), a worker that died, or an error outside the traced
+        steps (the sampler, a worker_init_fn)."""
+        unit = "stream position" if self.iterable else "index"
+        if isinstance(error, _Stuck) or (isinstance(error, RuntimeError) and "timed out" in str(error)):
+            stage, error_text, where = "timeout", f"no batch within --timeout {self.timeout:g} s", ""
+        elif isinstance(error, RuntimeError) and "DataLoader worker" in str(error):
+            stage, error_text, where = "worker", _error_text(error, True).splitlines()[0], ""
+        else:
+            stage, error_text, where = "loader", _error_text(error, self.show_errors), _where(error)
+        return Failure(stage, board.stuck_at(unit), error_text, where, last_steps=board.last_steps(unit))
 
     def _deliver(self, loader: DataLoader, workers: int, board: _Board) -> Iterator[audit.WorkerTagged]:
         """The loader's batches, turning a traced ``Failure`` into an exception at the step it ended."""
@@ -793,8 +900,11 @@ class Doctor:
         except Exception as error:
             ids = audit._lookup(batch, self.id_key)
             ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-            raise _StageFailed(Failure("transfer", f"the batch of ids {ids}", _error_text(error, self.show_errors),
-                                       _where(error))) from None
+            raise _StageFailed(
+                Failure(
+                    "transfer", f"the batch of ids {ids}", _error_text(error, self.show_errors), _where(error)
+                )
+            ) from None
 
     # -- the record sheet -------------------------------------------------------------------------
 
@@ -806,13 +916,17 @@ class Doctor:
             self.say(f"   {TIMEOUT_ADVICE}")
         elapsed = time.perf_counter() - started
         what = "stuck" if failure.stage == "timeout" else f"{failure.stage} failed"
-        self.rows.append(Row(setting, checked, _duration(elapsed), f"FAILED: {what} at {failure.sample}", False))
+        self.rows.append(
+            Row(setting, checked, _duration(elapsed), f"FAILED: {what} at {failure.sample}", False)
+        )
         return None
 
     def finish(self) -> dict:
         verdict, status = self._verdict()
         self.say("\n5. Record sheet")
-        widths = [max(len(getattr(r, f)) for r in self.rows + [_HEADER]) for f in ("setting", "checked", "time")]
+        widths = [
+            max(len(getattr(r, f)) for r in self.rows + [_HEADER]) for f in ("setting", "checked", "time")
+        ]
         for row in [_HEADER] + self.rows:
             cells = [row.setting.ljust(widths[0]), row.checked.ljust(widths[1]), row.time.ljust(widths[2])]
             self.say("   " + " | ".join(cells + [row.conclusion]))
@@ -847,15 +961,28 @@ class Doctor:
                 text += f", field {self.failure.field!r}"
             if self.failure.stage == "timeout":
                 text += f". {TIMEOUT_ADVICE}"
+            elif self.failure.worker is not None and self.failure.worker >= 0:
+                text += (
+                    ". It happens only with workers: look at what the workers receive (open files, "
+                    "connections, locks, per-process state) and the start method"
+                )
             else:
                 text += ". Fix it with workers=0 first: the traceback is readable there."
             return text, EXIT_PROBLEM
         if self.data_problem:
-            return ("FAIL: data lost, duplicated or changed (see above): do not adopt this setting", EXIT_PROBLEM)
+            return (
+                "FAIL: data lost, duplicated or changed (see above): do not adopt this setting",
+                EXIT_PROBLEM,
+            )
         if self.unverified:
             return f"NOT VERIFIED: {self.unverified}", EXIT_UNVERIFIED
-        return (f"OK: workers={self.workers} delivers the same samples"
-                + (" and targets" if self.targets else "") + " as workers=0, in both epochs", EXIT_OK)
+        return (
+            f"OK: workers={self.workers} delivers the same samples"
+            + (" and targets" if self.targets else "")
+            + " as workers=0, in both epochs"
+            + ("; but shapes vary from batch to batch (see the notes)" if self.shapes_vary else ""),
+            EXIT_OK,
+        )
 
 
 _HEADER = Row("setting", "checked", "observed time", "conclusion", None)
@@ -941,7 +1068,9 @@ def load_dataset(spec: str) -> Dataset:
     for part in attribute.split("."):
         target = getattr(target, part)
     dataset = target if isinstance(target, Dataset) or not callable(target) else target()
-    if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if not isinstance(dataset, Dataset) and not (
+        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    ):
         raise TypeError(f"{spec} gave a {type(dataset).__name__}, not a Dataset")
     return dataset
 
@@ -960,20 +1089,38 @@ def _parser() -> argparse.ArgumentParser:
         "workers as with none; name the failing sample and stage otherwise. Exit status: 0 same data, "
         "1 data lost/duplicated/changed or a stage failed, 2 could not verify.",
     )
-    parser.add_argument("factory", help="module:factory, a callable returning a map-style or iterable Dataset")
+    parser.add_argument(
+        "factory", help="module:factory, a callable returning a map-style or iterable Dataset"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="batch size of every setting (default 8)")
     parser.add_argument("--workers", type=int, default=2, help="the 'few workers' setting (default 2)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to wait for a batch before reporting the last step known (default 60; 0: none)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a batch before reporting the last step known (default 60; 0: none)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
-    parser.add_argument("--id-key", default="id", help="the samples' id field (default 'id'; "
-                        "map-style samples without it are named by index)")
-    parser.add_argument("--targets", action="append", metavar="KEY",
-                        help="field compared between settings (repeatable; 'all' for every field, 'none'); "
-                        "default: the first of y, label, labels, target, targets")
-    parser.add_argument("--persistent-workers", action="store_true", help="keep workers between the two epochs")
-    parser.add_argument("--show-errors", action="store_true",
-                        help="print exception messages (they may quote a sample's content)")
+    parser.add_argument(
+        "--id-key",
+        default="id",
+        help="the samples' id field (default 'id'; map-style samples without it are named by index)",
+    )
+    parser.add_argument(
+        "--targets",
+        action="append",
+        metavar="KEY",
+        help="field compared between settings (repeatable; 'all' for every field, 'none'); "
+        "default: the first of y, label, labels, target, targets",
+    )
+    parser.add_argument(
+        "--persistent-workers", action="store_true", help="keep workers between the two epochs"
+    )
+    parser.add_argument(
+        "--show-errors",
+        action="store_true",
+        help="print exception messages (they may quote a sample's content)",
+    )
     return parser
 
 

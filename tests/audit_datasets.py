@@ -121,6 +121,26 @@ class StuckEverywhere(Records):
         return super().__getitem__(index)
 
 
+class FailsInWorkers(Records):
+    """Index 9 fails only in a worker (a handle opened in the parent, unusable after the fork)."""
+
+    def __getitem__(self, index: int) -> dict:
+        if index == 9 and get_worker_info() is not None:
+            raise RuntimeError("handle closed")
+        return super().__getitem__(index)
+
+
+class ShapeChangesByBatch(Records):
+    """Indices 4-7 are one-channel: each batch of 4 stacks, but the batches differ (and the
+    representative samples 0, 8, 15 agree)."""
+
+    def __getitem__(self, index: int) -> dict:
+        record = super().__getitem__(index)
+        if 4 <= index < 8:
+            record["x"] = image(index, channels=1)
+        return record
+
+
 class WholeStream(IterableDataset):
     """The classic bug: every worker yields the whole stream."""
 
@@ -206,6 +226,14 @@ def stuck_in_workers() -> Dataset:
 
 def stuck_everywhere() -> Dataset:
     return StuckEverywhere(12)
+
+
+def fails_in_workers() -> Dataset:
+    return FailsInWorkers(12)
+
+
+def shape_changes_by_batch() -> Dataset:
+    return ShapeChangesByBatch(16)
 
 
 def whole_stream() -> IterableDataset:

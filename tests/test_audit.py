@@ -48,7 +48,10 @@ def test_watch_passes_batches_through_unchanged_and_restores_the_collate_fn():
     assert torch.cat([b["id"] for b in batches]).tolist() == list(range(8))
     assert ledger.last.ids.tolist() == list(range(8))
     assert ledger.last.batches == 2 and ledger.last.complete
-    assert ledger.last.first_batch_seconds is not None and ledger.last.wait_seconds >= ledger.last.first_batch_seconds
+    assert (
+        ledger.last.first_batch_seconds is not None
+        and ledger.last.wait_seconds >= ledger.last.first_batch_seconds
+    )
 
 
 def test_a_sharded_stream_passes_with_workers():
@@ -112,7 +115,9 @@ def test_without_targets_a_changed_target_goes_unseen_and_the_report_says_so():
 
 def test_a_different_order_fails_only_where_the_same_order_was_expected():
     reference = epoch_of(data.Records(12))
-    shuffled = epoch_of(data.Records(12), sampler=RandomSampler(range(12), generator=torch.Generator().manual_seed(1)))
+    shuffled = epoch_of(
+        data.Records(12), sampler=RandomSampler(range(12), generator=torch.Generator().manual_seed(1))
+    )
     same = audit.compare(reference, shuffled, order="same")
     assert not same.ok and same.problems() == ["order differs"]
     position, expected, got = same.first_order_difference
@@ -124,7 +129,9 @@ def test_drop_last_tail_is_accounted_not_reported_as_loss():
     reference = epoch_of(data.Records(10))
     dropped = epoch_of(data.Records(10), shuffle=True, drop_last=True)
     assert len(dropped) == 8
-    report = audit.compare(reference, dropped, order="shuffled", drop_last=True, batch_size=4, dataset_size=10)
+    report = audit.compare(
+        reference, dropped, order="shuffled", drop_last=True, batch_size=4, dataset_size=10
+    )
     assert report.ok, str(report)
     assert len(report.dropped) == 2 and set(report.dropped) == set(range(10)) - set(dropped.ids.tolist())
     # without saying drop_last, the same two ids are a loss
@@ -150,8 +157,10 @@ def test_two_shuffled_epochs_have_the_same_set_in_a_new_order():
 
 def test_an_order_that_does_not_change_under_shuffling_is_noted():
     ledger = audit.Ledger()
-    epochs = [ledger.run(loader(data.Records(16), shuffle=True, generator=torch.Generator().manual_seed(3)))
-              for _ in range(2)]  # the generator re-seeded every epoch: the same "shuffle" twice
+    epochs = [
+        ledger.run(loader(data.Records(16), shuffle=True, generator=torch.Generator().manual_seed(3)))
+        for _ in range(2)
+    ]  # the generator re-seeded every epoch: the same "shuffle" twice
     report = audit.compare(epochs[0], epochs[1], order="shuffled")
     assert report.ok and any("re-seeded" in note for note in report.notes)
 
@@ -163,6 +172,62 @@ def test_string_ids_are_reported_as_strings():
     report = audit.compare(reference, audit.Epoch(ids=ids, names=reference.names))
     assert report.missing == ["rec-001"]
     assert report.duplicated == {"rec-000": 2}
+
+
+def test_string_ids_name_changed_targets_and_duplicates_with_another_target():
+    reference = epoch_of(data.NamedRecords(8))
+    ids, digests = reference.ids.copy(), reference.digests.copy()
+    digests[2] ^= np.uint64(1)  # rec-002 changed
+    ids[5], digests[5] = ids[4], digests[3]  # rec-004 twice, the copy with rec-003's target; rec-005 lost
+    report = audit.compare(reference, audit.Epoch(ids=ids, digests=digests, names=reference.names))
+    assert report.changed_targets == ["rec-002", "rec-004"]
+    assert report.duplicated == {"rec-004": 2}
+    assert report.missing == ["rec-005"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dense_and_sparse_ids_give_the_same_differences(seed):
+    """Dataset indices take the bitmap path, hashed ids the sort path: same answers, renamed."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    reference = rng.permutation(n)
+    delivered = rng.choice(n + 5, size=int(rng.integers(0, 2 * n)), replace=True)  # losses, repeats, extras
+    ref_digests = rng.integers(0, 4, n).astype(np.uint64)
+    by_id = dict(zip(reference.tolist(), ref_digests.tolist()))
+    digests = np.array([by_id.get(i, 0) ^ int(rng.random() < 0.1) for i in delivered.tolist()], np.uint64)
+    spread = np.int64(0x9E3779B97F4A7C1)  # a bijection on int64: the same structure, sparse
+    dense = audit.compare(
+        audit.Epoch(ids=reference, digests=ref_digests),
+        audit.Epoch(ids=delivered, digests=digests),
+        order="any",
+    )
+    sparse = audit.compare(
+        audit.Epoch(ids=reference * spread, digests=ref_digests),
+        audit.Epoch(ids=delivered * spread, digests=digests),
+        order="any",
+    )
+    assert audit._dense_span(reference, delivered) is not None
+    assert audit._dense_span(reference * spread, delivered * spread) is None
+
+    def rename(values):
+        return sorted(int(v) * int(spread) % 2**64 for v in values)
+
+    def wrap(values):
+        return sorted(int(v) % 2**64 for v in values)
+
+    assert wrap(sparse.missing) == rename(dense.missing)
+    assert wrap(sparse.unexpected) == rename(dense.unexpected)
+    assert wrap(sparse.changed_targets) == rename(dense.changed_targets)
+    assert sorted(sparse.duplicated.values()) == sorted(dense.duplicated.values())
+    assert wrap(sparse.duplicated) == rename(dense.duplicated)
+
+
+def test_when_most_targets_changed_every_changed_id_is_still_named():
+    reference = audit.Epoch(ids=np.arange(100) * 10**15, digests=np.zeros(100, np.uint64))  # sparse
+    other = audit.Epoch(ids=reference.ids[::-1].copy(), digests=np.ones(100, np.uint64))
+    other.digests[:3] = 0  # ids 99, 98, 97 (reversed) unchanged
+    report = audit.compare(reference, other, order="any")
+    assert sorted(report.changed_targets) == [i * 10**15 for i in range(97)]
 
 
 def test_identified_samples_from_with_ids_are_audited_by_index():
@@ -239,7 +304,10 @@ def test_any_one_changed_byte_changes_the_digest(width):
 
 
 def test_the_same_values_in_another_dtype_are_a_change():
-    assert audit._digest_rows(torch.tensor([1, 2]), 2)[0] != audit._digest_rows(torch.tensor([1, 2], dtype=torch.int32), 2)[0]
+    assert (
+        audit._digest_rows(torch.tensor([1, 2]), 2)[0]
+        != audit._digest_rows(torch.tensor([1, 2], dtype=torch.int32), 2)[0]
+    )
 
 
 # --- storage ---------------------------------------------------------------------------------------
@@ -270,7 +338,9 @@ def test_ten_million_ids_fit_in_under_200_mb_and_their_losses_are_found():
     ledger = audit.Ledger(target_key="y")
     for start in range(0, n, chunk):
         ids = (np.arange(start, min(start + chunk, n), dtype=np.int64) * 7919) % n  # a permutation of 0..n-1
-        ledger.record_ids(ids, digests=audit._digest_rows(torch.from_numpy(ids % 1000), ids.size), worker=start % 3)
+        ledger.record_ids(
+            ids, digests=audit._digest_rows(torch.from_numpy(ids % 1000), ids.size), worker=start % 3
+        )
     epoch = ledger.end_epoch()
     assert epoch.ids.nbytes == 80_000_000
     assert epoch.nbytes == 180_000_000 < 200_000_000  # ids, target digests and workers together
@@ -300,17 +370,35 @@ def benchmark(n: int = 10_000_000, batch: int = 4096) -> None:
         ids = (torch.arange(start, min(start + batch, n)) * 7919) % n
         ledger.record({"id": ids, "y": ids % 1000}, worker=(start // batch) % 4)
     epoch = ledger.end_epoch()
-    print(f"record {n:,} ids in batches of {batch}: {time.perf_counter() - started:.2f} s; arrays "
-          f"{epoch.nbytes:,} bytes (ids {epoch.ids.nbytes:,}); peak RSS growth {rss_mb() - base:.0f} MB")
+    print(
+        f"record {n:,} ids in batches of {batch}: {time.perf_counter() - started:.2f} s; arrays "
+        f"{epoch.nbytes:,} bytes (ids {epoch.ids.nbytes:,}); peak RSS growth {rss_mb() - base:.0f} MB"
+    )
     other = audit.Epoch(ids=epoch.ids.copy(), digests=epoch.digests.copy(), workers=epoch.workers)
     other.ids[5] = other.ids[6]
     shuffled = np.random.default_rng(0).permutation(n)
+    sparse = epoch.ids * np.int64(0x9E3779B97F4A7C1)  # spread over the int64 range, as string codes are
     cases = [
         ("check ids against range(n)", lambda: audit.check(audit.Epoch(ids=other.ids), n)),
-        ("compare ids only, same order", lambda: audit.compare(audit.Epoch(ids=epoch.ids), audit.Epoch(ids=other.ids))),
+        (
+            "compare ids only, same order",
+            lambda: audit.compare(audit.Epoch(ids=epoch.ids), audit.Epoch(ids=other.ids)),
+        ),
         ("compare ids + targets + workers, same order", lambda: audit.compare(epoch, other)),
-        ("compare ids + targets, shuffled", lambda: audit.compare(
-            epoch, audit.Epoch(ids=epoch.ids[shuffled], digests=epoch.digests[shuffled]), order="shuffled")),
+        (
+            "compare ids + targets, shuffled",
+            lambda: audit.compare(
+                epoch, audit.Epoch(ids=epoch.ids[shuffled], digests=epoch.digests[shuffled]), order="shuffled"
+            ),
+        ),
+        (
+            "compare sparse ids (64-bit codes, as string ids get) + targets, shuffled",
+            lambda: audit.compare(
+                audit.Epoch(ids=sparse, digests=epoch.digests),
+                audit.Epoch(ids=sparse[shuffled], digests=epoch.digests[shuffled]),
+                order="shuffled",
+            ),
+        ),
     ]
     for name, run in cases:
         started = time.perf_counter()

@@ -30,8 +30,9 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
     from fastcollate import audit
     from tests.audit_datasets import Records
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     dataset = Records(SIZE)
 
     def epoch(sampler) -> audit.Epoch:
@@ -46,7 +47,9 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
     reports["miscounted"] = audit.check_distributed(
         epoch(DistributedSampler(dataset, num_replicas=world + 1, rank=rank, shuffle=False)), expected=SIZE
     )
-    cut = epoch(DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True))
+    cut = epoch(
+        DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    )
     reports["drop_last"] = audit.check_distributed(cut, expected=SIZE, sampler_drop_last=True)
     reports["drop_last_unsaid"] = audit.check_distributed(cut, expected=SIZE)
     dist.barrier()
@@ -58,11 +61,19 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
 @pytest.mark.slow
 def test_ranks_are_gathered_and_checked_against_the_dataset_with_gloo(tmp_path):
     store = tmp_path / "store"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
     ranks = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(rank), str(WORLD), str(store), str(tmp_path)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in range(WORLD)
     ]

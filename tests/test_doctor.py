@@ -47,7 +47,13 @@ def test_a_clean_dataset_passes_every_step(capsys, tmp_path):
     epochs = report["steps"][-1]["epochs"]
     assert [e["samples"] for e in epochs] == [12, 12]
     assert all(e["first_batch_seconds"] is not None for e in epochs)  # start-up shown apart
-    for step in ("1. Representative", "2. Reference", "3. workers=2", "4. Same setting, second epoch", "5. Record sheet"):
+    for step in (
+        "1. Representative",
+        "2. Reference",
+        "3. workers=2",
+        "4. Same setting, second epoch",
+        "5. Record sheet",
+    ):
         assert step in out
     assert "Verdict: OK" in out
 
@@ -107,6 +113,23 @@ def test_a_failing_transform_is_told_apart_from_raw_access(capsys, tmp_path):
     assert "pixel value" not in out
 
 
+def test_a_failure_only_in_workers_names_the_worker_and_points_at_what_workers_receive(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "fails_in_workers")
+    assert status == 1
+    failure = report["failure"]
+    assert (failure["stage"], failure["sample"], failure["worker"]) == ("raw access", "index 9", 0)
+    assert row(report, "workers=0, shuffle=False, batch 4")["ok"] is True
+    assert "only with workers" in report["verdict"]
+
+
+def test_batches_whose_shapes_differ_are_flagged(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "shape_changes_by_batch")
+    assert status == 0  # nothing lost or changed between settings: a warning, not a failure
+    assert "batch 1 differs from batch 0 in 'x' (torch.uint8 [3, 16, 16] -> torch.uint8 [1, 16, 16])" in out
+    assert "shapes vary" in row(report, "workers=0, shuffle=False, batch 4")["conclusion"]
+    assert any("Contract" in note for note in report["notes"])
+
+
 # --- data lost, duplicated or changed ---------------------------------------------------------------
 
 
@@ -116,6 +139,13 @@ def test_a_target_changed_in_workers_fails_with_its_id(capsys, tmp_path):
     first = report["steps"][-1]["epochs"][0]["report"]
     assert first["changed_targets"] == {"count": 1, "ids": [5]}
     assert row(report, "workers=2")["conclusion"].startswith("DATA DIFFERS: 1 with changed targets")
+
+
+def test_targets_option_chooses_what_is_compared(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "targets_change", "--targets", "x")
+    assert status == 0 and report["targets"] == ["x"]  # y changes, but only x is compared
+    status, _, report = run(capsys, tmp_path, "targets_change", "--targets", "all")
+    assert status == 1 and report["targets"] == ["x", "y"]
 
 
 def test_a_stale_cache_in_workers_is_a_loss_and_a_duplicate(capsys, tmp_path):
@@ -181,8 +211,19 @@ def test_a_factory_that_does_not_load_is_a_usage_error(capsys):
 def test_the_command_runs_from_python_dash_m(tmp_path):
     path = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, "-m", "fastcollate", "doctor", f"{DATASETS}:one_channel_fourth", "--json", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "fastcollate",
+            "doctor",
+            f"{DATASETS}:one_channel_fourth",
+            "--json",
+            str(path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1, result.stderr
     assert "collate failed at id 3, field 'x'" in result.stdout

@@ -94,8 +94,9 @@ class DeviceLoader:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self._copy_stream = torch.cuda.Stream(self.device)
-            # depth slots in flight, one being filled: more would only hold pinned memory idle.
-            self._ring = StagingRing(max_slots=depth + 1, pinned=True)
+            # One slot per batch in flight: a slot frees as soon as its copy ends (the host batch is
+            # dropped when staged), and acquire waits for that copy rather than allocate past the bound.
+            self._ring = StagingRing(max_slots=depth, pinned=True)
             if record_copy_events:
                 self.copy_events = deque(maxlen=4096)
         elif self.device.type != "cpu":

@@ -1,0 +1,254 @@
+"""The GPU benchmark behind the README's GPU figures: DeviceLoader against the default path, in one run.
+
+    python benchmarks/gpu_bench.py --out DIR [--quick]
+
+Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 256):
+- samples/s of a transfer-bound loop (light model) and a compute-bound loop (heavier model) for
+  DataLoader(pin_memory=True) + .to(non_blocking=True) against assemble + DeviceLoader, workers 0, 2, 4;
+- DeviceLoader's host-to-device GB/s (its copy events) against a bare pinned copy_ of the same bytes;
+- the pipelined step time against max(copy time, compute time);
+- pinned bytes held against depth x batch bytes, and pinned allocations after warm-up.
+Every repetition's values are kept under "runs"; tables show medians. Without a GPU it runs the same
+loops on the CPU with tiny sizes (to check the script end to end) and reports the GPU figures as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+import fastcollate
+from fastcollate import DeviceLoader, Normalize, assemble
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class Images(Dataset):
+    """uint8 images from a small pool of distinct random ones (so workers do real stacking work)."""
+
+    def __init__(self, n: int, size: int, pool: int = 32, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.pool = torch.randint(0, 256, (pool, 3, size, size), dtype=torch.uint8, generator=generator)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        return {"id": index, "image": self.pool[index % len(self.pool)], "label": index % 1000}
+
+
+def light_model() -> nn.Module:
+    """Little compute per byte: the loop is bound by getting the batch onto the device."""
+    return nn.Sequential(nn.Conv2d(3, 8, 8, stride=8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
+def heavy_model() -> nn.Module:
+    """Enough compute per batch that the copy can hide behind it."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, padding=1), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Conv2d(64, 64, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_default(dataset, model, workers, batch_size, steps, warmup, device):
+    """DataLoader(pin_memory=True) + .to(non_blocking=True) on the current stream, normalize on device."""
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=default_collate,
+                        pin_memory=device.type == "cuda", persistent_workers=False)
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+    seen = 0
+    start = None
+    for step, batch in enumerate(loader):
+        if step == warmup:
+            sync(device)
+            start = time.perf_counter()
+        images = batch["image"].to(device, non_blocking=True)
+        images = (images.float() / 255 - mean) / std
+        model(images)
+        if step >= warmup:
+            seen += images.shape[0]
+        if step == warmup + steps - 1:
+            break
+    sync(device)
+    return seen / (time.perf_counter() - start)
+
+
+def run_device_loader(dataset, model, workers, batch_size, steps, warmup, device, depth=2):
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=assemble)
+    device_loader = DeviceLoader(loader, device=device, depth=depth, record_copy_events=device.type == "cuda",
+                                 transforms={"image": Normalize(MEAN, STD)})
+    seen = 0
+    start = None
+    step_times = []
+    warm_allocations = None
+    last = time.perf_counter()
+    for step, batch in enumerate(device_loader):
+        if step == warmup:
+            sync(device)
+            start = last = time.perf_counter()
+            warm_allocations = device_loader.stats()["pinned_allocations"]
+        model(batch["image"])
+        if step >= warmup:
+            seen += batch["image"].shape[0]
+            now = time.perf_counter()
+            step_times.append(now - last)
+            last = now
+        if step == warmup + steps - 1:
+            break
+    sync(device)
+    elapsed = time.perf_counter() - start
+    stats = device_loader.stats()
+    copy_ms = []
+    if device_loader.copy_events is not None:
+        copy_ms = [s.elapsed_time(e) for s, e in list(device_loader.copy_events)[warmup:]]
+    device_loader.close()
+    return {
+        "samples_per_s": seen / elapsed,
+        "step_ms": [t * 1e3 for t in step_times],
+        "copy_ms": copy_ms,
+        "pinned_bytes": stats["pinned_bytes"],
+        "pinned_allocations_after_warmup": stats["pinned_allocations"] - (warm_allocations or 0),
+        "stats": stats,
+    }
+
+
+def bare_pinned_copy_gbps(nbytes: int, device: torch.device, repeat: int = 20) -> list[float]:
+    source = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for _ in range(repeat + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return rates[3:]
+
+
+def compute_ms(model, batch_size, size, device, repeat=10) -> list[float]:
+    images = torch.randn(batch_size, 3, size, size, device=device)
+    times = []
+    for _ in range(repeat + 2):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(images)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            model(images)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times[2:]
+
+
+def median(values):
+    return statistics.median(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script end to end")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    quick = args.quick or not gpu
+    size, batch_size = (32, 16) if quick else (224, 256)
+    steps, warmup, repeat = (4, 2, 1) if quick else (30, 5, args.repeat)
+    workers = [w for w in args.workers if w <= (os.cpu_count() or 1)]
+    dataset = Images(n=batch_size * (steps + warmup + 2), size=size)
+    batch_bytes = batch_size * 3 * size * size + 2 * batch_size * 8
+    torch.backends.cudnn.benchmark = True
+    models = {"transfer_bound": light_model().to(device), "compute_bound": heavy_model().to(device)}
+    if device.type == "cuda":
+        models = {name: model.to(memory_format=torch.channels_last) for name, model in models.items()}
+
+    runs: list[dict] = []
+    print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu (no GPU: tiny sizes, GPU figures null)'}")
+    print(f"batch {batch_size} x uint8 3x{size}x{size}; {steps} timed steps after {warmup} warm-up; {repeat} repetitions")
+    with torch.inference_mode():
+        for repetition in range(repeat):
+            for loop, model in models.items():
+                for w in workers:
+                    # Interleaved: the default path, then DeviceLoader, at each setting.
+                    default_rate = run_default(dataset, model, w, batch_size, steps, warmup, device)
+                    ours = run_device_loader(dataset, model, w, batch_size, steps, warmup, device)
+                    runs.append({"repetition": repetition, "loop": loop, "workers": w,
+                                 "default_samples_per_s": default_rate, **{k: v for k, v in ours.items() if k != "stats"},
+                                 "device_loader_stats": ours["stats"]})
+                    print(f"  rep {repetition} {loop:<14} workers={w}: default {default_rate:9.0f}/s  "
+                          f"DeviceLoader {ours['samples_per_s']:9.0f}/s  ratio {ours['samples_per_s'] / default_rate:5.2f}")
+        bare = bare_pinned_copy_gbps(batch_bytes, device) if gpu else []
+        compute = {loop: compute_ms(model, batch_size, size, device) for loop, model in models.items()}
+
+    def pick(loop, w, key):
+        return [r[key] for r in runs if r["loop"] == loop and r["workers"] == w]
+
+    speedup = {str(w): median([o / d for o, d in zip(pick("transfer_bound", w, "samples_per_s"),
+                                                        pick("transfer_bound", w, "default_samples_per_s"))])
+               for w in workers}
+    copy_ms = [c for r in runs for c in r["copy_ms"]]
+    loader_gbps = [batch_bytes / (c / 1e3) / 1e9 for c in copy_ms if c > 0]
+    top = max(workers)
+    step_ms = median([median(s) for s in pick("compute_bound", top, "step_ms")])
+    copy_median = median(copy_ms)
+    compute_median = median(compute["compute_bound"])
+    result = {
+        "device": torch.cuda.get_device_name() if gpu else "cpu (no GPU)",
+        "torch": torch.__version__,
+        "fastcollate": fastcollate.__version__,
+        "date": datetime.date.today().isoformat(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "config": {"batch_size": batch_size, "image": [3, size, size], "dtype": "uint8", "steps": steps,
+                   "warmup_steps": warmup, "repetitions": repeat, "workers": workers, "depth": 2},
+        "speedup_vs_default": speedup,
+        "h2d_efficiency": (median(loader_gbps) / median(bare)) if gpu and loader_gbps else None,
+        "h2d_gbps": {"device_loader": median(loader_gbps), "bare_pinned_copy": median(bare)} if gpu else None,
+        "step_over_max_copy_compute": (step_ms / max(copy_median, compute_median)) if gpu and copy_median else None,
+        "step_ms": {"pipelined": step_ms, "copy": copy_median, "compute": compute_median, "workers": top},
+        "pinned_bytes_over_depth_batch": (max(r["pinned_bytes"] for r in runs) / (2 * batch_bytes)) if gpu else None,
+        "pinned_allocs_after_warmup": max(r["pinned_allocations_after_warmup"] for r in runs) if gpu else None,
+        "targets": {"speedup_vs_default": ">= 1.5 at each worker count", "h2d_efficiency": ">= 0.9",
+                    "step_over_max_copy_compute": "<= 1.1", "pinned_bytes_over_depth_batch": "<= 1.1",
+                    "pinned_allocs_after_warmup": "== 0"},
+        "runs": runs,
+        "bare_pinned_copy_gbps_runs": bare,
+        "compute_ms_runs": compute,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = (result["device"].replace(" ", "-").replace("(", "").replace(")", "") + "-" + result["date"]).lower()
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print("\nsummary (medians; targets in brackets):")
+    for key in ("speedup_vs_default", "h2d_efficiency", "step_over_max_copy_compute",
+                "pinned_bytes_over_depth_batch", "pinned_allocs_after_warmup"):
+        print(f"  {key}: {result[key]}  [{result['targets'][key]}]")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,6 @@ help:
 
 .venv/.stamp-deps: requirements.txt
 	test -x .venv/bin/python || python3 -m venv .venv
-	.venv/bin/python -m pip install --quiet --upgrade pip
 	.venv/bin/python -m pip install --quiet -r requirements.txt
 	touch $@
 

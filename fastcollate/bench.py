@@ -110,6 +110,7 @@ def machine_info() -> dict[str, Any]:
         "cpus_total": os.cpu_count(),
         "memory_bytes": None,
         "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "gpu": None,
     }
     try:
@@ -221,6 +222,27 @@ def _shm_used_bytes() -> int | None:
         st = os.statvfs("/dev/shm")
         return (st.f_blocks - st.f_bfree) * st.f_frsize
     except OSError:
+        return None
+
+
+def raw_pinned_copy_gbps(nbytes: int, device: torch.device, repeats: int = 10) -> float | None:
+    """The host link's reference in this run: one pinned buffer of ``nbytes`` copied to ``device``
+    ``repeats`` times, timed with CUDA events; the median, in GB/s (1e9 bytes)."""
+    if device.type != "cuda" or nbytes <= 0:
+        return None
+    try:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(repeats + 2):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dest.copy_(host, non_blocking=True)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return nbytes / (statistics.median(times[2:]) * 1e-3) / 1e9
+    except Exception:
         return None
 
 
@@ -371,11 +393,29 @@ def _shutdown(loader: DataLoader, source: Any) -> None:
     loader._iterator = None
 
 
-def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str) -> dict[str, Any]:
+def tail_batches(variant: Variant, workers: int) -> int:
+    """Batches a configuration can hold in flight past the one being consumed: a DataLoader keeps
+    ``prefetch_factor * workers`` outstanding, a DeviceLoader ``depth`` more. Without that many after
+    the measured batches, the epoch would end inside the measured interval with its last batches made
+    before it began, and the deepest pipeline would look fastest for no reason."""
+    return PREFETCH_FACTOR * workers + (DEVICE_LOADER_DEPTH if variant.transfer == "DeviceLoader" else 0)
+
+
+def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, full: bool = False) -> dict[str, Any]:
     """One epoch of one configuration: timings, ids and targets, memory. Never raises for the
-    configuration's own failure: it is returned as ``"error"``."""
+    configuration's own failure: it is returned as ``"error"``.
+
+    The epoch is the first ``warmup + steps + tail_batches(...)`` batches of the fixed subset (all of
+    it with ``full``, as the reference takes it); an iterable data set is read whole.
+    """
     device = setup.device
-    dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
+    asked = None
+    if setup.indices is None:
+        dataset = setup.dataset
+    else:
+        asked = len(setup.indices) if full else min(
+            len(setup.indices), (setup.warmup + setup.steps + tail_batches(variant, workers)) * setup.batch_size)
+        dataset = Subset(setup.dataset, setup.indices[:asked])
     collate = setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn
     use_device_loader = variant.transfer == "DeviceLoader"
     pin = setup.pin_memory and not use_device_loader
@@ -497,7 +537,11 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str) ->
         pinned_bytes = int(stats.get("pinned_bytes", pinned_bytes) or 0)
         pinned_allocations = int(stats.get("pinned_allocations", pinned_allocations) or 0)
     seconds = (t_end - t_begin) if (t_begin is not None and t_end is not None) else None
-    h2d_ms = [s.elapsed_time(e) for s, e in h2d_events] if h2d_events else []
+    try:
+        _sync(device)
+        h2d_ms = [s.elapsed_time(e) for s, e in h2d_events]
+    except Exception:  # an event never recorded (the run failed before it): no copy times
+        h2d_ms = []
     id_array = torch.cat([i.cpu().reshape(-1) for i in ids]).numpy() if ids else np.empty(0, np.int64)
     target_array = (torch.cat([t.cpu().reshape(-1) for t in targets]).numpy()
                     if targets and sum(t.numel() for t in targets) == id_array.size else None)
@@ -506,6 +550,7 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str) ->
     setup.target_key = target_key
     return {
         "error": error,
+        "asked_samples": asked,
         "batches": batches,
         "measured_steps": len(waits),
         "samples": measured_samples,
@@ -562,9 +607,15 @@ def _jsonable(value: Any) -> Any:
 
 
 def compare_to_reference(run: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
-    """Same ids (as a multiset) and, where both have them, the same target for each id."""
+    """Same ids (as a multiset) and, where both have them, the same target for each id.
+
+    A run asked for the first ``asked_samples`` of the subset is held to the reference's first that
+    many: the reference (workers=0, in order) delivers the subset in its order.
+    """
     got = collections.Counter(run["_ids"].tolist())
-    want = collections.Counter(reference["_ids"].tolist())
+    asked = run.get("asked_samples")
+    expected = reference["_ids"] if asked is None else reference["_ids"][:asked]
+    want = collections.Counter(expected.tolist())
     lost = sum((want - got).values())
     duplicated = sum((got - want).values())
     mismatched = 0
@@ -699,10 +750,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     indices = None
     tail = 0
     if not isinstance(dataset, IterableDataset):
-        # Batches the loader can hold in flight past the consumer. Without that many after the measured
-        # ones, the epoch would end inside the measured interval: its last batches would have been made
-        # before it started, and the deepest pipeline would look fastest for no reason.
-        tail = PREFETCH_FACTOR * max(workers) + DEVICE_LOADER_DEPTH
+        tail = max(tail_batches(v, w) for v in variants for w in workers)
         wanted = (warmup + steps + tail) * batch_size
         if wanted > len(dataset):
             notes.append(f"the data set has {len(dataset)} samples, fewer than warm-up + steps + tail need "
@@ -786,6 +834,7 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[dict[str, Any]
         "targets_mismatched": mismatched,
         "errors": errors,
         "ranked": ok,
+        "tail_batches": tail_batches(variant, workers),
     }
     for unit in ("pixels", "tokens"):
         values = [r.get(f"{unit}_per_s") for r in runs]
@@ -859,7 +908,7 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
             if setup.device.type != "cuda":
                 h2d = "no GPU"
             elif e["transfer"] == "DeviceLoader":
-                h2d = "side stream"
+                h2d = f"{_fmt_ms(e['h2d_ms_p50'])} (copy stream)"
             else:
                 h2d = _fmt_ms(e["h2d_ms_p50"])
             workers_rss = e["peak_rss_workers_bytes"]
@@ -1026,6 +1075,7 @@ def _progress(total: int, disable: bool) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
+    machine = machine_info()  # before the runs: the load average says how busy the machine was
     setup = resolve(args)
     out = args.out or Path(f"fastcollate-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -1033,13 +1083,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     epoch_samples = len(setup.indices) if setup.indices is not None else "all"
     print(f"fastcollate bench: {setup.description}")
     print(f"  transforms: {setup.transforms_note}")
-    print(f"  batch {setup.batch_size}; each run is one epoch over the same {epoch_samples} samples: "
-          f"{setup.warmup} warm-up batches (excluded from timing) + {setup.steps} measured + {setup.tail} "
-          f"untimed (so no pipeline runs dry inside the measured interval); "
-          f"{setup.repeat} runs per configuration, interleaved; median shown")
+    print(f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
+          f"timing) + {setup.steps} measured + the batches the configuration holds in flight, untimed "
+          f"({PREFETCH_FACTOR} x workers, +{DEVICE_LOADER_DEPTH} with DeviceLoader), so no pipeline runs dry "
+          f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
+          f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown")
     print(f"  workers {setup.workers}; device {setup.device}; observations: {', '.join(setup.observations)}")
     if "integrated" in setup.observations:
         print(f"  model: {setup.model_note}")
+    load = machine["load_average"]
+    if load and load[0] > machine["cpus_usable"]:
+        setup.notes.append(f"the machine was busy at the start (load average {load[0]:.1f} on "
+                           f"{machine['cpus_usable']} CPUs): expect noisy numbers")
     for note in setup.notes:
         print(f"  note: {note}")
 
@@ -1055,7 +1110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reference = None
         else:
             bar.set_postfix_str("reference: default_collate, 0 workers")
-            reference = run_epoch(setup, variants["default"], 0, "loader")
+            reference = run_epoch(setup, variants["default"], 0, "loader", full=True)
             bar.update(1)
         for round_index in range(setup.repeat):
             # Alternate the order between rounds, so a slow drift of a noisy machine does not favour one config.
@@ -1065,7 +1120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for observation, variant_key, workers in ordered:
                 bar.set_postfix_str(f"{observation} {variants[variant_key].label}, {workers} workers, "
                                     f"run {round_index + 1}/{setup.repeat}")
-                run = run_epoch(setup, variants[variant_key], workers, observation)
+                is_reference = reference is None  # the first run: workers=0 default path, whole subset
+                run = run_epoch(setup, variants[variant_key], workers, observation, full=is_reference)
                 run["round"] = round_index
                 if reference is None:
                     reference = run
@@ -1078,6 +1134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  note: the reference epoch itself failed ({reference['error']}): nothing is comparable")
 
     entries = [summarize(setup, key, runs[key]) for key in configs]
+    limits: dict[str, Any] = {}
+    if setup.device.type == "cuda" and reference is not None and reference["measured_steps"]:
+        batch_bytes = int(reference["bytes"] / reference["measured_steps"])
+        limits = {"batch_bytes": batch_bytes, "raw_pinned_h2d_GBps": raw_pinned_copy_gbps(batch_bytes, setup.device)}
+        for e in entries:
+            if e["h2d_ms_p50"]:
+                e["h2d_GBps"] = batch_bytes / (e["h2d_ms_p50"] * 1e-3) / 1e9
+                if limits["raw_pinned_h2d_GBps"]:
+                    e["h2d_vs_raw_pinned"] = e["h2d_GBps"] / limits["raw_pinned_h2d_GBps"]
+        if limits["raw_pinned_h2d_GBps"]:
+            print(f"  raw pinned copy of one batch ({_fmt_bytes(batch_bytes)}): "
+                  f"{limits['raw_pinned_h2d_GBps']:.1f} GB/s (the host link's reference in this run)")
     table = format_table(setup, entries)
     print(table)
     print()
@@ -1089,7 +1157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "command": "python -m fastcollate bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine,
         "versions": versions(),
         "config": {
             "data": setup.name,
@@ -1116,6 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "warmup_steps": setup.warmup,
         "notes": setup.notes,
+        "limits": limits,
         "reference": {
             "config": "default_collate, 0 workers, loader-only, first run",
             "samples": int(reference["_ids"].size) if reference is not None else 0,
@@ -1124,6 +1193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "configs": entries,
         "elapsed_s": time.perf_counter() - started,
+        "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     (out / "results.json").write_text(json.dumps(_jsonable(result), indent=1))
     (out / "table.txt").write_text(table.lstrip("\n") + "\n")

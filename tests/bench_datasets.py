@@ -48,3 +48,16 @@ class Tiny(Dataset):
 def tiny(size: int = 96) -> dict:
     """The factory form that returns a mapping: a data set and a batch size."""
     return {"dataset": Tiny(size), "batch_size": 16}
+
+
+class WrongIdInWorkers(Tiny):
+    """Map-style, but in a worker sample 3 comes back as sample 4: one lost, one duplicated."""
+
+    def __getitem__(self, index: int) -> dict:
+        if get_worker_info() is not None and index == 3:
+            index = 4
+        return _sample(index)
+
+
+def wrong_id_in_workers() -> WrongIdInWorkers:
+    return WrongIdInWorkers(24)

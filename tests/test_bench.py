@@ -125,6 +125,20 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
     assert "LOST 1" in out and "FLAGGED, not ranked" in out
 
 
+def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_and_duplicated(tmp_path):
+    status = bench.main(["--dataset", "tests.bench_datasets:wrong_id_in_workers", "--batch-size", "4", "--steps",
+                         "2", "--warmup", "1", "--repeat", "1", "--workers", "0", "1", "--observation", "loader",
+                         "--no-progress", "--out", str(tmp_path)])
+    assert status == 1
+    result = json.loads((tmp_path / "results.json").read_text())
+    for c in result["configs"]:
+        if c["workers"] == 0:
+            assert c["ids_match_reference"] and c["ranked"]
+        else:  # each run asks for a prefix of the subset (its own untimed tail) that holds sample 3
+            assert not c["ranked"] and c["lost"] == 1 and c["duplicated"] == 1
+            assert c["runs"][0]["check"]["lost_ids"] == [3] and c["runs"][0]["check"]["duplicated_ids"] == [4]
+
+
 def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
     status = bench.main(["--dataset", f"{HELPERS}:tiny", "--steps", "2", "--warmup", "1", "--repeat", "1",
                          "--workers", "0", "--no-progress", "--out", str(tmp_path)])
@@ -176,7 +190,7 @@ def test_quick_takes_few_steps_and_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     setup = bench.resolve(_args(quick=True, size=1000))
     assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 2, 3, [0, 2])
-    assert setup.tail == 2 * 2 + 2, "enough untimed batches that no prefetch runs dry while timed"
+    assert setup.tail == 2 * 2 + 2, "the deepest pipeline: 2 workers x prefetch 2, + DeviceLoader depth 2"
     assert setup.indices is not None and len(setup.indices) == (4 + 2 + setup.tail) * 32
 
 

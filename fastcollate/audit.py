@@ -39,6 +39,9 @@ MAIN_PROCESS = -1
 UNKNOWN_WORKER = -2
 """The worker id recorded when a loader's batches carry no worker tag."""
 
+MAX_NAMED_SOURCES = 10_000
+"""Duplicated ids whose copies' workers (or ranks) a report names; the rest are counted."""
+
 Order = Literal["same", "shuffled", "any"]
 
 
@@ -198,7 +201,7 @@ class Epoch:
         with np.load(path, allow_pickle=True) as data:
             names = None
             if "name_codes" in data:
-                names = {int(c): str(v) for c, v in zip(data["name_codes"], data["name_values"])}
+                names = {int(c): str(v) for c, v in zip(data["name_codes"], data["name_values"], strict=True)}
             return cls(
                 ids=data["ids"],
                 digests=data["digests"] if "digests" in data else None,
@@ -256,7 +259,7 @@ def _id_codes(value: Any, names: dict[int, str]) -> tuple[np.ndarray, str]:
         array = np.array([value])
     elif isinstance(value, Sequence) and value and all(isinstance(v, (str, bytes)) for v in value):
         codes = np.fromiter((string_code(v) for v in value), np.int64, len(value))
-        for code, text in zip(codes.tolist(), value):
+        for code, text in zip(codes.tolist(), value, strict=True):
             names[code] = text if isinstance(text, str) else text.decode(errors="replace")
         return codes, "str"
     elif isinstance(value, Sequence):
@@ -360,17 +363,13 @@ class Ledger:
             (``"y"``, ``("y", "boxes")``); None records ids only. A digest covers the field's bytes
             as collated, so a padded field's digest depends on its batch's longest sample: digest
             fixed-size targets, or compare only settings that batch identically.
-        label: a name for reports (``"workers=0"``).
     """
 
-    def __init__(
-        self, id_key: str = "id", target_key: str | Sequence[str] | None = None, *, label: str = ""
-    ) -> None:
+    def __init__(self, id_key: str = "id", target_key: str | Sequence[str] | None = None) -> None:
         self.id_key = id_key
         self.target_keys: tuple[str, ...] = (
             () if target_key is None else (target_key,) if isinstance(target_key, str) else tuple(target_key)
         )
-        self.label = label
         self.epochs: list[Epoch] = []
         self._open = False
         self._id_kind: str | None = None
@@ -407,7 +406,8 @@ class Ledger:
         except (KeyError, IndexError, TypeError):
             raise KeyError(
                 f"the batch has no ids at {self.id_key!r}. Give samples an id (fastcollate.with_ids(dataset) "
-                "for a map-style dataset; an id field yielded by an IterableDataset) or set Ledger(id_key=...)"
+                "for a map-style dataset; an id field yielded by an IterableDataset) or set "
+                "Ledger(id_key=...)"
             ) from None
         digests = None
         if self.target_keys:
@@ -651,7 +651,8 @@ class AuditReport:
             )
         if self.padded:
             lines.append(
-                f"  repeated by the sampler's padding, accounted ({len(self.padded)}): {_few(list(self.padded))}"
+                f"  repeated by the sampler's padding, accounted ({len(self.padded)}): "
+                f"{_few(list(self.padded))}"
             )
         lines.append("  targets: " + ("compared" if self.targets_compared else "not compared (ids only)"))
         lines += [f"  note: {note}" for note in self.notes]
@@ -975,12 +976,15 @@ def compare(
     if diff.reference_repeats:
         notes.append(f"the reference itself repeated {diff.reference_repeats} deliveries")
 
-    duplicated = dict(zip(label(diff.duplicated_ids), (int(c) for c in diff.duplicated_counts)))
+    duplicated = dict(zip(label(diff.duplicated_ids), diff.duplicated_counts.tolist(), strict=True))
     surplus = int(np.sum(diff.duplicated_counts - 1))
     sources: dict = {}
     if duplicated and other.workers is not None:
-        copies = _copies_by_source(other, diff.duplicated_ids, diff.duplicated_counts)
-        sources = {sample: tuple(int(w) for w in ws) for sample, ws in zip(duplicated, copies)}
+        named = slice(0, MAX_NAMED_SOURCES)  # naming every copy of millions of ids helps nobody
+        copies = _copies_by_source(other, diff.duplicated_ids[named], diff.duplicated_counts[named])
+        sources = {sample: tuple(ws.tolist()) for sample, ws in zip(list(duplicated)[named], copies, strict=True)}
+        if len(duplicated) > MAX_NAMED_SOURCES:
+            notes.append(f"{source_kind}s named for the first {MAX_NAMED_SOURCES:,} duplicated ids only")
     padded: dict = {}
     if duplicated and surplus <= allowed_repeats:
         padded, duplicated = duplicated, {}

@@ -420,7 +420,7 @@ def _signature(batch: Any, path: str = "") -> dict[str, str]:
     if isinstance(batch, Mapping):
         items = batch.items()
     elif isinstance(batch, tuple) and hasattr(type(batch), "_fields"):
-        items = zip(type(batch)._fields, batch)
+        items = zip(type(batch)._fields, batch, strict=True)
     elif isinstance(batch, (list, tuple)):
         items = enumerate(batch)
     else:
@@ -495,7 +495,7 @@ class Doctor:
         self.stream_ids: list | None = None
         self.shapes_vary = False
         self.failure: Failure | None = None
-        self.data_problem = False
+        self.data_problems: list[str] = []
         self.unverified: str | None = None
 
     # -- the whole checklist ----------------------------------------------------------------------
@@ -617,7 +617,7 @@ class Doctor:
             if index == 0 and sample_id(sample, self.id_key) is None:
                 self.dataset = with_ids(self.dataset, self.id_key)
                 self.ids_are_indices = True
-                note = f"samples carry no {self.id_key!r}: their dataset index is their id (fastcollate.with_ids)"
+                note = f"samples carry no {self.id_key!r}: their dataset index is their id (with_ids)"
                 self.notes.append(note)
                 self.say(f"   note: {note}")
                 sample = self.dataset[index]
@@ -679,7 +679,10 @@ class Doctor:
                 + (" (--targets to change)" if self.targets else "")
             )
         else:
-            note = "no target field recognised (y, label, target...): ids only are compared; --targets KEY names one"
+            note = (
+                "no target field recognised (y, label, target...): ids only are compared; "
+                "--targets KEY names one"
+            )
             self.notes.append(note)
             self.say(f"   note: {note}")
 
@@ -704,12 +707,12 @@ class Doctor:
         if run.notes:
             self.shapes_vary = True
             self.notes.append(
-                "shapes or dtypes vary from batch to batch (step 2): declare a Contract (fastcollate.Contract) "
+                "shapes or dtypes vary from batch to batch (step 2): declare a fastcollate.Contract "
                 "if they must not, or padding if they may"
             )
         self.say(f"   {len(epoch)} samples in {epoch.batches} batches, {_seconds(epoch)}")
         if problems:
-            self.data_problem = True
+            self.data_problems.append(f"the reference: {', '.join(problems)}")
             self.say("   " + str(report).replace("\n", "\n   "))
         else:
             self.say(f"   every id delivered once ({report.expected} ids)")
@@ -763,7 +766,7 @@ class Doctor:
             self.say(f"   {len(epoch)} samples in {epoch.batches} batches, {_seconds(epoch)}")
             self.say("   " + str(report).replace("\n", "\n   "))
             if not report.ok:
-                self.data_problem = True
+                self.data_problems.append(f"workers={self.workers} epoch {number}: {_summary(report)}")
         ref_rate = _rate(reference)
         if run.epochs:
             first = run.epochs[0]
@@ -801,7 +804,7 @@ class Doctor:
                         "steady_samples_per_second": e.steady_samples_per_second,
                         "report": r.to_dict(),
                     }
-                    for n, (e, r) in enumerate(zip(run.epochs, reports), start=1)
+                    for n, (e, r) in enumerate(zip(run.epochs, reports, strict=True), start=1)
                 ],
             }
         )
@@ -969,9 +972,11 @@ class Doctor:
             else:
                 text += ". Fix it with workers=0 first: the traceback is readable there."
             return text, EXIT_PROBLEM
-        if self.data_problem:
+        if self.data_problems:
             return (
-                "FAIL: data lost, duplicated or changed (see above): do not adopt this setting",
+                "FAIL: data lost, duplicated or changed: "
+                + "; ".join(self.data_problems)
+                + ". Do not adopt this setting.",
                 EXIT_PROBLEM,
             )
         if self.unverified:
@@ -1007,12 +1012,31 @@ def _speed(epoch: audit.Epoch, reference_rate: float | None) -> str:
 def _startup(first: audit.Epoch, second: audit.Epoch, persistent: bool) -> str:
     if first.first_batch_seconds is None or second.first_batch_seconds is None:
         return ""
-    text = f"first batch {_duration(second.first_batch_seconds)} (epoch 1: {_duration(first.first_batch_seconds)})"
+    text = (
+        f"first batch {_duration(second.first_batch_seconds)} "
+        f"(epoch 1: {_duration(first.first_batch_seconds)})"
+    )
     rate1, rate2 = first.steady_samples_per_second, second.steady_samples_per_second
     if rate1 and rate2:
         text += f", then {rate2:,.0f} samples/s (epoch 1: {rate1:,.0f})"
     text += "; workers kept" if persistent else "; workers restarted"
     return text
+
+
+def _summary(report: audit.AuditReport) -> str:
+    """``1 missing (id 7), 1 duplicated (id 6)``: the problems with their first ids."""
+    parts = []
+    for name, ids in (
+        ("missing", report.missing),
+        ("duplicated", list(report.duplicated)),
+        ("unexpected", report.unexpected),
+        ("with changed targets", report.changed_targets),
+    ):
+        if ids:
+            parts.append(f"{len(ids)} {name} (id{'s' if len(ids) > 1 else ''} {audit._few(ids, 3)})")
+    if report.order == "same" and report.order_differs:
+        parts.append("order differs")
+    return ", ".join(parts)
 
 
 def _conclusion(report: audit.AuditReport, detail: str) -> str:

@@ -982,7 +982,9 @@ def compare(
     if duplicated and other.workers is not None:
         named = slice(0, MAX_NAMED_SOURCES)  # naming every copy of millions of ids helps nobody
         copies = _copies_by_source(other, diff.duplicated_ids[named], diff.duplicated_counts[named])
-        sources = {sample: tuple(ws.tolist()) for sample, ws in zip(list(duplicated)[named], copies, strict=True)}
+        sources = {
+            sample: tuple(ws.tolist()) for sample, ws in zip(list(duplicated)[named], copies, strict=True)
+        }
         if len(duplicated) > MAX_NAMED_SOURCES:
             notes.append(f"{source_kind}s named for the first {MAX_NAMED_SOURCES:,} duplicated ids only")
     padded: dict = {}

@@ -193,7 +193,7 @@ def test_dense_and_sparse_ids_give_the_same_differences(seed):
     reference = rng.permutation(n)
     delivered = rng.choice(n + 5, size=int(rng.integers(0, 2 * n)), replace=True)  # losses, repeats, extras
     ref_digests = rng.integers(0, 4, n).astype(np.uint64)
-    by_id = dict(zip(reference.tolist(), ref_digests.tolist()))
+    by_id = dict(zip(reference.tolist(), ref_digests.tolist(), strict=True))
     digests = np.array([by_id.get(i, 0) ^ int(rng.random() < 0.1) for i in delivered.tolist()], np.uint64)
     spread = np.int64(0x9E3779B97F4A7C1)  # a bijection on int64: the same structure, sparse
     dense = audit.compare(

@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import importlib.util
 import json
 import os
 import signal
@@ -1074,21 +1073,16 @@ def _guess_targets(sample: Any) -> list[str]:
 def load_dataset(spec: str) -> Dataset:
     """``module:factory`` (or ``path/to/file.py:factory``): the factory's dataset. A factory is a
     callable returning a Dataset; a Dataset object there is taken as it is."""
-    module_name, _, attribute = spec.partition(":")
+    module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ValueError(f"expected module:factory, got {spec!r}")
-    if module_name.endswith(".py"):
-        loader_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ImportError(f"cannot load {module_name}")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[loader_spec.name] = module  # so spawned workers can unpickle its classes
-        loader_spec.loader.exec_module(module)
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
-    target = module
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = os.path.abspath(module_name)
+        sys.path.insert(0, os.path.dirname(path))  # imported by name, so spawned workers can import it too
+        module_name = os.path.splitext(os.path.basename(path))[0]
+    elif os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    target: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)
     dataset = target if isinstance(target, Dataset) or not callable(target) else target()

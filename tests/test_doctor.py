@@ -208,6 +208,14 @@ def test_a_factory_that_does_not_load_is_a_usage_error(capsys):
     assert "cannot load" in capsys.readouterr().err
 
 
+def test_a_factory_in_a_file_is_loaded_by_path(capsys, tmp_path):
+    (tmp_path / "my_data.py").write_text(
+        "from tests.audit_datasets import Records\n\ndef make():\n    return Records(6)\n"
+    )
+    assert doctor.main([f"{tmp_path / 'my_data.py'}:make", "--batch-size", "2", "--workers", "1"]) == 0
+    assert "Records (map-style, 6 samples)" in capsys.readouterr().out
+
+
 def test_the_command_runs_from_python_dash_m(tmp_path):
     path = tmp_path / "report.json"
     result = subprocess.run(

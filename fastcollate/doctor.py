@@ -157,14 +157,19 @@ class _Board:
         row[3] += 1
 
     def stuck_at(self, unit: str) -> str:
-        """The step waited on longest, as ``"index 5 in worker 1"``; ``"an unknown step"`` if none."""
+        """The step waited on longest, as ``"index 5 (...) in worker 1"``."""
         active = [
             (started, slot, step, where)
             for slot, (step, where, started, steps) in enumerate(self.cells.tolist())
             if steps and step in (_ACCESS, _COLLATE)
         ]
         if not active:
-            return "an unknown step"
+            started_any = any(steps for _, _, _, steps in self.cells.tolist())
+            return (
+                "an unknown step"
+                if started_any
+                else "start-up (no process had begun reading: slow worker start?)"
+            )
         _, slot, step, where = min(active)
         who = "the main process" if slot == 0 else f"worker {slot - 1}"
         what = f"{unit} {int(where)} (raw access and transform)" if step == _ACCESS else "collate"

@@ -1044,7 +1044,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
     parser.add_argument("--model-width", type=int, help="CNN width (default 32 on a GPU, as the study; 8 on a CPU)")
     parser.add_argument("--seed", type=int, default=0, help="data and model seed (default 0)")
-    parser.add_argument("--out", type=Path, help="output folder (default: a new ./fastcollate-bench-<time>)")
+    parser.add_argument("--out", type=Path,
+                        help="output folder (default: a new ./bench-out-<time>, which .gitignore skips)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -1077,7 +1078,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     machine = machine_info()  # before the runs: the load average says how busy the machine was
     setup = resolve(args)
-    out = args.out or Path(f"fastcollate-bench-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or Path(f"bench-out-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
     epoch_samples = len(setup.indices) if setup.indices is not None else "all"

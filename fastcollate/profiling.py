@@ -72,7 +72,7 @@ def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace
     done = 0
     try:
         for _ in range(setup.warmup):
-            batch = _next_batch(iterator, setup, device, device_loader, profiled=False)
+            batch = _next_batch(iterator, setup, device, device_loader)
             if batch is None:
                 break
             if step is not None:
@@ -81,7 +81,7 @@ def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace
         bench._sync(device)
         with profile(activities=activities) as prof:
             for _ in range(setup.steps):
-                batch = _next_batch(iterator, setup, device, device_loader, profiled=True)
+                batch = _next_batch(iterator, setup, device, device_loader)
                 if batch is None:
                     break
                 with record_function("compute"):
@@ -97,8 +97,7 @@ def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace
     return {"steps_run": done}
 
 
-def _next_batch(iterator: Any, setup: bench.Setup, device: torch.device, device_loader: bool,
-                profiled: bool) -> Any:
+def _next_batch(iterator: Any, setup: bench.Setup, device: torch.device, device_loader: bool) -> Any:
     if device_loader:
         try:
             return next(iterator)  # DeviceLoader records batch_wait and h2d_transfer itself
@@ -236,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
     parser.add_argument("--model-width", type=int)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="output folder (default: a new ./fastcollate-profile-<time>)")
+    parser.add_argument("--out", type=Path,
+                        help="output folder (default: a new ./bench-out-profile-<time>, which .gitignore skips)")
     return parser
 
 
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_width=args.model_width, seed=args.seed,
     )
     setup = bench.resolve(bench_args)
-    out = args.out or Path(f"fastcollate-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or Path(f"bench-out-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     variants = {v.key: v for v in setup.variants}
 

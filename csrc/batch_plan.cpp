@@ -1,10 +1,14 @@
 #include "batch_plan.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
+#include <c10/util/overflows.h>
+#include <pybind11/gil_safe_call_once.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace fastcollate {
@@ -24,11 +28,18 @@ struct PythonHelpers {
   py::object sequence_abc;
   py::object ndarray;
   py::object numpy_generic;
+  py::object numpy_number;  // numpy.number and numpy.bool_: scalars torch.tensor takes like numbers
+  py::object numpy_bool;
   py::object str_type;
+  py::object float64;
 };
 
 const PythonHelpers& helpers() {
-  static PythonHelpers* cached = [] {
+  // Initialised once even when two threads collate first at the same time: a plain function-local
+  // static would deadlock if its initialiser (which imports) gave up the GIL while another thread
+  // waited on the static's guard holding it. Never destroyed: it must outlive the interpreter.
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<PythonHelpers*> storage;
+  return *storage.call_once_and_store_result([] {
     auto* h = new PythonHelpers();
     py::module_ support = py::module_::import("fastcollate._native_support");
     h->contract_error = support.attr("contract_error");
@@ -43,10 +54,12 @@ const PythonHelpers& helpers() {
     py::module_ numpy = py::module_::import("numpy");
     h->ndarray = numpy.attr("ndarray");
     h->numpy_generic = numpy.attr("generic");
+    h->numpy_number = numpy.attr("number");
+    h->numpy_bool = numpy.attr("bool_");
     h->str_type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&PyUnicode_Type));
+    h->float64 = py::module_::import("torch").attr("float64");
     return h;
-  }();
-  return *cached;
+  }).get_stored();
 }
 
 bool is_instance(PyObject* obj, const py::object& type) {
@@ -61,6 +74,38 @@ std::string type_name(PyObject* obj) {
   return Py_TYPE(obj)->tp_name;
 }
 
+// The ContractError kind whose class is also the class of the Python error `error` (TypeError stays a
+// TypeError, ValueError a ValueError, ...), so code written for default_collate's errors still works.
+const char* kind_of(const py::error_already_set& error) {
+  if (error.matches(PyExc_TypeError)) {
+    return "type";
+  }
+  if (error.matches(PyExc_ValueError)) {
+    return "value";
+  }
+  if (error.matches(PyExc_KeyError)) {
+    return "key";
+  }
+  if (error.matches(PyExc_IndexError)) {
+    return "empty";
+  }
+  return "size";
+}
+
+// "TypeError: can't convert ...": the error's first line, short. Torch's messages name types and
+// shapes, never values.
+std::string describe(const py::error_already_set& error) {
+  std::string text = error.what();
+  const size_t newline = text.find('\n');
+  if (newline != std::string::npos) {
+    text.resize(newline);
+  }
+  if (text.size() > 200) {
+    text = text.substr(0, 197) + "...";
+  }
+  return text;
+}
+
 std::string shape_string(at::IntArrayRef sizes) {
   std::ostringstream out;
   out << "[";
@@ -71,10 +116,34 @@ std::string shape_string(at::IntArrayRef sizes) {
   return out.str();
 }
 
-std::string dtype_string(at::ScalarType dtype) {
+// (1, 16, 16) or (5,): how a shape is written in a Field declaration.
+std::string python_tuple(at::IntArrayRef sizes) {
   std::ostringstream out;
-  out << "torch." << c10::toString(dtype);
-  std::string text = out.str();
+  out << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out << (i ? ", " : "") << sizes[i];
+  }
+  out << (sizes.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+std::string dtype_string(at::ScalarType dtype) {
+  // As Python writes it: torch.int8, not torch.char.
+  switch (dtype) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: break;
+  }
+  std::string text = std::string("torch.") + c10::toString(dtype);
   for (auto& c : text) {
     c = static_cast<char>(std::tolower(c));
   }
@@ -116,6 +185,7 @@ struct Node {
   std::vector<double> floats;
   // Ready: the finished value (strings, leaves left to default_collate).
   py::object ready;
+  bool text = false;  // strings: default_collate returns them as it got them (a tuple inside sequences)
 
   at::Tensor out;  // set by execute()
 };
@@ -142,6 +212,7 @@ class Walk {
   std::unique_ptr<Node> left_to_default(const std::vector<PyObject*>& items, const std::string& path);
   const FieldSpec* leaf_spec(const std::string& path, size_t index) const;
   void check_range(const at::Tensor& value, const FieldSpec& spec, size_t index);
+  void check_cast(const at::Tensor& value, at::ScalarType dtype, const std::string& path, size_t index);
   void check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count);
   void lay_out(Node& node);
 
@@ -228,7 +299,7 @@ std::unique_ptr<Node> Walk::left_to_default(const std::vector<PyObject*>& items,
   for (size_t i = 0; i < items.size(); ++i) {
     values[i] = py::reinterpret_borrow<py::object>(items[i]);
   }
-  node->ready = helpers().default_collate(values, path);
+  node->ready = helpers().default_collate(values, path, batch_);
   return node;
 }
 
@@ -252,10 +323,14 @@ void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t in
   if (!spec.has_range || value.numel() == 0) {
     return;
   }
+  if (value.is_complex()) {
+    fail("type", index, spec.path, "a real dtype (the field declares a range)", dtype_string(value.scalar_type()),
+         "complex values have no order: drop the range or convert the field");
+  }
   at::Tensor contiguous = value.contiguous();
   int64_t bad = -1;
   double bad_value = 0;
-  AT_DISPATCH_ALL_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, contiguous.scalar_type(), "check_range", [&] {
+  AT_DISPATCH_V2(contiguous.scalar_type(), "check_range", AT_WRAP([&] {
     const scalar_t* data = contiguous.const_data_ptr<scalar_t>();
     for (int64_t i = 0; i < contiguous.numel(); ++i) {
       const double v = static_cast<double>(data[i]);
@@ -265,7 +340,8 @@ void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t in
         break;
       }
     }
-  });
+  }), AT_EXPAND(AT_ALL_TYPES), at::kBool, at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+      AT_EXPAND(AT_FLOAT8_TYPES));
   if (bad >= 0) {
     std::ostringstream expected;
     expected << "values in [" << spec.low << ", " << spec.high << ")";
@@ -278,6 +354,31 @@ void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t in
   }
 }
 
+// A declared cast from floating point to an integer dtype must not turn NaN, infinities or values past
+// the dtype's range into arbitrary integers (C++ leaves those conversions undefined).
+void Walk::check_cast(const at::Tensor& value, at::ScalarType dtype, const std::string& path, size_t index) {
+  if (value.scalar_type() == dtype || value.numel() == 0 || !at::isFloatingType(value.scalar_type()) ||
+      !at::isIntegralType(dtype, /*includeBool=*/false)) {
+    return;
+  }
+  const at::Tensor as_double = value.to(at::kDouble);
+  const bool finite = at::isfinite(as_double).all().item<bool>();
+  bool fits = finite;
+  if (finite) {
+    const double low = as_double.min().item<double>();
+    const double high = as_double.max().item<double>();
+    AT_DISPATCH_V2(dtype, "check_cast", AT_WRAP([&] {
+      fits = !c10::overflows<scalar_t, double>(low) && !c10::overflows<scalar_t, double>(high);
+    }), AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
+  }
+  if (!fits) {
+    fail("value", index, path,
+         "values " + dtype_string(dtype) + " can hold (declared cast from " + dtype_string(value.scalar_type()) + ")",
+         finite ? "a value outside that range" : "NaN or an infinity",
+         "fix the value in the dataset, or declare a floating-point dtype");
+  }
+}
+
 std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const std::string& path,
                                     const FieldSpec* spec) {
   const PythonHelpers& h = helpers();
@@ -287,6 +388,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   node->path = path;
   node->inputs.reserve(count);
   bool leave_to_default = false;
+  const bool first_is_tensor = THPVariable_Check(items[0]);
   for (size_t i = 0; i < count; ++i) {
     PyObject* item = items[i];
     if (THPVariable_Check(item)) {
@@ -294,22 +396,51 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       leave_to_default |= !THPVariable_CheckExact(item);  // subclasses keep their own semantics
       continue;
     }
-    if (is_instance(item, h.ndarray)) {
+    const bool array = is_instance(item, h.ndarray);
+    if (spec == nullptr && first_is_tensor) {
+      // default_collate stacks sample 0's tensors with torch.stack, which takes nothing but tensors.
+      fail("type", i, path, "a tensor (like sample 0)", type_name(item),
+           "every sample must give the same type for a field");
+    }
+    if (spec != nullptr && !array) {
+      fail("type", i, path, "a tensor or numpy array", type_name(item));
+    }
+    if (array) {
       const char kind = py::str(py::handle(item).attr("dtype").attr("kind")).cast<std::string>()[0];
       if (kind == 'S' || kind == 'a' || kind == 'U' || kind == 'O') {
         fail("type", i, path, "a numeric numpy array", "a numpy array of dtype kind '" + std::string(1, kind) + "'",
              "numpy arrays of strings or objects cannot become tensors: convert them in the dataset");
       }
-      py::object tensor = h.as_tensor(py::handle(item));
-      node->inputs.push_back(THPVariable_Unpack(tensor.ptr()));
-      plan_.keepalive.push_back(std::move(tensor));
-      continue;
     }
-    if (spec != nullptr || !THPVariable_Check(items[0])) {
-      fail("type", i, path, spec ? "a tensor or numpy array" : "a numpy array (like sample 0)", type_name(item));
+    // A numpy array, or (after sample 0's numpy array) anything: default_collate converts each sample
+    // with torch.as_tensor, and so do we. Its refusals (datetime or big-endian arrays, negative strides,
+    // None) are named here.
+    py::object tensor;
+    try {
+      tensor = h.as_tensor(py::handle(item));
+    } catch (py::error_already_set& error) {
+      fail(kind_of(error), i, path, array ? "a numpy array torch can convert" : "a value torch.as_tensor converts",
+           describe(error), "convert the field to a tensor in the dataset");
     }
-    fail("type", i, path, "a tensor (like sample 0)", type_name(item),
-         "every sample must give the same type for a field");
+    node->inputs.push_back(THPVariable_Unpack(tensor.ptr()));
+    plan_.keepalive.push_back(std::move(tensor));
+  }
+  // Leaves that are not dense CPU tensors are default_collate's (drop-in) or an error (contract). This
+  // comes before any size is read: a nested tensor has none.
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& value = node->inputs[i];
+    const bool dense = value.device().is_cpu() && value.layout() == at::kStrided && !value.is_quantized() &&
+                       !value.is_nested();
+    if (spec == nullptr) {
+      leave_to_default |= !dense || value.requires_grad();
+    } else if (!dense) {
+      fail("type", i, path, "a dense CPU tensor",
+           "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
+               (value.is_nested() ? " (nested)" : value.is_quantized() ? " (quantized)" : ""));
+    }
+  }
+  if (leave_to_default) {
+    return left_to_default(items, path);
   }
 
   const at::Tensor& first = node->inputs[0];
@@ -366,8 +497,8 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
           }
           expected << "]";
           fail("size", i, path, expected.str(), "shape " + shape_string(value.sizes()),
-               "fix the transform, or declare the conversion on the field (e.g. expand_from=" +
-                   shape_string(value.sizes()) + ")");
+               "fix the transform, or declare the conversion on the field (e.g. expand_from=(" +
+                   python_tuple(value.sizes()) + ",))");
         }
         if (ok) {
           for (int64_t d = 0; d < value.dim(); ++d) {
@@ -381,6 +512,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
              "shape " + shape_string(value.sizes()), "declare the field's shape with named variable dims and a pad");
       }
       check_range(value, *spec, i);
+      check_cast(value, dtype, path, i);
     }
     // Named dims: padded to the longest, or equal across the batch.
     if (spec->has_shape) {
@@ -415,7 +547,22 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
                                  !value.is_contiguous() || value.is_conj() || value.is_neg();
   }
   if (node->padded) {
-    node->pad_pattern = element_pattern(spec->pad_value, dtype);
+    try {
+      // Not 1e10 as float16 (inf) or 300 as int8 (44): the pad must be a value of the dtype.
+      if (dtype != at::kBool) {  // any value is a bool
+        bool holds = false;
+        AT_DISPATCH_V2(dtype, "pad_value", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(spec->pad_value); }),
+                       AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+                       AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES));
+        TORCH_CHECK(holds, "pad value out of range");
+      }
+      node->pad_pattern = element_pattern(spec->pad_value, dtype);
+    } catch (const std::exception&) {  // c10::Error, or std::runtime_error from c10's checked conversion
+      std::ostringstream pad;
+      pad << "pad=" << spec->pad_value;
+      fail("value", 0, path, "a pad value " + dtype_string(dtype) + " can hold", pad.str(),
+           "declare a pad value the field's dtype can hold");
+    }
     node->mask_name = spec->mask_name;
     node->lengths_name = spec->lengths_name;
     std::vector<int64_t>& var_dims = node->var_dims;
@@ -425,6 +572,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       }
     }
     node->mask = std::make_unique<Node>();
+    node->mask->path = path;
     node->mask->kind = Node::Kind::Numbers;
     node->mask->dtype = at::kBool;
     node->mask->shape = {static_cast<int64_t>(count)};
@@ -432,6 +580,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       node->mask->shape.push_back(row_shape[d]);
     }
     node->lengths = std::make_unique<Node>();
+    node->lengths->path = path;
     node->lengths->kind = Node::Kind::Numbers;
     node->lengths->dtype = at::kLong;
     node->lengths->shape = {static_cast<int64_t>(count)};
@@ -457,8 +606,8 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
   node->path = path;
   node->shape = {static_cast<int64_t>(items.size())};
   PyObject* elem = items[0];
-  if (spec != nullptr) {
-    node->dtype = spec->has_dtype ? spec->dtype : (PyFloat_Check(elem) ? at::kDouble : at::kLong);
+  if (spec != nullptr && spec->has_dtype) {
+    node->dtype = spec->dtype;
   } else if (PyFloat_Check(elem)) {
     node->dtype = at::kDouble;
   } else if (PyBool_Check(elem)) {
@@ -466,8 +615,14 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
   } else {
     node->dtype = at::kLong;
   }
+  if (at::isComplexType(node->dtype) || at::isQIntType(node->dtype)) {
+    fail("type", 0, path, "a bool, integer or floating-point dtype for a number field",
+         "declared " + dtype_string(node->dtype), "declare the field as a tensor");
+  }
   const bool floating = at::isFloatingType(node->dtype);
   const bool boolean = node->dtype == at::kBool;
+  // A declared dtype narrower than int64/float64 must hold every value: 300 is no int8, 1e6 no float16.
+  const bool narrow = spec != nullptr && node->dtype != at::kLong && node->dtype != at::kDouble && !boolean;
   for (size_t i = 0; i < items.size(); ++i) {
     PyObject* item = items[i];
     const bool is_bool = PyBool_Check(item);
@@ -475,18 +630,45 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
     const bool is_float = PyFloat_Check(item);
     bool accepted = boolean ? is_bool : floating ? (is_float || is_int) : is_int;
     if (!accepted && spec == nullptr) {
-      // Mixed Python numbers (int and float, bool and int): torch.tensor's inference decides, as it
-      // does for default_collate. Anything else is not a number.
-      if (is_bool || is_int || is_float) {
+      // Mixed numbers (int and float, bool and int, Python and numpy scalars, one-element tensors):
+      // torch.tensor's inference decides, as it does for default_collate. Anything else is not a number.
+      const PythonHelpers& h = helpers();
+      auto is_number = [&](PyObject* value) {
+        return (PyLong_Check(value) || PyFloat_Check(value) || THPVariable_Check(value) ||
+                is_instance(value, h.numpy_number) || is_instance(value, h.numpy_bool) ||
+                is_instance(value, h.ndarray)) && !PyUnicode_Check(value) && !PyBytes_Check(value);
+      };
+      if (is_number(item)) {
+        for (size_t j = i + 1; j < items.size(); ++j) {
+          if (!is_number(items[j])) {
+            fail("type", j, path, "a number (like sample 0)", type_name(items[j]),
+                 "return a number for this field in every sample");
+          }
+        }
         node->kind = Node::Kind::Ready;
         py::list values(items.size());
         for (size_t j = 0; j < items.size(); ++j) {
           values[j] = py::reinterpret_borrow<py::object>(items[j]);
         }
-        if (floating) {
-          node->ready = helpers().tensor_from_list(values, py::arg("dtype") = py::module_::import("torch").attr("float64"));
-        } else {
-          node->ready = helpers().tensor_from_list(values);
+        auto convert = [&](const py::list& these) {
+          return floating ? h.tensor_from_list(these, py::arg("dtype") = h.float64) : h.tensor_from_list(these);
+        };
+        try {
+          node->ready = convert(values);
+        } catch (py::error_already_set& error) {
+          // Overflow, most likely: find the sample torch.tensor refuses on its own.
+          size_t bad = i;
+          for (size_t j = 0; j < items.size(); ++j) {
+            py::list one(1);
+            one[0] = py::reinterpret_borrow<py::object>(items[j]);
+            try {
+              convert(one);
+            } catch (py::error_already_set&) {
+              bad = j;
+              break;
+            }
+          }
+          fail(kind_of(error), bad, path, "a number torch.tensor can hold (like sample 0)", describe(error));
         }
         return node;
       }
@@ -498,9 +680,18 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
            type_name(item), "return a number for this field in every sample");
     }
     double as_double = 0;
+    bool out_of_dtype = false;
     if (floating) {
-      as_double = PyFloat_AsDouble(item);
+      as_double = PyFloat_AsDouble(item);  // an int too large for a double fails here
+      if (as_double == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        fail("value", i, path, "a number that fits in float64", "an integer too large for float64");
+      }
       node->floats.push_back(as_double);
+      if (narrow) {
+        AT_DISPATCH_V2(node->dtype, "numbers", AT_WRAP([&] { out_of_dtype = c10::overflows<scalar_t, double>(as_double); }),
+                       AT_EXPAND(AT_FLOATING_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_FLOAT8_TYPES));
+      }
     } else {
       int overflow = 0;
       const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
@@ -509,6 +700,15 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
       }
       as_double = static_cast<double>(value);
       node->ints.push_back(value);
+      if (narrow) {
+        AT_DISPATCH_V2(node->dtype, "numbers", AT_WRAP([&] {
+          out_of_dtype = c10::overflows<scalar_t, int64_t>(static_cast<int64_t>(value), /*strict_unsigned=*/true);
+        }), AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
+      }
+    }
+    if (out_of_dtype) {
+      fail("value", i, path, "a value " + dtype_string(node->dtype) + " can hold (the declared dtype)",
+           "a value outside its range", "declare a wider dtype, or fix the value");
     }
     if (spec != nullptr && spec->has_range && !(as_double >= spec->low && as_double < spec->high)) {
       std::ostringstream expected;
@@ -534,6 +734,7 @@ std::unique_ptr<Node> Walk::texts(const std::vector<PyObject*>& items, const std
     values[i] = py::reinterpret_borrow<py::object>(items[i]);
   }
   node->ready = std::move(values);
+  node->text = true;
   return node;
 }
 
@@ -563,23 +764,43 @@ std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const s
       fail("type", i, path.empty() ? "<sample>" : path, "a mapping (like sample 0)", type_name(item));
     }
     const Py_ssize_t size = PyObject_Length(item);
+    if (size < 0) {
+      throw py::error_already_set();
+    }
     if (size != key_count) {
-      // Find a key one side has and the other lacks, to name it.
+      // Find a key one side has and the other lacks, to name it. Under a contract the sample that
+      // breaks the contract is named: sample 0 when it lacks a declared field or has an undeclared one.
+      auto declared = [&](const std::string& key_path) {
+        return collator_.field(key_path) != nullptr || collator_.is_container_path(key_path);
+      };
       for (const auto& key : node->keys) {
         if (PySequence_Contains(py::handle(item).attr("keys")().ptr(), key.ptr()) != 1) {
-          fail("key", i, child_path(path, py::str(key)), "a value (sample 0 has this field)", "no such field",
+          const std::string key_path = child_path(path, py::str(key));
+          if (collator_.has_contract() && !declared(key_path)) {
+            fail("key", 0, key_path, "no such field (the contract does not declare it)", "a value",
+                 "declare the field in the contract, or remove it in the dataset's transform");
+          }
+          fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
                "every sample must have the same fields");
         }
       }
       for (py::handle key : py::handle(item).attr("keys")()) {
         if (PySequence_Contains(py::handle(elem).attr("keys")().ptr(), key.ptr()) != 1) {
-          fail("key", i, child_path(path, py::str(key)), "no such field (sample 0 lacks it)", "a value",
+          const std::string key_path = child_path(path, py::str(key));
+          if (collator_.has_contract() && declared(key_path)) {
+            fail("key", 0, key_path, "a value (the contract declares this field)", "no such field",
+                 "return the field from the dataset, or remove it from the contract");
+          }
+          fail("key", i, key_path, "no such field (sample 0 lacks it)", "a value",
                "every sample must have the same fields; default_collate would have dropped this one silently");
         }
       }
     }
   }
   std::vector<PyObject*> values(items.size());
+  // The values are held while their subtree is walked: Python code the walk runs (a key's __str__, a
+  // mapping's __getitem__, another thread while it runs) may remove them from their dicts meanwhile.
+  std::vector<py::object> held(items.size());
   py::list owned;  // values fetched through __getitem__ of non-dict mappings are new references
   for (const auto& key : node->keys) {
     const std::string key_path = child_path(path, py::str(key));
@@ -603,6 +824,7 @@ std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const s
              "every sample must have the same fields");
       }
       values[i] = value;
+      held[i] = py::reinterpret_borrow<py::object>(value);
     }
     node->children.push_back(this->node(values, key_path));
   }
@@ -636,7 +858,8 @@ std::unique_ptr<Node> Walk::sequence(const std::vector<PyObject*>& items, const 
     if (!is_sequence) {
       fail("type", i, path.empty() ? "<sample>" : path, "a sequence (like sample 0)", type_name(item));
     }
-    fast[i] = py::reinterpret_steal<py::object>(PySequence_Fast(item, "not a sequence"));
+    // A tuple: its length and items stay fixed while the walk runs Python code (a list could shrink).
+    fast[i] = py::reinterpret_steal<py::object>(PySequence_Tuple(item));
     if (!fast[i]) {
       throw py::error_already_set();
     }
@@ -654,7 +877,11 @@ std::unique_ptr<Node> Walk::sequence(const std::vector<PyObject*>& items, const 
     }
     std::string name = named_tuple ? py::str(py::handle(elem).attr("_fields")[py::int_(k)]).cast<std::string>()
                                    : std::to_string(k);
-    node->children.push_back(this->node(values, child_path(path, name)));
+    auto child = this->node(values, child_path(path, name));
+    if (child->text) {
+      child->ready = py::tuple(child->ready);  // default_collate hands strings back as zip gave them
+    }
+    node->children.push_back(std::move(child));
   }
   for (auto& sequence : fast) {
     plan_.keepalive.push_back(std::move(sequence));
@@ -663,11 +890,19 @@ std::unique_ptr<Node> Walk::sequence(const std::vector<PyObject*>& items, const 
 }
 
 void Walk::lay_out(Node& node) {
-  int64_t numel = 1;
+  // Sizes come from samples (a stride-0 expand can claim any size): the product must not wrap.
+  uint64_t bytes = c10::elementSize(node.dtype);
+  bool overflow = false;
   for (int64_t size : node.shape) {
-    numel *= size;
+    overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(size), &bytes);
   }
-  node.offset = plan_.reserve(static_cast<size_t>(numel) * c10::elementSize(node.dtype));
+  const uint64_t limit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) - 2 * kFieldAlignment;
+  if (overflow || bytes > limit - static_cast<uint64_t>(plan_.nbytes())) {
+    fail("size", 0, node.path.empty() ? "<sample>" : node.path, "a batch that fits in memory",
+         "a batch of shape " + shape_string(node.shape) + " " + dtype_string(node.dtype) + " (over 2^63 bytes)",
+         "check the sample's shape (an expand() can claim any size)");
+  }
+  node.offset = plan_.reserve(static_cast<size_t>(bytes));
 }
 
 }  // namespace
@@ -706,7 +941,7 @@ void write_numbers(Node& node) {
     return;
   }
   // Values were converted to the declared dtype's family when read; cast to its width here.
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, node.dtype, "write_numbers", [&] {
+  AT_DISPATCH_V2(node.dtype, "write_numbers", AT_WRAP([&] {
     auto* out = static_cast<scalar_t*>(dst);
     if (!node.floats.empty()) {
       for (size_t i = 0; i < node.floats.size(); ++i) {
@@ -717,7 +952,8 @@ void write_numbers(Node& node) {
         out[i] = static_cast<scalar_t>(node.ints[i]);
       }
     }
-  });
+  }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+      AT_EXPAND(AT_FLOAT8_TYPES));
 }
 
 // Copies into a padded field: fill with the pad value, then each sample into the top-left corner of its
@@ -887,7 +1123,8 @@ bool Collator::is_container_path(const std::string& path) const {
 std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   auto plan = std::make_shared<BatchPlan>();
   plan->batch = py::reinterpret_borrow<py::object>(samples);
-  py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(samples.ptr(), "samples must be a sequence"));
+  // A tuple of the samples: strong references, whatever Python code the walk runs meanwhile.
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Tuple(samples.ptr()));
   if (!fast) {
     throw py::error_already_set();
   }
@@ -898,9 +1135,12 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
     items[static_cast<size_t>(i)] = PySequence_Fast_GET_ITEM(fast.ptr(), i);
   }
   plan->keepalive.push_back(fast);
-  Walk walk(*this, samples, *plan);
+  Walk walk(*this, fast, *plan);
   plan->root = walk.node(items, "");
   walk.check_all_fields_seen();
+  if (plan->root->text && PyTuple_Check(samples.ptr())) {
+    plan->root->ready = py::tuple(plan->root->ready);  // default_collate returns the batch it got
+  }
   return plan;
 }
 

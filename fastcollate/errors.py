@@ -62,7 +62,7 @@ class ContractError(Exception):
             )
         message = f"{who}, field {field!r}: expected {expected}, got {got}"
         if hint:
-            message += f". {hint}"
+            message += f". {hint[0].upper()}{hint[1:]}"
         super().__init__(message)
 
     def _init_from_text(self, text: str) -> None:
@@ -77,7 +77,8 @@ class ContractError(Exception):
                     self.sample_id = match["id"]
             position = match["position"] or match["position2"]
             self.position = int(position) if position else None
-            self.field, self.expected, self.got = match["field"], match["expected"], match["got"]
+            self.field = ast.literal_eval(match["field"])  # written with !r: any key survives the trip
+            self.expected, self.got = match["expected"], match["got"]
         super().__init__(text)
 
     def __str__(self) -> str:  # KeyError would otherwise print the message quoted
@@ -91,8 +92,10 @@ class ContractError(Exception):
 
 
 _MESSAGE = re.compile(
-    r"sample (?:id=(?P<id>.+?) \(batch position (?P<position>\d+)\)|at batch position (?P<position2>\d+)[^,]*?\))"
-    r", field '(?P<field>[^']*)': expected (?P<expected>.*?), got (?P<got>.*?)(?:\. [A-Z]|$)",
+    r"sample (?:id=(?P<id>.+?) \(batch position (?P<position>\d+)\)|at batch position (?P<position2>\d+)"
+    r"(?: \(samples carry no .*?; wrap the dataset in fastcollate\.with_ids to name them\))?)"
+    r", field (?P<field>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"): expected (?P<expected>.*?), got (?P<got>.*?)"
+    r"(?:\. [A-Z]|$)",
     re.MULTILINE,
 )
 
@@ -135,10 +138,10 @@ def _rebuild(name, sample_id, position, field, expected, got, hint):
 
 def sample_id(sample: Any, id_key: str) -> Any:
     """The id a sample carries under ``id_key`` (a mapping key or an attribute), else None."""
-    if isinstance(sample, Mapping):
-        value = sample.get(id_key)
-    else:
-        value = getattr(sample, id_key, None)
+    try:  # a sample's own code runs here: whatever it raises must not replace the error being built
+        value = sample.get(id_key) if isinstance(sample, Mapping) else getattr(sample, id_key, None)
+    except Exception:  # noqa: BLE001
+        return None
     if hasattr(value, "item"):  # a 0-d tensor or numpy scalar: show the number
         try:
             value = value.item()

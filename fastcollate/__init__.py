@@ -5,7 +5,9 @@
 """
 
 from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
+from . import audit
 from .assemble import Assembler, assemble
+from .audit import AuditReport, Ledger, TagWorker
 from .contract import Contract, Field
 from .device_loader import DeviceLoader
 from .errors import ContractError
@@ -15,14 +17,18 @@ from .transforms import Normalize
 
 __all__ = [
     "Assembler",
+    "AuditReport",
     "Contract",
     "ContractError",
     "DeviceLoader",
     "Field",
     "IdentifiedSample",
+    "Ledger",
     "Normalize",
     "StagingRing",
+    "TagWorker",
     "assemble",
+    "audit",
     "with_ids",
 ]
 

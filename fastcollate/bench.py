@@ -453,8 +453,8 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
     worker_hwm: dict[int, int] = {}
     pss_total = None
     stats: dict[str, Any] = {}
+    t_iter = time.perf_counter()
     try:
-        t_iter = time.perf_counter()
         iterator = iter(source)
         last = setup.warmup + setup.steps
         while True:
@@ -550,6 +550,7 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
     setup.target_key = target_key
     return {
         "error": error,
+        "epoch_s": time.perf_counter() - t_iter,
         "asked_samples": asked,
         "batches": batches,
         "measured_steps": len(waits),
@@ -677,7 +678,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quick = args.quick
     steps = args.steps if args.steps is not None else (4 if quick else 20)
-    warmup = args.warmup if args.warmup is not None else (2 if quick else 3)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     repeat = args.repeat if args.repeat is not None else 3
     if args.workers is not None:
         workers = sorted(set(args.workers))
@@ -1035,7 +1036,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="worker counts (default 0 1 2 4, capped at the usable CPUs; --quick: 0 2)")
     parser.add_argument("--batch-size", type=int, help="default: the preset's (fashion: 256)")
     parser.add_argument("--steps", type=int, help="measured batches per run (default 20; --quick 4)")
-    parser.add_argument("--warmup", type=int, help="batches per run before timing starts (default 3; --quick 2)")
+    parser.add_argument("--warmup", type=int, help="batches per run before timing starts (default 3; --quick 1)")
     parser.add_argument("--repeat", type=int, help="runs per configuration (default 3)")
     parser.add_argument("--quick", action="store_true", help="few steps and workers: under 2 minutes on 2 cores")
     parser.add_argument("--observation", choices=("loader", "integrated", "both"), default="both",

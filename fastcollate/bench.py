@@ -217,6 +217,36 @@ def _children() -> set[int]:
     return kids
 
 
+def _shm_held_bytes(pids: Iterable[int]) -> int | None:
+    """Bytes of the /dev/shm segments these processes map or hold open, each segment once: the batches
+    in flight between workers and the main process (a worker keeps a sent batch's descriptor until the
+    main process takes it). Reads /proc: a millisecond or so, so it is called outside timed intervals."""
+    segments: dict[int, int] = {}
+    readable = False
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        readable = True
+        for line in maps.splitlines():
+            if "/dev/shm/" in line:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inode = int(fields[4])
+                segments[inode] = max(segments.get(inode, 0), end - start)
+        for fd in fds:
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    continue
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            segments[st.st_ino] = max(segments.get(st.st_ino, 0), st.st_blocks * 512)
+    return sum(segments.values()) if readable else None
+
+
 def _shm_used_bytes() -> int | None:
     try:
         st = os.statvfs("/dev/shm")
@@ -427,6 +457,13 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
     rss_reset = _reset_peak_rss()
     shm_base = _shm_used_bytes()
     shm_peak = shm_base
+    shm_ours: int | None = None
+
+    def sample_shm() -> None:  # untimed points only: after warm-up, after the measured steps
+        nonlocal shm_ours
+        mapped = _shm_held_bytes([os.getpid(), *sorted(_children() - children_before)])
+        if mapped is not None:
+            shm_ours = max(shm_ours or 0, mapped)
     loader_kwargs: dict[str, Any] = {}
     if workers > 0:
         loader_kwargs = {"persistent_workers": True, "prefetch_factor": PREFETCH_FACTOR}
@@ -459,6 +496,7 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
         last = setup.warmup + setup.steps
         while True:
             if batches == setup.warmup:
+                sample_shm()
                 _sync(device)
                 t_begin = time.perf_counter()
             t0 = time.perf_counter()
@@ -506,6 +544,8 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
             if batches == last:
                 _sync(device)
                 t_end = time.perf_counter()
+            if batches >= last:
+                sample_shm()
             used = _shm_used_bytes()
             if used is not None and shm_peak is not None:
                 shm_peak = max(shm_peak, used)
@@ -568,7 +608,9 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
         "peak_rss_main_bytes": main_hwm if rss_reset else None,
         "peak_rss_workers_bytes": sorted(worker_hwm.values()),
         "pss_bytes": pss_total,
-        "shm_peak_bytes": (shm_peak - shm_base) if (shm_peak is not None and shm_base is not None) else None,
+        "shm_bytes": shm_ours,
+        "shm_growth_system_bytes": (shm_peak - shm_base) if (shm_peak is not None and shm_base is not None)
+        else None,
         "pinned_bytes": pinned_bytes,
         "pinned_allocations": pinned_allocations,
         "device_loader_stats": _jsonable(stats) if stats else None,
@@ -826,7 +868,8 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[dict[str, Any]
         "peak_rss_workers_bytes": max((r["peak_rss_workers_bytes"] for r in runs),
                                       key=lambda v: sum(v), default=[]),
         "pss_bytes": _max(r["pss_bytes"] for r in runs),
-        "shm_peak_bytes": _max(r["shm_peak_bytes"] for r in runs),
+        "shm_bytes": _max(r["shm_bytes"] for r in runs),
+        "shm_growth_system_bytes": _max(r["shm_growth_system_bytes"] for r in runs),
         "pinned_bytes": _max(r["pinned_bytes"] for r in runs),
         "pinned_allocations": _max(r["pinned_allocations"] for r in runs),
         "ids_match_reference": ok,
@@ -934,7 +977,7 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
                 "-" if spread is None else f"±{spread * 50:.0f}%", _fmt_rate(e.get(unit_key)), speedup,
                 _fmt_ms(e["wait_ms_p50"]), _fmt_ms(e["wait_ms_p95"]), h2d,
                 "-" if e["startup_s"] is None else f"{e['startup_s']:.2f}", rss, _fmt_bytes(e["pss_bytes"]),
-                _fmt_bytes(e["shm_peak_bytes"]), _fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda"
+                _fmt_bytes(e["shm_bytes"]), _fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda"
                 else "no GPU", check,
             ])
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -1152,9 +1195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     print()
     print("  samples/s: samples delivered in the measured steps / their seconds (median over runs; spread: "
-          "half the min-max range); wait: next(loader) time per measured step; start-up: iter() to first batch "
+          "half the min-max range); wait: next(loader) time per measured step (with DeviceLoader it includes "
+          "issuing the copy and the device transforms: asynchronous on a GPU, run in place on a CPU); "
+          "start-up: iter() to first batch "
           "(worker start, reported apart); peak RSS: VmHWM of main + each worker (shared pages counted in each); "
-          "PSS: proportional, the honest sum; shm: /dev/shm growth.")
+          "PSS: proportional, the honest sum; shm: /dev/shm segments held by main + workers, sampled "
+          "after warm-up and over the untimed tail (results.json also has the whole machine's /dev/shm growth).")
 
     result = {
         "command": "python -m fastcollate bench " + " ".join(sys.argv[1:] if argv is None else argv),

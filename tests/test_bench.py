@@ -90,6 +90,7 @@ def test_workers_are_reported_with_their_own_memory_and_start_up(tiny_run):
         assert len(c["peak_rss_workers_bytes"]) == 1
         assert c["peak_rss_bytes"] > c["peak_rss_main_bytes"]
         assert c["startup_s"] is not None
+        assert c["shm_bytes"] > 0, "batches in flight from the worker sit in /dev/shm"
 
 
 def test_terminal_table_names_configs_and_says_no_gpu(tiny_run):

@@ -78,16 +78,34 @@ def test_loader_epoch(benchmark, preset: str, workers: int, variant: str) -> Non
     extra = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
-        loader = DataLoader(dataset, batch_size=spec.batch_size, shuffle=False, num_workers=workers,
-                            collate_fn=collate, pin_memory=DEVICE.type == "cuda" and not device_loader, **extra)
-        source = fastcollate.DeviceLoader(loader, device=DEVICE, transforms=transforms) if device_loader else loader
+        loader = DataLoader(
+            dataset,
+            batch_size=spec.batch_size,
+            shuffle=False,
+            num_workers=workers,
+            collate_fn=collate,
+            pin_memory=DEVICE.type == "cuda" and not device_loader,
+            **extra,
+        )
+        source = (
+            fastcollate.DeviceLoader(loader, device=DEVICE, transforms=transforms)
+            if device_loader
+            else loader
+        )
         benchmark.group = f"loader {preset}, {workers} workers, {DEVICE.type}"
-        benchmark.extra_info.update(preset=preset, workers=workers, variant=variant, device=DEVICE.type,
-                                    samples_per_round=count, batch_size=spec.batch_size)
+        benchmark.extra_info.update(
+            preset=preset,
+            workers=workers,
+            variant=variant,
+            device=DEVICE.type,
+            samples_per_round=count,
+            batch_size=spec.batch_size,
+        )
         try:
             assert _epoch(source, transforms, device_loader) == count  # starts the workers, warms the ring
-            delivered = benchmark.pedantic(_epoch, args=(source, transforms, device_loader), rounds=ROUNDS,
-                                           iterations=1)
+            delivered = benchmark.pedantic(
+                _epoch, args=(source, transforms, device_loader), rounds=ROUNDS, iterations=1
+            )
         finally:
             if device_loader:
                 source.close()

@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import datetime as _dt
 import importlib
-import importlib.util
 import inspect
 import json
 import os
@@ -153,9 +152,15 @@ def versions() -> dict[str, Any]:
             out[name] = None
     try:
         root = Path(fastcollate.__file__).resolve().parent.parent
-        out["fastcollate_commit"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        out["fastcollate_commit"] = (
+            subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         pass
     return out
@@ -431,7 +436,9 @@ def tail_batches(variant: Variant, workers: int) -> int:
     return PREFETCH_FACTOR * workers + (DEVICE_LOADER_DEPTH if variant.transfer == "DeviceLoader" else 0)
 
 
-def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, full: bool = False) -> dict[str, Any]:
+def run_epoch(
+    setup: Setup, variant: Variant, workers: int, observation: str, full: bool = False
+) -> dict[str, Any]:
     """One epoch of one configuration: timings, ids and targets, memory. Never raises for the
     configuration's own failure: it is returned as ``"error"``.
 
@@ -443,8 +450,14 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
     if setup.indices is None:
         dataset = setup.dataset
     else:
-        asked = len(setup.indices) if full else min(
-            len(setup.indices), (setup.warmup + setup.steps + tail_batches(variant, workers)) * setup.batch_size)
+        asked = (
+            len(setup.indices)
+            if full
+            else min(
+                len(setup.indices),
+                (setup.warmup + setup.steps + tail_batches(variant, workers)) * setup.batch_size,
+            )
+        )
         dataset = Subset(setup.dataset, setup.indices[:asked])
     collate = setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn
     use_device_loader = variant.transfer == "DeviceLoader"
@@ -464,15 +477,29 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
         mapped = _shm_held_bytes([os.getpid(), *sorted(_children() - children_before)])
         if mapped is not None:
             shm_ours = max(shm_ours or 0, mapped)
+
     loader_kwargs: dict[str, Any] = {}
     if workers > 0:
         loader_kwargs = {"persistent_workers": True, "prefetch_factor": PREFETCH_FACTOR}
-    loader = DataLoader(dataset, batch_size=setup.batch_size, shuffle=False, num_workers=workers,
-                        collate_fn=collate, pin_memory=pin, drop_last=False, **loader_kwargs)
+    loader = DataLoader(
+        dataset,
+        batch_size=setup.batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin,
+        drop_last=False,
+        **loader_kwargs,
+    )
     source: Any = loader
     if use_device_loader:
-        source = DeviceLoader(loader, device=device, depth=DEVICE_LOADER_DEPTH, transforms=transforms or None,
-                              record_copy_events=device.type == "cuda")
+        source = DeviceLoader(
+            loader,
+            device=device,
+            depth=DEVICE_LOADER_DEPTH,
+            transforms=transforms or None,
+            record_copy_events=device.type == "cuda",
+        )
 
     waits: list[float] = []
     h2d_call: list[float] = []
@@ -562,7 +589,7 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
             stats = dict(source.stats())
         copy_events = list(getattr(source, "copy_events", None) or []) if use_device_loader else []
         if copy_events:  # one (start, end) pair per batch, in delivery order, on the copy stream
-            h2d_events = copy_events[setup.warmup:last]
+            h2d_events = copy_events[setup.warmup : last]
     except Exception as exc:  # the configuration failed: record it, flag it, keep going
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -583,10 +610,16 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
     except Exception:  # an event never recorded (the run failed before it): no copy times
         h2d_ms = []
     id_array = torch.cat([i.cpu().reshape(-1) for i in ids]).numpy() if ids else np.empty(0, np.int64)
-    target_array = (torch.cat([t.cpu().reshape(-1) for t in targets]).numpy()
-                    if targets and sum(t.numel() for t in targets) == id_array.size else None)
-    measured_id_array = (torch.cat([i.cpu().reshape(-1) for i in measured_ids]).numpy()
-                         if measured_ids else np.empty(0, np.int64))
+    target_array = (
+        torch.cat([t.cpu().reshape(-1) for t in targets]).numpy()
+        if targets and sum(t.numel() for t in targets) == id_array.size
+        else None
+    )
+    measured_id_array = (
+        torch.cat([i.cpu().reshape(-1) for i in measured_ids]).numpy()
+        if measured_ids
+        else np.empty(0, np.int64)
+    )
     setup.target_key = target_key
     return {
         "error": error,
@@ -609,7 +642,8 @@ def run_epoch(setup: Setup, variant: Variant, workers: int, observation: str, fu
         "peak_rss_workers_bytes": sorted(worker_hwm.values()),
         "pss_bytes": pss_total,
         "shm_bytes": shm_ours,
-        "shm_growth_system_bytes": (shm_peak - shm_base) if (shm_peak is not None and shm_base is not None)
+        "shm_growth_system_bytes": (shm_peak - shm_base)
+        if (shm_peak is not None and shm_base is not None)
         else None,
         "pinned_bytes": pinned_bytes,
         "pinned_allocations": pinned_allocations,
@@ -663,8 +697,8 @@ def compare_to_reference(run: Mapping[str, Any], reference: Mapping[str, Any]) -
     duplicated = sum((got - want).values())
     mismatched = 0
     if run["_targets"] is not None and reference["_targets"] is not None:
-        ref_target = dict(zip(reference["_ids"].tolist(), reference["_targets"].tolist()))
-        for i, t in zip(run["_ids"].tolist(), run["_targets"].tolist()):
+        ref_target = dict(zip(reference["_ids"].tolist(), reference["_targets"].tolist(), strict=True))
+        for i, t in zip(run["_ids"].tolist(), run["_targets"].tolist(), strict=True):
             if i in ref_target and ref_target[i] != t:
                 mismatched += 1
     return {
@@ -734,16 +768,21 @@ def resolve(args: argparse.Namespace) -> Setup:
             workers = [0, 1]
         capped = [w for w in wanted if w > cpus]
         if capped:
-            notes.append(f"workers {capped} skipped: this machine has {cpus} usable CPUs "
-                         f"(--workers {' '.join(map(str, wanted))} runs them anyway)")
+            notes.append(
+                f"workers {capped} skipped: this machine has {cpus} usable CPUs "
+                f"(--workers {' '.join(map(str, wanted))} runs them anyway)"
+            )
     device = torch.device(args.device or ("cuda" if _cuda_available() else "cpu"))
     if device.type == "cuda" and not _cuda_available():
         raise SystemExit("--device cuda: no CUDA GPU is visible on this machine")
     if device.type != "cuda":
-        notes.append("no GPU: pin_memory is left off (DataLoader only warns and pins nothing without one), "
-                     "the transfer columns say 'no GPU' and the model runs on the CPU")
+        notes.append(
+            "no GPU: pin_memory is left off (DataLoader only warns and pins nothing without one), "
+            "the transfer columns say 'no GPU' and the model runs on the CPU"
+        )
     observations = {"loader": ["loader"], "integrated": ["integrated"], "both": ["loader", "integrated"]}[
-        "loader" if args.no_model else args.observation]
+        "loader" if args.no_model else args.observation
+    ]
     variants = list(VARIANTS)
 
     width = args.model_width or (32 if device.type == "cuda" else 8)
@@ -758,7 +797,9 @@ def resolve(args: argparse.Namespace) -> Setup:
         device_transforms = dict(user.get("device_transforms") or {})
         user_step = user.get("step")
         make_step = (lambda: user_step) if user_step is not None else None
-        model_note = f"user step {getattr(user_step, '__name__', type(user_step).__name__)}" if user_step else ""
+        model_note = (
+            f"user step {getattr(user_step, '__name__', type(user_step).__name__)}" if user_step else ""
+        )
         unit = user.get("unit", "bytes")
         transforms_note = user.get("transforms_note", "the data set's own")
         batch_size = args.batch_size or int(user.get("batch_size", 256))
@@ -767,7 +808,9 @@ def resolve(args: argparse.Namespace) -> Setup:
             notes.append("samples have no 'id': fastcollate.with_ids attached dataset indices")
         if make_step is None and "integrated" in observations:
             observations = [o for o in observations if o != "integrated"]
-            notes.append("integrated observation skipped: the factory gave no 'step' (a callable on the batch)")
+            notes.append(
+                "integrated observation skipped: the factory gave no 'step' (a callable on the batch)"
+            )
     else:
         preset = PRESETS[args.preset]
         size = args.size or preset.size
@@ -775,7 +818,9 @@ def resolve(args: argparse.Namespace) -> Setup:
         name = preset.name
         description = preset.description
         baseline = preset.default_collate
-        assemble_fn = fastcollate.assemble.using(preset.contract()) if preset.contract else fastcollate.assemble
+        assemble_fn = (
+            fastcollate.assemble.using(preset.contract()) if preset.contract else fastcollate.assemble
+        )
         device_transforms = dict(preset.device_transforms() if preset.device_transforms else {})
         unit = preset.unit
         transforms_note = preset.transforms_note
@@ -796,18 +841,37 @@ def resolve(args: argparse.Namespace) -> Setup:
         tail = max(tail_batches(v, w) for v in variants for w in workers)
         wanted = (warmup + steps + tail) * batch_size
         if wanted > len(dataset):
-            notes.append(f"the data set has {len(dataset)} samples, fewer than warm-up + steps + tail need "
-                         f"({wanted}): the epoch is the whole data set")
+            notes.append(
+                f"the data set has {len(dataset)} samples, fewer than warm-up + steps + tail need "
+                f"({wanted}): the epoch is the whole data set"
+            )
             wanted = len(dataset)
         order = np.random.default_rng(args.seed).permutation(len(dataset))[:wanted]
         indices = [int(i) for i in order]
     return Setup(
-        name=name, description=description, dataset=dataset, indices=indices, batch_size=batch_size,
-        steps=steps, warmup=warmup, repeat=repeat, workers=workers, device=device,
-        observations=observations, variants=variants, baseline_collate=baseline, assemble_fn=assemble_fn,
-        device_transforms=device_transforms, make_step=make_step if "integrated" in observations else None,
-        model_note=model_note, unit=unit, transforms_note=transforms_note, seed=args.seed, notes=notes,
-        pin_memory=device.type == "cuda", tail=tail,
+        name=name,
+        description=description,
+        dataset=dataset,
+        indices=indices,
+        batch_size=batch_size,
+        steps=steps,
+        warmup=warmup,
+        repeat=repeat,
+        workers=workers,
+        device=device,
+        observations=observations,
+        variants=variants,
+        baseline_collate=baseline,
+        assemble_fn=assemble_fn,
+        device_transforms=device_transforms,
+        make_step=make_step if "integrated" in observations else None,
+        model_note=model_note,
+        unit=unit,
+        transforms_note=transforms_note,
+        seed=args.seed,
+        notes=notes,
+        pin_memory=device.type == "cuda",
+        tail=tail,
     )
 
 
@@ -856,17 +920,22 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[dict[str, Any]
         "samples_per_s": median_rate,
         "samples_per_s_min": min(rates) if rates else None,
         "samples_per_s_max": max(rates) if rates else None,
-        "samples_per_s_rel_spread": ((max(rates) - min(rates)) / median_rate) if rates and median_rate else None,
+        "samples_per_s_rel_spread": ((max(rates) - min(rates)) / median_rate)
+        if rates and median_rate
+        else None,
         "bytes_per_s": _median(r["bytes_per_s"] for r in runs),
         "wait_ms_p50": _median(r["wait_ms_p50"] for r in runs),
         "wait_ms_p95": _median(r["wait_ms_p95"] for r in runs),
         "h2d_ms_p50": _median(r["h2d_ms_p50"] for r in runs),
         "h2d_call_ms_p50": _median(r["h2d_call_ms_p50"] for r in runs),
         "startup_s": _median(r["startup_s"] for r in runs),
-        "peak_rss_bytes": _max((r["peak_rss_main_bytes"] or 0) + sum(r["peak_rss_workers_bytes"]) for r in runs),
+        "peak_rss_bytes": _max(
+            (r["peak_rss_main_bytes"] or 0) + sum(r["peak_rss_workers_bytes"]) for r in runs
+        ),
         "peak_rss_main_bytes": _max(r["peak_rss_main_bytes"] for r in runs),
-        "peak_rss_workers_bytes": max((r["peak_rss_workers_bytes"] for r in runs),
-                                      key=lambda v: sum(v), default=[]),
+        "peak_rss_workers_bytes": max(
+            (r["peak_rss_workers_bytes"] for r in runs), key=lambda v: sum(v), default=[]
+        ),
         "pss_bytes": _max(r["pss_bytes"] for r in runs),
         "shm_bytes": _max(r["shm_bytes"] for r in runs),
         "shm_growth_system_bytes": _max(r["shm_growth_system_bytes"] for r in runs),
@@ -941,13 +1010,32 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
             continue
         lines.append("")
         lines.append(titles[observation])
-        header = ["workers", "config", "samples/s", "spread", f"{unit}/s", "x default", "wait p50 ms",
-                  "wait p95 ms", "h2d ms", "start-up s", "peak RSS main+workers", "PSS", "shm", "pinned", "check"]
+        header = [
+            "workers",
+            "config",
+            "samples/s",
+            "spread",
+            f"{unit}/s",
+            "x default",
+            "wait p50 ms",
+            "wait p95 ms",
+            "h2d ms",
+            "start-up s",
+            "peak RSS main+workers",
+            "PSS",
+            "shm",
+            "pinned",
+            "check",
+        ]
         rows = [header]
-        baseline = {e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]}
+        baseline = {
+            e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]
+        }
         for e in sorted(block, key=lambda e: (e["workers"], [v.key for v in VARIANTS].index(e["variant"]))):
             base = baseline.get(e["workers"])
-            speedup = f"{e['samples_per_s'] / base:.2f}" if (base and e["samples_per_s"] and e["ranked"]) else "-"
+            speedup = (
+                f"{e['samples_per_s'] / base:.2f}" if (base and e["samples_per_s"] and e["ranked"]) else "-"
+            )
             spread = e["samples_per_s_rel_spread"]
             if setup.device.type != "cuda":
                 h2d = "no GPU"
@@ -972,29 +1060,52 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
                 if e["targets_mismatched"]:
                     parts.append(f"TARGETS {e['targets_mismatched']}")
                 check = "/".join(parts) + " (not ranked)"
-            rows.append([
-                str(e["workers"]), e["label"], _fmt_rate(e["samples_per_s"]),
-                "-" if spread is None else f"±{spread * 50:.0f}%", _fmt_rate(e.get(unit_key)), speedup,
-                _fmt_ms(e["wait_ms_p50"]), _fmt_ms(e["wait_ms_p95"]), h2d,
-                "-" if e["startup_s"] is None else f"{e['startup_s']:.2f}", rss, _fmt_bytes(e["pss_bytes"]),
-                _fmt_bytes(e["shm_bytes"]), _fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda"
-                else "no GPU", check,
-            ])
+            rows.append(
+                [
+                    str(e["workers"]),
+                    e["label"],
+                    _fmt_rate(e["samples_per_s"]),
+                    "-" if spread is None else f"±{spread * 50:.0f}%",
+                    _fmt_rate(e.get(unit_key)),
+                    speedup,
+                    _fmt_ms(e["wait_ms_p50"]),
+                    _fmt_ms(e["wait_ms_p95"]),
+                    h2d,
+                    "-" if e["startup_s"] is None else f"{e['startup_s']:.2f}",
+                    rss,
+                    _fmt_bytes(e["pss_bytes"]),
+                    _fmt_bytes(e["shm_bytes"]),
+                    _fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda" else "no GPU",
+                    check,
+                ]
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for n, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(row, widths, strict=True))
+                ).rstrip()
+            )
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths))
         ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
         if ranked:
             best = max(ranked, key=lambda e: e["samples_per_s"])
-            lines.append(f"fastest correct: {best['label']}, {best['workers']} workers: "
-                         f"{_fmt_rate(best['samples_per_s'])} samples/s (median)")
+            lines.append(
+                f"fastest correct: {best['label']}, {best['workers']} workers: "
+                f"{_fmt_rate(best['samples_per_s'])} samples/s (median)"
+            )
         flagged = [e for e in block if not e["ranked"]]
         for e in flagged:
-            why = "; ".join(e["errors"]) if e["errors"] else (
-                f"lost {e['lost']}, duplicated {e['duplicated']}, targets mismatched {e['targets_mismatched']}")
+            why = (
+                "; ".join(e["errors"])
+                if e["errors"]
+                else (
+                    f"lost {e['lost']}, duplicated {e['duplicated']}, "
+                    f"targets mismatched {e['targets_mismatched']}"
+                )
+            )
             lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
     return "\n".join(lines)
 
@@ -1014,25 +1125,40 @@ def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str 
     for row, observation in enumerate(observations):
         ax_rate, ax_wait = axes[row]
         for variant in setup.variants:
-            block = sorted((e for e in entries if e["observation"] == observation and e["variant"] == variant.key),
-                           key=lambda e: e["workers"])
+            block = sorted(
+                (e for e in entries if e["observation"] == observation and e["variant"] == variant.key),
+                key=lambda e: e["workers"],
+            )
             if not block:
                 continue
             xs = [e["workers"] for e in block]
             ys = [e["samples_per_s"] or 0 for e in block]
-            lo = [max(0.0, y - (e["samples_per_s_min"] or y)) for y, e in zip(ys, block)]
-            hi = [max(0.0, (e["samples_per_s_max"] or y) - y) for y, e in zip(ys, block)]
-            ax_rate.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=variant.label,
-                             color=colors.get(variant.key))
-            for x, y, e in zip(xs, ys, block):
+            lo = [max(0.0, y - (e["samples_per_s_min"] or y)) for y, e in zip(ys, block, strict=True)]
+            hi = [max(0.0, (e["samples_per_s_max"] or y) - y) for y, e in zip(ys, block, strict=True)]
+            ax_rate.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                marker="o",
+                capsize=3,
+                label=variant.label,
+                color=colors.get(variant.key),
+            )
+            for x, y, e in zip(xs, ys, block, strict=True):
                 if not e["ranked"]:
                     ax_rate.annotate("FLAGGED", (x, y), color="red", fontsize=8, ha="center", va="bottom")
                     ax_rate.plot([x], [y], marker="x", color="red", markersize=10)
             p50 = [e["wait_ms_p50"] or 0 for e in block]
             p95 = [e["wait_ms_p95"] or 0 for e in block]
             ax_wait.plot(xs, p50, marker="o", color=colors.get(variant.key), label=f"{variant.label} p50")
-            ax_wait.plot(xs, p95, marker="^", linestyle="--", color=colors.get(variant.key),
-                         label=f"{variant.label} p95")
+            ax_wait.plot(
+                xs,
+                p95,
+                marker="^",
+                linestyle="--",
+                color=colors.get(variant.key),
+                label=f"{variant.label} p95",
+            )
         ax_rate.set_title(f"{observation}: samples/s (median, bars: min-max over runs)")
         ax_rate.set_xlabel("DataLoader workers")
         ax_rate.set_ylabel("samples/s")
@@ -1045,8 +1171,11 @@ def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str 
         ax_wait.set_xticks(setup.workers)
         ax_wait.set_ylim(bottom=0)
         ax_wait.legend(fontsize=7)
-    fig.suptitle(f"fastcollate bench: {setup.name}, batch {setup.batch_size}, {setup.steps} steps x "
-                 f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}", fontsize=10)
+    fig.suptitle(
+        f"fastcollate bench: {setup.name}, batch {setup.batch_size}, {setup.steps} steps x "
+        f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1060,36 +1189,56 @@ def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastcollate bench",
-        description="Compare default_collate + pin_memory + .to(non_blocking=True), fastcollate.assemble + the "
-                    "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
-                    "data set (no download) or your own.",
+        description="Compare default_collate + pin_memory + .to(non_blocking=True), "
+        "fastcollate.assemble + the "
+        "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
+        "data set (no download) or your own.",
         epilog="Every run is kept in results.json; tables show medians, never the best run. A configuration "
-               "whose epoch does not deliver the workers=0 reference's ids and targets is flagged, not ranked. "
-               "--dataset module:factory (or file.py:factory): factory() (given size=/seed= if it takes them) "
-               "returns a Dataset with dict samples (an 'id' key, else with_ids adds one), or a dict with "
-               "'dataset' and optionally 'collate' (the baseline), 'contract', 'device_transforms', 'step' "
-               "(callable on a device batch, for the integrated observation), 'unit', 'batch_size'.",
+        "whose epoch does not deliver the workers=0 reference's ids and targets is flagged, not ranked. "
+        "--dataset module:factory (or file.py:factory): factory() (given size=/seed= if it takes them) "
+        "returns a Dataset with dict samples (an 'id' key, else with_ids adds one), or a dict with "
+        "'dataset' and optionally 'collate' (the baseline), 'contract', 'device_transforms', 'step' "
+        "(callable on a device batch, for the integrated observation), 'unit', 'batch_size'.",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="fashion",
-                        help="embedded data set (default: fashion, the seed study's FashionMNIST-like case)")
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="fashion",
+        help="embedded data set (default: fashion, the seed study's FashionMNIST-like case)",
+    )
     source.add_argument("--dataset", metavar="MODULE:FACTORY", help="your own data set")
     parser.add_argument("--size", type=int, help="samples in the embedded data set (default: the preset's)")
-    parser.add_argument("--workers", type=int, nargs="+",
-                        help="worker counts (default 0 1 2 4, capped at the usable CPUs; --quick: 0 2)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help="worker counts (default 0 1 2 4, capped at the usable CPUs; --quick: 0 2)",
+    )
     parser.add_argument("--batch-size", type=int, help="default: the preset's (fashion: 256)")
     parser.add_argument("--steps", type=int, help="measured batches per run (default 20; --quick 4)")
-    parser.add_argument("--warmup", type=int, help="batches per run before timing starts (default 3; --quick 1)")
+    parser.add_argument(
+        "--warmup", type=int, help="batches per run before timing starts (default 3; --quick 1)"
+    )
     parser.add_argument("--repeat", type=int, help="runs per configuration (default 3)")
-    parser.add_argument("--quick", action="store_true", help="few steps and workers: under 2 minutes on 2 cores")
-    parser.add_argument("--observation", choices=("loader", "integrated", "both"), default="both",
-                        help="loader-only, integrated (a model consumes each batch), or both (default)")
+    parser.add_argument(
+        "--quick", action="store_true", help="few steps and workers: under 2 minutes on 2 cores"
+    )
+    parser.add_argument(
+        "--observation",
+        choices=("loader", "integrated", "both"),
+        default="both",
+        help="loader-only, integrated (a model consumes each batch), or both (default)",
+    )
     parser.add_argument("--no-model", action="store_true", help="same as --observation loader")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
-    parser.add_argument("--model-width", type=int, help="CNN width (default 32 on a GPU, as the study; 8 on a CPU)")
+    parser.add_argument(
+        "--model-width", type=int, help="CNN width (default 32 on a GPU, as the study; 8 on a CPU)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="data and model seed (default 0)")
-    parser.add_argument("--out", type=Path,
-                        help="output folder (default: a new ./bench-out-<time>, which .gitignore skips)")
+    parser.add_argument(
+        "--out", type=Path, help="output folder (default: a new ./bench-out-<time>, which .gitignore skips)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -1098,8 +1247,11 @@ def _progress(total: int, disable: bool) -> Any:
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, unit="run", file=sys.stderr, disable=disable, dynamic_ncols=True, leave=False)
+        return tqdm(
+            total=total, unit="run", file=sys.stderr, disable=disable, dynamic_ncols=True, leave=False
+        )
     except ImportError:
+
         class _Plain:
             def __init__(self) -> None:
                 self.n = 0
@@ -1128,18 +1280,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     epoch_samples = len(setup.indices) if setup.indices is not None else "all"
     print(f"fastcollate bench: {setup.description}")
     print(f"  transforms: {setup.transforms_note}")
-    print(f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
-          f"timing) + {setup.steps} measured + the batches the configuration holds in flight, untimed "
-          f"({PREFETCH_FACTOR} x workers, +{DEVICE_LOADER_DEPTH} with DeviceLoader), so no pipeline runs dry "
-          f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
-          f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown")
+    print(
+        f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
+        f"timing) + {setup.steps} measured + the batches the configuration holds in flight, untimed "
+        f"({PREFETCH_FACTOR} x workers, +{DEVICE_LOADER_DEPTH} with DeviceLoader), so no pipeline runs dry "
+        f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
+        f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown"
+    )
     print(f"  workers {setup.workers}; device {setup.device}; observations: {', '.join(setup.observations)}")
     if "integrated" in setup.observations:
         print(f"  model: {setup.model_note}")
     load = machine["load_average"]
     if load and load[0] > machine["cpus_usable"]:
-        setup.notes.append(f"the machine was busy at the start (load average {load[0]:.1f} on "
-                           f"{machine['cpus_usable']} CPUs): expect noisy numbers")
+        setup.notes.append(
+            f"the machine was busy at the start (load average {load[0]:.1f} on "
+            f"{machine['cpus_usable']} CPUs): expect noisy numbers"
+        )
     for note in setup.notes:
         print(f"  note: {note}")
 
@@ -1158,13 +1314,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             reference = run_epoch(setup, variants["default"], 0, "loader", full=True)
             bar.update(1)
         for round_index in range(setup.repeat):
-            # Alternate the order between rounds, so a slow drift of a noisy machine does not favour one config.
+            # Alternate the order between rounds: a slow drift of a noisy machine then favours no config.
             ordered = configs if round_index % 2 == 0 else list(reversed(configs))
             if reference is None and round_index == 0:
                 ordered = [reference_key] + [c for c in ordered if c != reference_key]
             for observation, variant_key, workers in ordered:
-                bar.set_postfix_str(f"{observation} {variants[variant_key].label}, {workers} workers, "
-                                    f"run {round_index + 1}/{setup.repeat}")
+                bar.set_postfix_str(
+                    f"{observation} {variants[variant_key].label}, {workers} workers, "
+                    f"run {round_index + 1}/{setup.repeat}"
+                )
                 is_reference = reference is None  # the first run: workers=0 default path, whole subset
                 run = run_epoch(setup, variants[variant_key], workers, observation, full=is_reference)
                 run["round"] = round_index
@@ -1182,25 +1340,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits: dict[str, Any] = {}
     if setup.device.type == "cuda" and reference is not None and reference["measured_steps"]:
         batch_bytes = int(reference["bytes"] / reference["measured_steps"])
-        limits = {"batch_bytes": batch_bytes, "raw_pinned_h2d_GBps": raw_pinned_copy_gbps(batch_bytes, setup.device)}
+        limits = {
+            "batch_bytes": batch_bytes,
+            "raw_pinned_h2d_GBps": raw_pinned_copy_gbps(batch_bytes, setup.device),
+        }
         for e in entries:
             if e["h2d_ms_p50"]:
                 e["h2d_GBps"] = batch_bytes / (e["h2d_ms_p50"] * 1e-3) / 1e9
                 if limits["raw_pinned_h2d_GBps"]:
                     e["h2d_vs_raw_pinned"] = e["h2d_GBps"] / limits["raw_pinned_h2d_GBps"]
         if limits["raw_pinned_h2d_GBps"]:
-            print(f"  raw pinned copy of one batch ({_fmt_bytes(batch_bytes)}): "
-                  f"{limits['raw_pinned_h2d_GBps']:.1f} GB/s (the host link's reference in this run)")
+            print(
+                f"  raw pinned copy of one batch ({_fmt_bytes(batch_bytes)}): "
+                f"{limits['raw_pinned_h2d_GBps']:.1f} GB/s (the host link's reference in this run)"
+            )
     table = format_table(setup, entries)
     print(table)
     print()
-    print("  samples/s: samples delivered in the measured steps / their seconds (median over runs; spread: "
-          "half the min-max range); wait: next(loader) time per measured step (with DeviceLoader it includes "
-          "issuing the copy and the device transforms: asynchronous on a GPU, run in place on a CPU); "
-          "start-up: iter() to first batch "
-          "(worker start, reported apart); peak RSS: VmHWM of main + each worker (shared pages counted in each); "
-          "PSS: proportional, the honest sum; shm: /dev/shm segments held by main + workers, sampled "
-          "after warm-up and over the untimed tail (results.json also has the whole machine's /dev/shm growth).")
+    print(
+        "  samples/s: samples delivered in the measured steps / their seconds (median over runs; spread: "
+        "half the min-max range); wait: next(loader) time per measured step (with DeviceLoader it includes "
+        "issuing the copy and the device transforms: asynchronous on a GPU, run in place on a CPU); "
+        "start-up: iter() to first batch "
+        "(worker start, reported apart); "
+        "peak RSS: VmHWM of main + each worker (shared pages counted in each); "
+        "PSS: proportional, the honest sum; shm: /dev/shm segments held by main + workers, sampled "
+        "after warm-up and over the untimed tail (results.json also has the whole machine's /dev/shm growth)."
+    )
 
     result = {
         "command": "python -m fastcollate bench " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -1246,9 +1412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(_jsonable(result), indent=1))
     (out / "table.txt").write_text(table.lstrip("\n") + "\n")
     chart_problem = write_chart(setup, entries, out / "chart.png")
-    print(f"\nwrote {out / 'results.json'}, {out / 'table.txt'}"
-          + (f", {out / 'chart.png'}" if chart_problem is None else f" ({chart_problem})")
-          + f" in {time.perf_counter() - started:.0f} s")
+    print(
+        f"\nwrote {out / 'results.json'}, {out / 'table.txt'}"
+        + (f", {out / 'chart.png'}" if chart_problem is None else f" ({chart_problem})")
+        + f" in {time.perf_counter() - started:.0f} s"
+    )
     flagged = [e for e in entries if not e["ranked"]]
     return 1 if flagged else 0
 

@@ -124,8 +124,13 @@ class FashionLike(Dataset):
 
     pixels_per_sample = 28 * 28
 
-    def __init__(self, size: int = 60_000, seed: int = 0, transform: Callable | str | None = "study",
-                 cache: bool = True) -> None:
+    def __init__(
+        self,
+        size: int = 60_000,
+        seed: int = 0,
+        transform: Callable | str | None = "study",
+        cache: bool = True,
+    ) -> None:
         self.size = size
         self.seed = seed
         self.transform = fashion_study_transform() if transform == "study" else transform
@@ -230,8 +235,9 @@ class TokenSequences(Dataset):
         vocab: token ids are in ``[1, vocab)``; 0 is the padding id.
     """
 
-    def __init__(self, size: int = 50_000, seed: int = 0, min_len: int = 16, max_len: int = 512,
-                 vocab: int = 32_000) -> None:
+    def __init__(
+        self, size: int = 50_000, seed: int = 0, min_len: int = 16, max_len: int = 512, vocab: int = 32_000
+    ) -> None:
         self.size = size
         self.seed = seed
         self.min_len = min_len
@@ -253,11 +259,13 @@ class TokenSequences(Dataset):
 
 def tokens_contract() -> Contract:
     """What ``assemble`` enforces for :class:`TokenSequences`: tokens padded with 0, a mask and lengths."""
-    return Contract({
-        "id": Field(kind="number", dtype=torch.int64),
-        "tokens": Field(dtype=torch.int64, shape=("T",), pad=0),
-        "target": Field(kind="number", dtype=torch.int64, range=(0, 2)),
-    })
+    return Contract(
+        {
+            "id": Field(kind="number", dtype=torch.int64),
+            "tokens": Field(dtype=torch.int64, shape=("T",), pad=0),
+            "target": Field(kind="number", dtype=torch.int64, range=(0, 2)),
+        }
+    )
 
 
 def pad_tokens_collate(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -294,8 +302,9 @@ class ManyFields(Dataset):
         width: elements per tensor field.
     """
 
-    def __init__(self, size: int = 50_000, seed: int = 0, tensors: int = 12, scalars: int = 4,
-                 width: int = 8) -> None:
+    def __init__(
+        self, size: int = 50_000, seed: int = 0, tensors: int = 12, scalars: int = 4, width: int = 8
+    ) -> None:
         self.size = size
         self.seed = seed
         self.tensors = tensors
@@ -306,7 +315,9 @@ class ManyFields(Dataset):
     def _load(self) -> torch.Tensor:
         if self._bank is None:
             rng = np.random.default_rng(self.seed)
-            self._bank = torch.from_numpy(rng.standard_normal((1024, self.tensors + 1, self.width), np.float32))
+            self._bank = torch.from_numpy(
+                rng.standard_normal((1024, self.tensors + 1, self.width), np.float32)
+            )
         return self._bank
 
     def __len__(self) -> int:
@@ -395,7 +406,9 @@ PRESETS: dict[str, Preset] = {
         batch_size=256,
         unit="pixels",
         model="fashion_cnn",
-        transforms_note="RandomResizedCrop(28, scale=(0.75, 1.0)), RandomRotation(15), ToTensor (in the loader)",
+        transforms_note=(
+            "RandomResizedCrop(28, scale=(0.75, 1.0)), RandomRotation(15), ToTensor (in the loader)"
+        ),
     ),
     "imagenet": Preset(
         name="imagenet",
@@ -406,7 +419,9 @@ PRESETS: dict[str, Preset] = {
         unit="bytes",
         device_transforms=_imagenet_device_transforms,
         model="imagenet_cnn",
-        transforms_note="crop 224 of 256 + horizontal flip (in the loader); uint8 -> float normalize on the device",
+        transforms_note=(
+            "crop 224 of 256 + horizontal flip (in the loader); uint8 -> float normalize on the device"
+        ),
     ),
     "tokens": Preset(
         name="tokens",

@@ -23,15 +23,22 @@ class SmallCNN(nn.Module):
         image_size: input height and width (a multiple of 4).
     """
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32, image_size: int = 28) -> None:
+    def __init__(
+        self, in_channels: int = 1, num_classes: int = 10, width: int = 32, image_size: int = 28
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         side = image_size // 4
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * side * side, 128), nn.ReLU(),
-                                  nn.Linear(128, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * width * side * side, 128), nn.ReLU(), nn.Linear(128, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -43,10 +50,15 @@ class StridedCNN(nn.Module):
     def __init__(self, in_channels: int = 3, num_classes: int = 1000, width: int = 32) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, width, 7, stride=4, padding=3), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 4 * width, 3, stride=2, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes),
+            nn.Conv2d(in_channels, width, 7, stride=4, padding=3),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 4 * width, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4 * width, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +84,9 @@ class FieldsMLP(nn.Module):
 
     def __init__(self, in_features: int, width: int = 32, num_classes: int = 10) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(in_features, 4 * width), nn.ReLU(), nn.Linear(4 * width, num_classes))
+        self.body = nn.Sequential(
+            nn.Linear(in_features, 4 * width), nn.ReLU(), nn.Linear(4 * width, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -115,7 +129,9 @@ class TrainStep:
         elif name == "fields_mlp":
             model = FieldsMLP(FIELDS_FEATURES, width)
         else:
-            raise ValueError(f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp")
+            raise ValueError(
+                f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp"
+            )
         self.width = width
         self.model = model.to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters())

@@ -32,10 +32,17 @@ from .device_loader import DeviceLoader
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 
 RANGES = ("batch_wait", "h2d_transfer", "compute")
-NOT_THROUGHPUT = ("profiled step times include the profiler's overhead: they show where time goes, they are "
-                  "not throughput figures (python -m fastcollate bench measures those, profiler off)")
-COLORS = {"batch_wait": "tab:blue", "h2d_transfer": "tab:orange", "compute": "tab:green",
-          "copy": "tab:orange", "kernel": "tab:green"}
+NOT_THROUGHPUT = (
+    "profiled step times include the profiler's overhead: they show where time goes, they are "
+    "not throughput figures (python -m fastcollate bench measures those, profiler off)"
+)
+COLORS = {
+    "batch_wait": "tab:blue",
+    "h2d_transfer": "tab:orange",
+    "compute": "tab:green",
+    "copy": "tab:orange",
+    "kernel": "tab:green",
+}
 PATHS = {
     "default": ("default_collate + pin_memory + .to(non_blocking=True)", "default"),
     "device_loader": ("assemble + DeviceLoader", "device_loader"),
@@ -46,12 +53,20 @@ def _loader(setup: bench.Setup, variant: bench.Variant, workers: int) -> DataLoa
     dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
     collate = setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn
     extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
-    return DataLoader(dataset, batch_size=setup.batch_size, shuffle=False, num_workers=workers,
-                      collate_fn=collate, pin_memory=setup.pin_memory and variant.transfer != "DeviceLoader",
-                      **extra)
+    return DataLoader(
+        dataset,
+        batch_size=setup.batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=setup.pin_memory and variant.transfer != "DeviceLoader",
+        **extra,
+    )
 
 
-def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace_path: Path) -> dict[str, Any]:
+def profile_path(
+    setup: bench.Setup, variant: bench.Variant, workers: int, trace_path: Path
+) -> dict[str, Any]:
     """Runs ``setup.warmup`` unprofiled steps, then ``setup.steps`` profiled ones; exports the trace.
 
     The default path is wrapped in all three ranges here. DeviceLoader emits ``batch_wait`` and
@@ -62,8 +77,9 @@ def profile_path(setup: bench.Setup, variant: bench.Variant, workers: int, trace
     device_loader = variant.transfer == "DeviceLoader"
     source: Any = loader
     if device_loader:
-        source = DeviceLoader(loader, device=device, depth=bench.DEVICE_LOADER_DEPTH,
-                              transforms=setup.device_transforms or None)
+        source = DeviceLoader(
+            loader, device=device, depth=bench.DEVICE_LOADER_DEPTH, transforms=setup.device_transforms or None
+        )
     step = setup.make_step() if setup.make_step is not None else None
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -126,13 +142,19 @@ def read_trace(path: Path) -> dict[str, Any]:
     where ``kind`` is ``"copy"`` (memcpy) or ``"kernel"``.
     """
     events = json.loads(Path(path).read_text()).get("traceEvents", [])
-    ranges = [e for e in events if e.get("ph") == "X" and e.get("name") in RANGES
-              and e.get("cat") in ("user_annotation", "cpu_op", "python_function")]
+    ranges = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("name") in RANGES
+        and e.get("cat") in ("user_annotation", "cpu_op", "python_function")
+    ]
     t0 = min((float(e["ts"]) for e in ranges), default=0.0)
     cpu: dict[str, list[tuple[str, float, float]]] = {}
     for e in ranges:
         cpu.setdefault(str(e.get("tid")), []).append(
-            (e["name"], (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3))
+            (e["name"], (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3)
+        )
     gpu: dict[str, list[tuple[str, float, float]]] = {}
     for e in events:
         if e.get("ph") != "X":
@@ -141,7 +163,9 @@ def read_trace(path: Path) -> dict[str, Any]:
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             stream = str((e.get("args") or {}).get("stream", e.get("tid")))
             kind = "copy" if cat == "gpu_memcpy" else "kernel"
-            gpu.setdefault(stream, []).append((kind, (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3))
+            gpu.setdefault(stream, []).append(
+                (kind, (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3)
+            )
     for rows in (cpu, gpu):
         for key in rows:
             rows[key].sort(key=lambda r: r[1])
@@ -173,9 +197,14 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
     except ImportError:
         return "matplotlib is not installed: no timeline (pip install matplotlib)"
     heights = [max(1, len(t["cpu"]) + len(t["gpu"])) for _, t in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.2 + sum(0.8 * h + 0.9 for h in heights)),
-                             squeeze=False, gridspec_kw={"height_ratios": [h + 1 for h in heights]})
-    for ax, (label, trace) in zip(axes[:, 0], panels):
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(13, 1.2 + sum(0.8 * h + 0.9 for h in heights)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [h + 1 for h in heights]},
+    )
+    for ax, (label, trace) in zip(axes[:, 0], panels, strict=True):
         rows: list[tuple[str, list[tuple[str, float, float]]]] = []
         for tid, ranges in sorted(trace["cpu"].items(), key=lambda kv: -len(kv[1])):
             rows.append((f"CPU thread {tid}", ranges))
@@ -186,8 +215,13 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
             rows.append((f"GPU stream {stream} ({role})", items))
         for y, (_, items) in enumerate(rows):
             for name, start, dur in items:
-                ax.broken_barh([(start, max(dur, 1e-3))], (y - 0.35, 0.7), facecolors=COLORS.get(name, "gray"),
-                               edgecolor="black" if name in RANGES else "none", linewidth=0.3)
+                ax.broken_barh(
+                    [(start, max(dur, 1e-3))],
+                    (y - 0.35, 0.7),
+                    facecolors=COLORS.get(name, "gray"),
+                    edgecolor="black" if name in RANGES else "none",
+                    linewidth=0.3,
+                )
         waits = [s for rows_ in trace["cpu"].values() for n, s, _ in rows_ if n == "batch_wait"]
         for start in waits:  # each step starts with its wait
             ax.axvline(start, color="black", linewidth=0.3, alpha=0.4)
@@ -200,8 +234,10 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
         ax.set_title(f"{label}: median per step (profiled): " + ", ".join(parts), fontsize=9)
         ax.set_xlabel("ms since the first profiled step (each panel has its own scale)", fontsize=8)
     legend = [Patch(color=COLORS[n], label=n) for n in RANGES]
-    legend += [Patch(color=COLORS["copy"], alpha=0.6, label="GPU memcpy"),
-               Patch(color=COLORS["kernel"], alpha=0.6, label="GPU kernel")]
+    legend += [
+        Patch(color=COLORS["copy"], alpha=0.6, label="GPU memcpy"),
+        Patch(color=COLORS["kernel"], alpha=0.6, label="GPU kernel"),
+    ]
     fig.legend(handles=legend, loc="upper right", fontsize=8, ncol=5)
     fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     fig.text(0.01, 0.005, f"Note: {NOT_THROUGHPUT}.", fontsize=8, ha="left", va="bottom", color="darkred")
@@ -218,15 +254,18 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastcollate profile",
-        description="Run N steps under torch.profiler with ranges batch_wait / h2d_transfer / compute, for the "
-                    "default path and for DeviceLoader; write a Chrome trace per path and a timeline PNG.",
+        description="Run N steps under torch.profiler with ranges batch_wait / h2d_transfer / compute, "
+        "for the "
+        "default path and for DeviceLoader; write a Chrome trace per path and a timeline PNG.",
         epilog=NOT_THROUGHPUT + ".",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), default="fashion")
     source.add_argument("--dataset", metavar="MODULE:FACTORY", help="your own data set (see bench --help)")
     parser.add_argument("--size", type=int, help="samples in the embedded data set")
-    parser.add_argument("--workers", type=int, help="DataLoader workers (default: 2, capped at the usable CPUs)")
+    parser.add_argument(
+        "--workers", type=int, help="DataLoader workers (default: 2, capped at the usable CPUs)"
+    )
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per path (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5)")
@@ -235,8 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
     parser.add_argument("--model-width", type=int)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path,
-                        help="output folder (default: a new ./bench-out-profile-<time>, which .gitignore skips)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: a new ./bench-out-profile-<time>, which .gitignore skips)",
+    )
     return parser
 
 
@@ -245,20 +287,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = args.workers if args.workers is not None else min(2, cpus)
     bench_args = argparse.Namespace(
-        preset=args.preset, dataset=args.dataset, size=args.size, workers=[workers], batch_size=args.batch_size,
-        steps=args.steps, warmup=args.warmup, repeat=1, quick=False,
-        observation="loader" if args.no_model else "both", no_model=args.no_model, device=args.device,
-        model_width=args.model_width, seed=args.seed,
+        preset=args.preset,
+        dataset=args.dataset,
+        size=args.size,
+        workers=[workers],
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        repeat=1,
+        quick=False,
+        observation="loader" if args.no_model else "both",
+        no_model=args.no_model,
+        device=args.device,
+        model_width=args.model_width,
+        seed=args.seed,
     )
     setup = bench.resolve(bench_args)
     out = args.out or Path(f"bench-out-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     variants = {v.key: v for v in setup.variants}
 
-    print(f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
-          f"device {setup.device}")
-    print(f"  {setup.warmup} unprofiled warm-up steps, then {setup.steps} profiled steps per path; "
-          f"activities: CPU{' + CUDA' if setup.device.type == 'cuda' else ''}")
+    print(
+        f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
+        f"device {setup.device}"
+    )
+    print(
+        f"  {setup.warmup} unprofiled warm-up steps, then {setup.steps} profiled steps per path; "
+        f"activities: CPU{' + CUDA' if setup.device.type == 'cuda' else ''}"
+    )
     if setup.make_step is not None:
         print(f"  compute: {setup.model_note}")
     for note in setup.notes:
@@ -279,26 +335,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             info = profile_path(setup, variants[variant_key], workers, trace_path)
             trace = read_trace(trace_path)
             ranges = range_summary(trace)
-            summary[key] = {"label": label, "trace": trace_path.name, "steps": info["steps_run"],
-                            "ranges_ms": ranges, "gpu_streams": sorted(trace["gpu"])}
+            summary[key] = {
+                "label": label,
+                "trace": trace_path.name,
+                "steps": info["steps_run"],
+                "ranges_ms": ranges,
+                "gpu_streams": sorted(trace["gpu"]),
+            }
             panels.append((label, trace))
-            parts = ", ".join(f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items())
+            parts = ", ".join(
+                f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items()
+            )
             print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
 
-    title = (f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
-             f"device {setup.device}, {setup.steps} profiled steps")
+    title = (
+        f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
+        f"device {setup.device}, {setup.steps} profiled steps"
+    )
     problem = draw_timeline(panels, out / "timeline.png", title) if panels else "nothing profiled"
-    (out / "profile.json").write_text(json.dumps(bench._jsonable({
-        "command": "python -m fastcollate profile " + " ".join(sys.argv[1:] if argv is None else argv),
-        "note": NOT_THROUGHPUT,
-        "machine": bench.machine_info(),
-        "versions": bench.versions(),
-        "config": {"data": setup.name, "batch_size": setup.batch_size, "workers": workers,
-                   "device": str(setup.device), "warmup_steps": setup.warmup, "profiled_steps": setup.steps,
-                   "compute": setup.model_note if setup.make_step is not None else None},
-        "paths": summary,
-    }), indent=1))
-    print(f"wrote {out / 'profile.json'}" + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})"))
+    (out / "profile.json").write_text(
+        json.dumps(
+            bench._jsonable(
+                {
+                    "command": "python -m fastcollate profile "
+                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    "note": NOT_THROUGHPUT,
+                    "machine": bench.machine_info(),
+                    "versions": bench.versions(),
+                    "config": {
+                        "data": setup.name,
+                        "batch_size": setup.batch_size,
+                        "workers": workers,
+                        "device": str(setup.device),
+                        "warmup_steps": setup.warmup,
+                        "profiled_steps": setup.steps,
+                        "compute": setup.model_note if setup.make_step is not None else None,
+                    },
+                    "paths": summary,
+                }
+            ),
+            indent=1,
+        )
+    )
+    print(
+        f"wrote {out / 'profile.json'}"
+        + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})")
+    )
     print(f"  reminder: {NOT_THROUGHPUT}.")
     return 0
 

@@ -22,8 +22,24 @@ from fastcollate.datasets import PRESETS, FashionLike, ImageNetLike, ManyFields,
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "bench_datasets.py"
-TINY = ["--preset", "fields", "--size", "256", "--batch-size", "32", "--steps", "3", "--warmup", "1",
-        "--repeat", "2", "--workers", "0", "1", "--no-progress"]
+TINY = [
+    "--preset",
+    "fields",
+    "--size",
+    "256",
+    "--batch-size",
+    "32",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+    "--repeat",
+    "2",
+    "--workers",
+    "0",
+    "1",
+    "--no-progress",
+]
 
 
 def assert_valid_png(path: Path) -> None:
@@ -43,8 +59,14 @@ def tiny_run(tmp_path_factory):
     """The real command, in a subprocess, on the tiny fields preset: it must take seconds."""
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, XDG_CACHE_HOME=str(out / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "fastcollate", "bench", *TINY, "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastcollate", "bench", *TINY, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, json.loads((out / "results.json").read_text()), proc.stdout
 
@@ -61,8 +83,18 @@ def test_tiny_preset_results_json_has_every_field_the_issue_names(tiny_run):
     assert {"default", "assemble"} <= variants
     assert len(configs) == 2 * len(variants) * 2  # observations x variants x workers
     for c in configs:
-        for key in ("collate", "transfer", "workers", "samples_per_s", "bytes_per_s", "wait_ms_p50",
-                    "wait_ms_p95", "peak_rss_bytes", "ids_match_reference", "runs"):
+        for key in (
+            "collate",
+            "transfer",
+            "workers",
+            "samples_per_s",
+            "bytes_per_s",
+            "wait_ms_p50",
+            "wait_ms_p95",
+            "peak_rss_bytes",
+            "ids_match_reference",
+            "runs",
+        ):
             assert key in c, key
         assert c["ids_match_reference"] is True
         assert c["samples_per_s"] > 0 and c["bytes_per_s"] > 0
@@ -108,9 +140,28 @@ def test_chart_is_a_valid_png(tiny_run):
 
 
 def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_path, capsys):
-    status = bench.main(["--dataset", "tests.bench_datasets:drops_one_in_workers", "--batch-size", "16", "--steps", "2",
-                         "--warmup", "1", "--repeat", "1", "--workers", "0", "1", "--observation", "loader",
-                         "--no-progress", "--out", str(tmp_path)])
+    status = bench.main(
+        [
+            "--dataset",
+            "tests.bench_datasets:drops_one_in_workers",
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeat",
+            "1",
+            "--workers",
+            "0",
+            "1",
+            "--observation",
+            "loader",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 1, "a flagged configuration makes the command fail"
     result = json.loads((tmp_path / "results.json").read_text())
     by_workers = {}
@@ -127,9 +178,28 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
 
 
 def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_and_duplicated(tmp_path):
-    status = bench.main(["--dataset", "tests.bench_datasets:wrong_id_in_workers", "--batch-size", "4", "--steps",
-                         "2", "--warmup", "1", "--repeat", "1", "--workers", "0", "1", "--observation", "loader",
-                         "--no-progress", "--out", str(tmp_path)])
+    status = bench.main(
+        [
+            "--dataset",
+            "tests.bench_datasets:wrong_id_in_workers",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeat",
+            "1",
+            "--workers",
+            "0",
+            "1",
+            "--observation",
+            "loader",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 1
     result = json.loads((tmp_path / "results.json").read_text())
     for c in result["configs"]:
@@ -141,8 +211,23 @@ def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_a
 
 
 def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
-    status = bench.main(["--dataset", f"{HELPERS}:tiny", "--steps", "2", "--warmup", "1", "--repeat", "1",
-                         "--workers", "0", "--no-progress", "--out", str(tmp_path)])
+    status = bench.main(
+        [
+            "--dataset",
+            f"{HELPERS}:tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeat",
+            "1",
+            "--workers",
+            "0",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["config"]["batch_size"] == 16
@@ -152,9 +237,29 @@ def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
 
 def test_tokens_preset_reports_tokens_per_second_from_real_lengths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    status = bench.main(["--preset", "tokens", "--size", "128", "--batch-size", "16", "--steps", "2",
-                         "--warmup", "1", "--repeat", "1", "--workers", "0", "--observation", "loader",
-                         "--no-progress", "--out", str(tmp_path)])
+    status = bench.main(
+        [
+            "--preset",
+            "tokens",
+            "--size",
+            "128",
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeat",
+            "1",
+            "--workers",
+            "0",
+            "--observation",
+            "loader",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     dataset = TokenSequences(size=128, seed=0)
@@ -166,9 +271,22 @@ def test_tokens_preset_reports_tokens_per_second_from_real_lengths(tmp_path, mon
 
 
 def _args(**overrides) -> argparse.Namespace:
-    base = dict(preset="fields", dataset=None, size=256, workers=None, batch_size=32, steps=None, warmup=None,
-                repeat=None, quick=False, observation="both", no_model=False, device="cpu", model_width=None,
-                seed=0)
+    base = dict(
+        preset="fields",
+        dataset=None,
+        size=256,
+        workers=None,
+        batch_size=32,
+        steps=None,
+        warmup=None,
+        repeat=None,
+        quick=False,
+        observation="both",
+        no_model=False,
+        device="cpu",
+        model_width=None,
+        seed=0,
+    )
     base.update(overrides)
     return argparse.Namespace(**base)
 
@@ -195,7 +313,9 @@ def test_quick_takes_few_steps_and_workers(monkeypatch):
     assert setup.indices is not None and len(setup.indices) == (4 + 1 + setup.tail) * 32
 
 
-def test_fashion_like_is_deterministic_cached_under_xdg_and_picklable_without_its_pixels(tmp_path, monkeypatch):
+def test_fashion_like_is_deterministic_cached_under_xdg_and_picklable_without_its_pixels(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "fastcollate"
     a = FashionLike(size=500, seed=3, transform=None)
@@ -205,7 +325,9 @@ def test_fashion_like_is_deterministic_cached_under_xdg_and_picklable_without_it
     c = FashionLike(size=500, seed=4, transform=None, cache=False)
     assert not torch.equal(a[7]["image"], c[7]["image"])
     sample = a[499]
-    assert sample["id"] == 499 and sample["image"].shape == (1, 28, 28) and sample["image"].dtype == torch.uint8
+    assert (
+        sample["id"] == 499 and sample["image"].shape == (1, 28, 28) and sample["image"].dtype == torch.uint8
+    )
     assert len(pickle.dumps(a)) < 10_000, "a worker maps the cache itself"
     targets = {a[i]["target"] for i in range(200)}
     assert targets == set(range(10))

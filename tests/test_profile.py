@@ -12,8 +12,20 @@ import pytest
 from fastcollate import profiling
 from tests.test_bench import assert_valid_png
 
-TINY = ["--preset", "fields", "--size", "512", "--batch-size", "32", "--steps", "3", "--warmup", "1",
-        "--workers", "0"]
+TINY = [
+    "--preset",
+    "fields",
+    "--size",
+    "512",
+    "--batch-size",
+    "32",
+    "--steps",
+    "3",
+    "--warmup",
+    "1",
+    "--workers",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +72,53 @@ def _synthetic_gpu_trace(path: Path) -> None:
     for step in range(3):
         t = 1_000_000 + step * 10_000
         events += [
-            {"ph": "X", "cat": "user_annotation", "name": "batch_wait", "pid": 1, "tid": 5, "ts": t, "dur": 1000},
-            {"ph": "X", "cat": "user_annotation", "name": "h2d_transfer", "pid": 1, "tid": 5, "ts": t + 1000,
-             "dur": 200},
-            {"ph": "X", "cat": "user_annotation", "name": "compute", "pid": 1, "tid": 5, "ts": t + 1200,
-             "dur": 8000},
-            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0, "tid": 13,
-             "ts": t + 1100, "dur": 3000, "args": {"stream": 13}},
-            {"ph": "X", "cat": "kernel", "name": "conv", "pid": 0, "tid": 7, "ts": t + 1500, "dur": 7000,
-             "args": {"stream": 7}},
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "batch_wait",
+                "pid": 1,
+                "tid": 5,
+                "ts": t,
+                "dur": 1000,
+            },
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "h2d_transfer",
+                "pid": 1,
+                "tid": 5,
+                "ts": t + 1000,
+                "dur": 200,
+            },
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "compute",
+                "pid": 1,
+                "tid": 5,
+                "ts": t + 1200,
+                "dur": 8000,
+            },
+            {
+                "ph": "X",
+                "cat": "gpu_memcpy",
+                "name": "Memcpy HtoD (Pinned -> Device)",
+                "pid": 0,
+                "tid": 13,
+                "ts": t + 1100,
+                "dur": 3000,
+                "args": {"stream": 13},
+            },
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "conv",
+                "pid": 0,
+                "tid": 7,
+                "ts": t + 1500,
+                "dur": 7000,
+                "args": {"stream": 7},
+            },
         ]
     path.write_text(json.dumps({"traceEvents": events}))
 
@@ -83,5 +133,8 @@ def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
     assert trace["cpu"]["5"][0] == ("batch_wait", 0.0, 1.0)
     summary = profiling.range_summary(trace)
     assert summary["compute"]["median_ms"] == pytest.approx(8.0) and summary["compute"]["count"] == 3
-    assert profiling.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t") is None
+    assert (
+        profiling.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t")
+        is None
+    )
     assert_valid_png(tmp_path / "t.png")

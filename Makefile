@@ -16,7 +16,8 @@ SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.
 help:
 	@echo "make demo      build, then python -m fastcollate bench on the embedded data set"
 	@echo "make test      build, then the test suite"
-	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate)"
+	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate); COMPARE=1 compares with the last run"
+	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
 	@echo "make fuzz      the long hypothesis run"
 	@echo "make sanitize  build with ASan+UBSan and run the CPU tests under them"
 	@echo "make build     only build the extension"
@@ -44,12 +45,19 @@ demo: .stamp-build
 	$(PY) -m fastcollate bench $(BENCH_ARGS)
 
 bench: .stamp-build
-	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops
+	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \
+		--benchmark-autosave $(if $(COMPARE),--benchmark-compare)
+
+profile: .stamp-build
+	$(PY) -m fastcollate profile $(PROFILE_ARGS)
 
 fuzz: .stamp-build
 	FASTCOLLATE_FUZZ_EXAMPLES=10000 $(PY) -m pytest tests/test_fuzz.py -q
 
+sanitize: $(DEPS)
+	PYTHON=$(PY) bash scripts/sanitize.sh
+
 clean:
 	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps
 
-.PHONY: help build test demo bench fuzz clean
+.PHONY: help build test demo bench profile fuzz sanitize clean

@@ -213,6 +213,10 @@ class Epoch:
 # --------------------------------------------------------------------------------------------------
 # Reading ids and targets out of a batch
 
+TARGET_KEYS = ("y", "label", "labels", "target", "targets")
+"""Field names taken as a sample's targets, in order of preference, when none is named (``doctor``
+without ``--targets``, ``bench``)."""
+
 
 def _lookup(batch: Any, path: str) -> Any:
     """The value at a dotted path: mapping keys, attribute names (namedtuples), sequence indices."""

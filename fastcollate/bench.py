@@ -9,7 +9,6 @@ writes a table, ``results.json`` (every run kept) and a chart. See ``--help``.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime as _dt
 import importlib
@@ -32,8 +31,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 
 import fastcollate
 
+from . import audit
 from .datasets import PRESETS
 from .device_loader import DeviceLoader
+from .factory import load_factory
 from .models import TrainStep
 
 __all__ = ["main"]
@@ -41,7 +42,6 @@ __all__ = ["main"]
 DEFAULT_WORKERS = (0, 1, 2, 4)
 PREFETCH_FACTOR = 2  # DataLoader's default, stated in the results
 DEVICE_LOADER_DEPTH = 2
-TARGET_KEYS = ("target", "targets", "label", "labels", "y")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,16 +379,16 @@ def apply_transforms(batch: Any, transforms: Mapping[str, Callable]) -> Any:
 
 
 def ids_and_targets(batch: Any, target_key: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The batch's id tensor and target tensor (copies: a batch's memory may be a reused slot)."""
+    """The batch's id tensor and target tensor (copies: a batch's memory may be a reused slot): a
+    mapping's ``"id"`` and ``target_key``, an ``IdentifiedSample``'s ``id`` and last field."""
     ids = targets = None
     if isinstance(batch, Mapping):
-        ids = batch.get("id")
-        targets = batch.get(target_key) if target_key else None
+        ids = _field(batch, "id")
+        targets = _field(batch, target_key) if target_key else None
     elif isinstance(batch, tuple) and hasattr(batch, "id") and hasattr(batch, "sample"):  # IdentifiedSample
-        ids = batch.id
-        sample = batch.sample
-        if isinstance(sample, (list, tuple)) and len(sample) >= 2 and isinstance(sample[-1], torch.Tensor):
-            targets = sample[-1]
+        ids = _field(batch, "id")
+        if isinstance(batch.sample, (list, tuple)) and len(batch.sample) >= 2:
+            targets = _field(batch, f"sample.{len(batch.sample) - 1}")
     ids = ids.detach().clone() if isinstance(ids, torch.Tensor) else None
     if isinstance(targets, torch.Tensor) and targets.dim() >= 1:
         targets = targets.detach().clone()
@@ -397,9 +397,17 @@ def ids_and_targets(batch: Any, target_key: str | None) -> tuple[torch.Tensor | 
     return ids, targets
 
 
+def _field(batch: Any, path: str) -> Any:
+    """``audit._lookup``'s value at ``path``, or None where the batch has none."""
+    try:
+        return audit._lookup(batch, path)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
 def find_target_key(sample: Any) -> str | None:
     if isinstance(sample, Mapping):
-        for key in TARGET_KEYS:
+        for key in audit.TARGET_KEYS:
             if key in sample:
                 return key
     return None
@@ -684,57 +692,53 @@ def _jsonable(value: Any) -> Any:
 
 
 def compare_to_reference(run: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, Any]:
-    """Same ids (as a multiset) and, where both have them, the same target for each id.
+    """Same ids, each once, and, where both have them, the same target for each id
+    (``fastcollate.audit.compare``).
 
     A run asked for the first ``asked_samples`` of the subset is held to the reference's first that
-    many: the reference (workers=0, in order) delivers the subset in its order.
+    many: the reference (workers=0, in order) delivers the subset in its order. ``duplicated`` counts
+    the surplus copies of ids delivered more than once, ``unexpected`` the ids the reference (so
+    held) lacks, ``targets_mismatched`` the ids delivered with another target than the reference's.
     """
-    got = collections.Counter(run["_ids"].tolist())
     asked = run.get("asked_samples")
-    expected = reference["_ids"] if asked is None else reference["_ids"][:asked]
-    want = collections.Counter(expected.tolist())
-    lost = sum((want - got).values())
-    duplicated = sum((got - want).values())
-    mismatched = 0
-    if run["_targets"] is not None and reference["_targets"] is not None:
-        ref_target = dict(zip(reference["_ids"].tolist(), reference["_targets"].tolist(), strict=True))
-        for i, t in zip(run["_ids"].tolist(), run["_targets"].tolist(), strict=True):
-            if i in ref_target and ref_target[i] != t:
-                mismatched += 1
+    targets, reference_targets = run["_targets"], reference["_targets"]
+    if targets is not None and reference_targets is not None:  # compared by value, as == does
+        common = np.result_type(targets, reference_targets)
+        targets, reference_targets = targets.astype(common), reference_targets.astype(common)
+    expected = _epoch(reference["_ids"], reference_targets, asked)
+    report = audit.compare(expected, _epoch(run["_ids"], targets), order="any")
+    duplicated = sum(count - 1 for count in report.duplicated.values())
     return {
-        "lost": lost,
+        "lost": len(report.missing),
         "duplicated": duplicated,
-        "targets_mismatched": mismatched,
-        "lost_ids": sorted((want - got).elements())[:10],
-        "duplicated_ids": sorted((got - want).elements())[:10],
+        "unexpected": len(report.unexpected),
+        "targets_mismatched": len(report.changed_targets),
+        "lost_ids": report.missing[:10],
+        "duplicated_ids": list(report.duplicated)[:10],
+        "unexpected_ids": report.unexpected[:10],
         "order_matches": bool(np.array_equal(run["_ids"], reference["_ids"])),
-        "match": lost == 0 and duplicated == 0 and mismatched == 0,
+        "match": report.ok,
     }
+
+
+def _epoch(ids: np.ndarray, targets: np.ndarray | None, limit: int | None = None) -> audit.Epoch:
+    """A run's ids and targets (the first ``limit``) as an audit epoch, targets as their digests."""
+    ids = np.asarray(ids[:limit], dtype=np.int64)
+    digests = None if targets is None else audit._digest_rows(targets[:limit], ids.size)
+    return audit.Epoch(ids=ids, digests=digests)
 
 
 # --------------------------------------------------------------------------------------------------
 # Set-up from the command line.
 
 
-def _load_factory(spec: str) -> Any:
-    if ":" not in spec:
-        raise SystemExit(f"--dataset wants module:factory or path/to/file.py:factory, got {spec!r}")
-    module_name, _, attr = spec.rpartition(":")
-    if module_name.endswith(".py") or os.sep in module_name:
-        path = Path(module_name).resolve()
-        sys.path.insert(0, str(path.parent))  # so forked or spawned workers can import it by name
-        module_name = path.stem
-    elif os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise SystemExit(f"--dataset {spec}: {module_name} has no {attr!r}") from None
-
-
 def _user_dataset(spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    factory = _load_factory(spec)
+    try:
+        factory = load_factory(spec)
+    except ValueError:
+        raise SystemExit(f"--dataset wants module:factory or path/to/file.py:factory, got {spec!r}") from None
+    except AttributeError as error:
+        raise SystemExit(f"--dataset {spec}: {error}") from None
     kwargs = {}
     params = inspect.signature(factory).parameters if callable(factory) else {}
     if args.size is not None and "size" in params:
@@ -906,6 +910,7 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[dict[str, Any]
     checks = [r["check"] for r in runs]
     lost = max((c["lost"] for c in checks), default=0)
     duplicated = max((c["duplicated"] for c in checks), default=0)
+    unexpected = max((c["unexpected"] for c in checks), default=0)
     mismatched = max((c["targets_mismatched"] for c in checks), default=0)
     ok = not errors and all(c["match"] for c in checks)
     median_rate = _median(rates)
@@ -944,6 +949,7 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[dict[str, Any]
         "ids_match_reference": ok,
         "lost": lost,
         "duplicated": duplicated,
+        "unexpected": unexpected,
         "targets_mismatched": mismatched,
         "errors": errors,
         "ranked": ok,
@@ -1057,6 +1063,8 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
                     parts.append(f"LOST {e['lost']}")
                 if e["duplicated"]:
                     parts.append(f"DUPLICATED {e['duplicated']}")
+                if e["unexpected"]:
+                    parts.append(f"UNEXPECTED {e['unexpected']}")
                 if e["targets_mismatched"]:
                     parts.append(f"TARGETS {e['targets_mismatched']}")
                 check = "/".join(parts) + " (not ranked)"
@@ -1102,7 +1110,7 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
                 "; ".join(e["errors"])
                 if e["errors"]
                 else (
-                    f"lost {e['lost']}, duplicated {e['duplicated']}, "
+                    f"lost {e['lost']}, duplicated {e['duplicated']}, unexpected {e['unexpected']}, "
                     f"targets mismatched {e['targets_mismatched']}"
                 )
             )

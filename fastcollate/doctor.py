@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -28,12 +26,11 @@ from . import audit
 from .assemble import assemble
 from .contract import Contract
 from .errors import ContractError, sample_id
+from .factory import load_factory
 from .ids import IdentifiedSample, with_ids
 
 __all__ = ["Failure", "main", "run_doctor"]
 
-TARGET_NAMES = ("y", "label", "labels", "target", "targets")
-"""Field names taken as targets when ``--targets`` is not given."""
 TRANSFORM_ATTRIBUTES = ("transform", "target_transform", "transforms")
 """torchvision's convention: switching these off leaves the raw access."""
 
@@ -1060,14 +1057,14 @@ def _top_level_fields(sample: Any, id_key: str) -> list[str]:
 
 def _guess_targets(sample: Any) -> list[str]:
     if isinstance(sample, Mapping):
-        return [name for name in TARGET_NAMES if name in sample][:1]
+        return [name for name in audit.TARGET_KEYS if name in sample][:1]
     if isinstance(sample, IdentifiedSample):
         inner = sample.sample
         if isinstance(inner, (list, tuple)) and len(inner) >= 2:
             return [f"sample.{len(inner) - 1}"]  # (input, target), the torchvision convention
         return []
     if isinstance(sample, tuple) and hasattr(type(sample), "_fields"):
-        return [name for name in TARGET_NAMES if name in type(sample)._fields][:1]
+        return [name for name in audit.TARGET_KEYS if name in type(sample)._fields][:1]
     return []
 
 
@@ -1076,20 +1073,9 @@ def _guess_targets(sample: Any) -> list[str]:
 
 
 def load_dataset(spec: str) -> Dataset:
-    """``module:factory`` (or ``path/to/file.py:factory``): the factory's dataset. A factory is a
-    callable returning a Dataset; a Dataset object there is taken as it is."""
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"expected module:factory, got {spec!r}")
-    if module_name.endswith(".py") or os.sep in module_name:
-        path = os.path.abspath(module_name)
-        sys.path.insert(0, os.path.dirname(path))  # imported by name, so spawned workers can import it too
-        module_name = os.path.splitext(os.path.basename(path))[0]
-    elif os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    target: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        target = getattr(target, part)
+    """``module:factory`` (or ``path/to/file.py:factory``, see ``load_factory``): the factory's
+    dataset. A factory is a callable returning a Dataset; a Dataset object there is taken as it is."""
+    target = load_factory(spec)
     dataset = target if isinstance(target, Dataset) or not callable(target) else target()
     if not isinstance(dataset, Dataset) and not (
         hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")

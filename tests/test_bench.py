@@ -364,3 +364,20 @@ def test_compare_to_reference_counts_lost_duplicated_and_changed_targets():
     shuffled = {"_ids": ref["_ids"][::-1].copy(), "_targets": ref["_targets"][::-1].copy()}
     check = bench.compare_to_reference(shuffled, ref)
     assert check["match"] and not check["order_matches"]
+
+
+def test_compare_to_reference_counts_ids_never_in_the_reference_as_unexpected_not_duplicated():
+    ref = {"_ids": np.array([0, 1, 2]), "_targets": None}
+    run = {"_ids": np.array([0, 1, 2, 99]), "_targets": None}
+    check = bench.compare_to_reference(run, ref)
+    assert (check["lost"], check["duplicated"], check["unexpected"]) == (0, 0, 1)
+    assert check["duplicated_ids"] == [] and check["unexpected_ids"] == [99] and not check["match"]
+
+
+def test_compare_to_reference_compares_targets_by_value_across_dtypes():
+    ref = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 3], np.int64)}
+    run = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 5], np.int32)}
+    check = bench.compare_to_reference(run, ref)
+    assert check["targets_mismatched"] == 1 and not check["match"]
+    run["_targets"] = np.array([0.0, 1.0, 2.0, 3.0], np.float32)
+    assert bench.compare_to_reference(run, ref)["match"]

@@ -156,6 +156,17 @@ std::string child_path(const std::string& parent, const std::string& key) {
 
 }  // namespace
 
+// Tensors borrowed from the samples: each points into a Python tensor the plan keeps alive (the batch,
+// or BatchPlan::keepalive). Holding at::Tensor copies instead would cost a GIL round trip per sample
+// when they are released (a tensor with a Python object decrefs it under the GIL).
+struct BorrowedTensors {
+  std::vector<const at::Tensor*> items;
+  void reserve(size_t n) { items.reserve(n); }
+  void push_back(const at::Tensor& tensor) { items.push_back(&tensor); }
+  const at::Tensor& operator[](size_t i) const { return *items[i]; }
+  size_t size() const { return items.size(); }
+};
+
 // The output structure, one node per field path, with the samples' values for that path.
 struct Node {
   enum class Kind { Tensor, Numbers, Ready, Dict, Mapping, List, NamedTuple, Sequence };
@@ -170,7 +181,7 @@ struct Node {
   std::vector<int64_t> shape;  // including the batch dim
   size_t offset = 0;
   // Tensor: one input per sample; memcpy when it already has the row's dtype, shape and layout.
-  std::vector<at::Tensor> inputs;
+  BorrowedTensors inputs;
   std::vector<bool> needs_tensor_copy;
   // Padded tensors: per-sample sizes of each dim, and where the mask and lengths go.
   bool padded = false;
@@ -629,9 +640,11 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
     const bool is_int = PyLong_Check(item) && !is_bool;
     const bool is_float = PyFloat_Check(item);
     bool accepted = boolean ? is_bool : floating ? (is_float || is_int) : is_int;
-    if (!accepted && spec == nullptr) {
-      // Mixed numbers (int and float, bool and int, Python and numpy scalars, one-element tensors):
-      // torch.tensor's inference decides, as it does for default_collate. Anything else is not a number.
+    // Mixed numbers (int and float, bool and int, Python and numpy scalars, one-element tensors, ints
+    // past int64 beside floats): torch.tensor's inference decides, as it does for default_collate.
+    // Anything else is not a number. Returns null when item i is no number either.
+    auto by_torch_tensor = [&](size_t i) -> std::unique_ptr<Node> {
+      PyObject* item = items[i];
       const PythonHelpers& h = helpers();
       auto is_number = [&](PyObject* value) {
         return (PyLong_Check(value) || PyFloat_Check(value) || THPVariable_Check(value) ||
@@ -670,7 +683,13 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
           }
           fail(kind_of(error), bad, path, "a number torch.tensor can hold (like sample 0)", describe(error));
         }
-        return node;
+        return std::move(node);
+      }
+      return nullptr;
+    };
+    if (!accepted && spec == nullptr) {
+      if (auto ready = by_torch_tensor(i)) {
+        return ready;
       }
     }
     if (!accepted) {
@@ -695,6 +714,9 @@ std::unique_ptr<Node> Walk::numbers(const std::vector<PyObject*>& items, const s
     } else {
       int overflow = 0;
       const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0 && spec == nullptr) {
+        return by_torch_tensor(i);  // torch.tensor takes it beside a float, else names it
+      }
       if (overflow != 0) {
         fail("size", i, path, "an integer that fits in int64", "an integer out of int64's range");
       }
@@ -802,11 +824,39 @@ std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const s
   // mapping's __getitem__, another thread while it runs) may remove them from their dicts meanwhile.
   std::vector<py::object> held(items.size());
   py::list owned;  // values fetched through __getitem__ of non-dict mappings are new references
-  for (const auto& key : node->keys) {
+  // Fast path: a dict whose keys come in sample 0's order (the usual case: one code path made every
+  // sample) is read in one PyDict_Next pass with no hashing; whatever does not line up is looked up.
+  const size_t count = items.size();
+  std::vector<PyObject*> in_order(node->keys.size() * count, nullptr);
+  for (size_t i = 0; i < count; ++i) {
+    if (!PyDict_Check(items[i])) {
+      continue;
+    }
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    for (size_t k = 0; k < node->keys.size() && PyDict_Next(items[i], &position, &key, &value); ++k) {
+      if (key != node->keys[k].ptr()) {
+        const int equal = PyObject_RichCompareBool(key, node->keys[k].ptr(), Py_EQ);
+        if (equal < 0) {
+          throw py::error_already_set();
+        }
+        if (equal == 0) {
+          break;
+        }
+      }
+      in_order[k * count + i] = value;
+    }
+  }
+  for (size_t k = 0; k < node->keys.size(); ++k) {
+    const py::object& key = node->keys[k];
     const std::string key_path = child_path(path, py::str(key));
     for (size_t i = 0; i < items.size(); ++i) {
       PyObject* item = items[i];
-      PyObject* value = PyDict_Check(item) ? PyDict_GetItemWithError(item, key.ptr()) : nullptr;
+      PyObject* value = in_order[k * count + i];
+      if (value == nullptr && PyDict_Check(item)) {
+        value = PyDict_GetItemWithError(item, key.ptr());
+      }
       if (value == nullptr && PyErr_Occurred()) {
         throw py::error_already_set();
       }

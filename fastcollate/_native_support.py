@@ -11,7 +11,7 @@ from collections.abc import MutableMapping, MutableSequence
 
 from torch.utils.data import default_collate as _torch_default_collate
 
-from .errors import make_error
+from .errors import ContractError, make_error
 
 # The id key of the collation running on this thread, so errors raised from C++ can name samples.
 _current = threading.local()
@@ -46,7 +46,34 @@ def rebuild_sequence(elem, values: list):
         return values
 
 
-def default_collate(values: list, path: str):
+def default_collate(values: list, path: str, batch=None):
     """Leaves the native walk does not take over (tensor subclasses, mixed dtypes, CUDA or sparse
-    tensors, numpy scalars): exactly default_collate's result for them."""
-    return _torch_default_collate(values)
+    tensors, numpy scalars): exactly default_collate's result for them.
+
+    Where default_collate refuses, the error is a ContractError of the same class (RuntimeError stays
+    RuntimeError, ...) that names the field and the first sample it refuses next to sample 0.
+    """
+    try:
+        return _torch_default_collate(values)
+    except (TypeError, RuntimeError, ValueError, KeyError, IndexError) as error:
+        if isinstance(error, ContractError):
+            raise
+        kind = next(kind for cls, kind in _KIND_OF if isinstance(error, cls))
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        raise contract_error(
+            kind, batch, _first_refused(values), path or "<sample>", "a value default_collate takes (like sample 0)",
+            text[:200], "convert the field in the dataset, or pass a collate_fn that handles it",
+        ) from error
+
+
+_KIND_OF = ((TypeError, "type"), (KeyError, "key"), (IndexError, "empty"), (ValueError, "value"), (RuntimeError, "size"))
+
+
+def _first_refused(values: list) -> int:
+    """The first sample default_collate refuses alone or next to sample 0 (0 when it refuses sample 0)."""
+    for position in range(len(values)):
+        try:
+            _torch_default_collate([values[0], values[position]] if position else [values[0]])
+        except Exception:  # noqa: BLE001 - any refusal locates the sample
+            return position
+    return 0

@@ -56,9 +56,9 @@ class StagingRing:
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of ``nbytes`` over a free slot (or a fresh buffer when all are busy)."""
         with self._lock:
-            before = self._native.stats().overflow_allocations
+            before = self._native.overflow_allocations
             buffer = self._native.acquire(nbytes)
-            overflowed = self._native.stats().overflow_allocations != before
+            overflowed = self._native.overflow_allocations != before
         if overflowed and not self._warned:
             self._warned = True
             warnings.warn(

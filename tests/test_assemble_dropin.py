@@ -266,9 +266,13 @@ def test_a_different_type_in_a_later_sample_is_named():
     assert caught.value.sample_id == 2 and caught.value.field == "x"
 
 
-def test_integer_overflow_is_named():
-    with pytest.raises(RuntimeError) as caught:
-        assemble([{"id": 0, "n": 1}, {"id": 1, "n": 2**70}])
+def test_integer_overflow_is_named_and_raises_what_default_collate_raises():
+    batch = [{"id": 0, "n": 1}, {"id": 1, "n": 2**70}]
+    with pytest.raises(Exception) as theirs:
+        default_collate(batch)
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    assert isinstance(caught.value, type(theirs.value))
     assert caught.value.sample_id == 1 and caught.value.field == "n"
 
 

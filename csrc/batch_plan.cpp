@@ -438,41 +438,48 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   }
   // Leaves that are not dense CPU tensors are default_collate's (drop-in) or an error (contract). This
   // comes before any size is read: a nested tensor has none.
-  for (size_t i = 0; i < count; ++i) {
-    const at::Tensor& value = node->inputs[i];
-    const bool dense = value.device().is_cpu() && value.layout() == at::kStrided && !value.is_quantized() &&
-                       !value.is_nested();
-    if (spec == nullptr) {
-      leave_to_default |= !dense || value.requires_grad();
-    } else if (!dense) {
-      fail("type", i, path, "a dense CPU tensor",
-           "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
-               (value.is_nested() ? " (nested)" : value.is_quantized() ? " (quantized)" : ""));
-    }
-  }
-  if (leave_to_default) {
+  auto is_dense = [](const at::Tensor& value) {
+    return value.device().is_cpu() && value.layout() == at::kStrided && !value.is_quantized() && !value.is_nested();
+  };
+  const at::Tensor& first = node->inputs[0];
+  if (spec == nullptr && (leave_to_default || !is_dense(first) || first.requires_grad())) {
     return left_to_default(items, path);
   }
-
-  const at::Tensor& first = node->inputs[0];
-  std::vector<int64_t> row_shape(first.sizes().begin(), first.sizes().end());
+  std::vector<int64_t> row_shape;
   at::ScalarType dtype = first.scalar_type();
   if (spec == nullptr) {
+    // One pass per sample (batches of many small fields are bound by touching each tensor): dense,
+    // same shape, same dtype, and whether its bytes can be copied as they are.
+    const auto first_keys = first.key_set();
+    const auto first_sizes = first.sizes();
+    row_shape.assign(first_sizes.begin(), first_sizes.end());
+    node->needs_tensor_copy.resize(count);
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
-      if (value.sizes() != first.sizes()) {
-        fail("size", i, path, "shape " + shape_string(first.sizes()) + " (as sample 0)",
+      // The same dispatch keys as sample 0 mean the same device type, layout, conj and neg bits.
+      if ((value.key_set() != first_keys && !is_dense(value)) || value.requires_grad()) {
+        return left_to_default(items, path);
+      }
+      if (value.sizes() != first_sizes) {
+        fail("size", i, path, "shape " + shape_string(first_sizes) + " (as sample 0)",
              "shape " + shape_string(value.sizes()),
              "Resize or crop it in the transform, or declare the conversion or padding in a Contract");
       }
-      leave_to_default |= value.scalar_type() != dtype;  // type promotion: default_collate's rules
-      leave_to_default |= !value.device().is_cpu() || value.layout() != at::kStrided || value.requires_grad() ||
-                          value.is_quantized() || value.is_nested();
-    }
-    if (leave_to_default) {
-      return left_to_default(items, path);
+      if (value.scalar_type() != dtype) {
+        return left_to_default(items, path);  // type promotion: default_collate's rules
+      }
+      node->needs_tensor_copy[i] = !value.is_contiguous() || value.is_conj() || value.is_neg();
     }
   } else {
+    for (size_t i = 0; i < count; ++i) {
+      const at::Tensor& value = node->inputs[i];
+      if (!is_dense(value)) {
+        fail("type", i, path, "a dense CPU tensor",
+             "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
+                 (value.is_nested() ? " (nested)" : value.is_quantized() ? " (quantized)" : ""));
+      }
+    }
+    row_shape.assign(first.sizes().begin(), first.sizes().end());
     dtype = spec->has_dtype ? spec->dtype : dtype;
     if (spec->has_shape) {
       row_shape = spec->shape;
@@ -551,11 +558,13 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   node->dtype = dtype;
   node->shape.push_back(static_cast<int64_t>(count));
   node->shape.insert(node->shape.end(), row_shape.begin(), row_shape.end());
-  node->needs_tensor_copy.resize(count);
-  for (size_t i = 0; i < count; ++i) {
-    const at::Tensor& value = node->inputs[i];
-    node->needs_tensor_copy[i] = value.scalar_type() != dtype || value.sizes() != at::IntArrayRef(row_shape) ||
-                                 !value.is_contiguous() || value.is_conj() || value.is_neg();
+  if (spec != nullptr) {
+    node->needs_tensor_copy.resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      const at::Tensor& value = node->inputs[i];
+      node->needs_tensor_copy[i] = value.scalar_type() != dtype || value.sizes() != at::IntArrayRef(row_shape) ||
+                                   !value.is_contiguous() || value.is_conj() || value.is_neg();
+    }
   }
   if (node->padded) {
     try {
@@ -963,8 +972,12 @@ at::Tensor view_into(const at::Tensor& buffer, size_t offset, at::ScalarType dty
   const size_t element_size = c10::elementSize(dtype);
   const size_t start = static_cast<size_t>(buffer.storage_offset()) + offset;
   TORCH_INTERNAL_ASSERT(start % element_size == 0, "misaligned field offset");
-  at::Tensor view = at::empty({0}, buffer.options().dtype(dtype));
-  view.set_(buffer.storage(), static_cast<int64_t>(start / element_size), shape, c10::contiguous_strides(shape));
+  // Built directly on the buffer's storage, as ATen builds its own views: two dispatcher calls per
+  // field (empty + set_) cost more than the copy for batches of many small fields.
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
+                                                             c10::scalarTypeToTypeMeta(dtype));
+  view.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  view.unsafeGetTensorImpl()->set_storage_offset(static_cast<int64_t>(start / element_size));
   return view;
 }
 

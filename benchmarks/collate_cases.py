@@ -1,0 +1,344 @@
+"""The collate benchmark cases of the foundation issue: inputs, contenders and targets, built once.
+
+Every case is a list of samples plus the functions that collate it (torch's ``default_collate`` or the
+hand-written reference, ``fastcollate.assemble``, the contract-checked ``assemble.using(...)``, and for
+the ImageNet case the plain-copy baselines), all producing the same batch. ``collate_ratios.py`` times
+them interleaved; ``test_collate.py`` runs them under pytest-benchmark.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import default_collate
+
+try:
+    import fastcollate
+except ImportError:  # run from a checkout without an install: the package sits one level up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fastcollate
+
+from fastcollate import Contract, Field, assemble
+
+__all__ = [
+    "BATCH",
+    "CASES",
+    "FLOOR",
+    "Case",
+    "Target",
+    "build_case",
+    "build_cases",
+    "fashion_mnist_samples",
+    "imagenet_samples",
+    "leaves",
+    "outputs_equal",
+    "small_fields_samples",
+    "token_samples",
+]
+
+BATCH = 256
+SEED = 0
+
+Collate = Callable[[Sequence[Any]], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One target of the issue, as a ratio of median times of two contenders of a case.
+
+    Args:
+        label: what the issue asks, in words.
+        subject: the contender being judged (``assemble`` or ``assemble+contract``).
+        baseline: the contender it is compared with.
+        kind: ``"faster"``: baseline / subject must be at least ``bound`` (a speed-up);
+            ``"within"``: subject / baseline must be at most ``bound`` (an overhead).
+    """
+
+    label: str
+    subject: str
+    baseline: str
+    kind: Literal["faster", "within"]
+    bound: float
+
+    def ratio(self, subject_s: float, baseline_s: float) -> float:
+        return baseline_s / subject_s if self.kind == "faster" else subject_s / baseline_s
+
+    def met(self, ratio: float) -> bool:
+        return ratio >= self.bound if self.kind == "faster" else ratio <= self.bound
+
+    def describe(self) -> str:
+        if self.kind == "faster":
+            return f"{self.subject} >= {self.bound:g}x faster than {self.baseline}"
+        return f"{self.subject} <= {self.bound:g}x {self.baseline}"
+
+
+@dataclasses.dataclass
+class Case:
+    """A batch of samples and the contenders that collate it.
+
+    Args:
+        key: short name (``small_fields``), used as the benchmark group.
+        title: one line for tables.
+        samples: the batch, as a DataLoader hands it to ``collate_fn``.
+        contenders: name to collate function; the first one is the reference whose output the others
+            must equal (leaf by leaf).
+        checked: the contenders whose output is compared with the reference (the plain-copy baselines
+            move the same number of bytes but build no batch, and are left out).
+        nbytes: bytes of the collated batch's tensors (the unit for bytes/s).
+        tokens: real (unpadded) tokens in the batch, for variable-length cases.
+        repeat: default number of interleaved rounds.
+        targets: the issue's targets on this case.
+    """
+
+    key: str
+    title: str
+    samples: list
+    contenders: dict[str, Collate]
+    checked: tuple[str, ...]
+    nbytes: int
+    tokens: int | None = None
+    repeat: int = 200
+    targets: list[Target] = dataclasses.field(default_factory=list)
+
+    @property
+    def reference(self) -> str:
+        return next(iter(self.contenders))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sample builders (seeded, reusable on their own).
+
+
+def small_fields_samples(n: int = BATCH, fields: int = 16, values: int = 8, seed: int = SEED) -> list[dict]:
+    """``n`` dicts of ``fields`` float32 tensors of ``values`` elements, plus ``id`` and ``label`` ints."""
+    g = torch.Generator().manual_seed(seed)
+    # The same key objects in every sample, as a dataset's literal keys are (string constants are shared).
+    names = [f"f{k:02d}" for k in range(fields)]
+    out = []
+    for i in range(n):
+        sample: dict[str, Any] = {name: torch.rand(values, generator=g) for name in names}
+        sample["id"] = i
+        sample["label"] = int(torch.randint(0, 10, (), generator=g))
+        out.append(sample)
+    return out
+
+
+def fashion_mnist_samples(n: int = BATCH, seed: int = SEED) -> list[dict]:
+    """FashionMNIST after ``ToTensor()``: float32 ``[1, 28, 28]`` image in [0, 1], label in [0, 10), id."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "image": torch.rand(1, 28, 28, generator=g),
+            "label": int(torch.randint(0, 10, (), generator=g)),
+            "id": i,
+        }
+        for i in range(n)
+    ]
+
+
+def imagenet_samples(n: int = BATCH, seed: int = SEED) -> list[dict]:
+    """ImageNet-like decoded crops: uint8 ``[3, 224, 224]`` image, label in [0, 1000), id."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "image": torch.randint(0, 256, (3, 224, 224), dtype=torch.uint8, generator=g),
+            "label": int(torch.randint(0, 1000, (), generator=g)),
+            "id": i,
+        }
+        for i in range(n)
+    ]
+
+
+def token_samples(
+    n: int = BATCH, low: int = 16, high: int = 512, vocab: int = 32000, seed: int = SEED
+) -> list[dict]:
+    """``{"tokens": int64 [T]}`` with T uniform in ``[low, high]`` (inclusive), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    return [{"tokens": torch.randint(0, vocab, (length,), generator=g)} for length in lengths]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Contenders.
+
+
+def checked_assemble(sample: Any, label_range: tuple[int, int]) -> fastcollate.Assembler:
+    """``assemble.using(Contract.infer(sample))`` with a range declared on ``label``: every field's dtype
+    and shape, plus a value check on the label (the contract-overhead target, case 5)."""
+    contract = Contract.infer(sample)
+    fields = dict(contract.fields)
+    fields["label"] = dataclasses.replace(fields["label"], range=label_range)
+    return assemble.using(Contract(fields=fields, id=contract.id))
+
+
+def pad_sequence_with_mask(batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What people write today for variable-length tokens: ``pad_sequence`` and a mask built in Python.
+    Same keys, dtypes and values as ``assemble`` under a ``pad=0`` contract."""
+    seqs = [sample["tokens"] for sample in batch]
+    tokens = pad_sequence(seqs, batch_first=True, padding_value=0)
+    lengths = torch.tensor([len(s) for s in seqs])
+    mask = torch.arange(tokens.shape[1])[None] < lengths[:, None]
+    return {"tokens": tokens, "tokens_mask": mask, "tokens_lengths": lengths}
+
+
+class ReusedStack:
+    """Baseline: ``torch.stack(images, out=reused)``, the images of the batch into one buffer made once."""
+
+    def __init__(self, samples: Sequence[Mapping[str, torch.Tensor]], key: str = "image") -> None:
+        self.key = key
+        first = samples[0][key]
+        self.out = torch.empty((len(samples), *first.shape), dtype=first.dtype)
+
+    def __call__(self, batch: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([sample[self.key] for sample in batch], out=self.out)
+
+
+class ReusedFlatCopy:
+    """Baseline: one contiguous copy of the same number of bytes into a buffer made once.
+
+    ``torch``: ``dst.copy_(src)`` (ATen's copy, parallel over torch's intra-op threads like assemble's);
+    ``libc``: one ``memmove`` on the calling thread, through ctypes (no torch dispatch at all).
+    """
+
+    def __init__(self, nbytes: int, how: Literal["torch", "libc"] = "torch") -> None:
+        self.how = how
+        self.nbytes = nbytes
+        g = torch.Generator().manual_seed(1)
+        self.src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8)  # zeros: faulted in now, not in the first call
+
+    def __call__(self, batch: Any = None) -> torch.Tensor:
+        if self.how == "torch":
+            return self.dst.copy_(self.src)
+        ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.nbytes)
+        return self.dst
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output comparison.
+
+
+def leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """Flattens a collated batch into ``path -> leaf`` (dict keys and sequence indices joined by dots)."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(leaves(item, f"{path}.{key}" if path else str(key)))
+        return out
+    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], str)):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(leaves(item, f"{path}.{index}" if path else str(index)))
+        return out
+    return {path: value}
+
+
+def outputs_equal(expected: Any, got: Any) -> list[str]:
+    """The differences between two collated batches (keys, dtypes, shapes, values); empty when equal."""
+    a, b = leaves(expected), leaves(got)
+    problems = [f"{k}: missing" for k in a.keys() - b.keys()]
+    problems += [f"{k}: unexpected" for k in b.keys() - a.keys()]
+    for key in sorted(a.keys() & b.keys()):
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            problems.append(f"{key}: {type(x).__name__} != {type(y).__name__}")
+        elif isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                problems.append(f"{key}: {x.dtype} {list(x.shape)} != {y.dtype} {list(y.shape)}")
+            elif not torch.equal(x, y):
+                problems.append(f"{key}: values differ")
+        elif x != y:
+            problems.append(f"{key}: {x!r} != {y!r}")
+    return problems
+
+
+def _tensor_bytes(batch: Any) -> int:
+    return sum(v.nbytes for v in leaves(batch).values() if isinstance(v, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cases.
+
+CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded")
+# The plain copy of the batch's bytes into a buffer made once: the floor any collate is measured against.
+FLOOR = "copy_ into reused"
+
+
+def build_case(key: str) -> Case:
+    """One case of the issue, with its contenders and targets."""
+    if key == "small_fields":
+        samples = small_fields_samples()
+        case = Case(key, "256 dicts x (16 float32[8] + id + label)", samples, {}, (), 0, repeat=400)
+        speedup = 5.0
+        label_range = (0, 10)
+    elif key == "fashion_mnist":
+        samples = fashion_mnist_samples()
+        case = Case(key, "256 x (float32[1,28,28] + label + id)", samples, {}, (), 0, repeat=400)
+        speedup = 3.0
+        label_range = (0, 10)
+    elif key == "imagenet_uint8":
+        samples = imagenet_samples()
+        case = Case(key, "256 x (uint8[3,224,224] + label + id), ring warm", samples, {}, (), 0, repeat=60)
+        speedup = 5.0
+        label_range = (0, 1000)
+    elif key == "tokens_padded":
+        samples = token_samples()
+        contract = Contract({"tokens": Field(dtype=torch.int64, shape=("T",), pad=0)}, id=None)
+        case = Case(
+            key,
+            "256 int64 token seqs, T in [16,512], padded + mask",
+            samples,
+            {"pad_sequence+mask": pad_sequence_with_mask, "assemble+contract": assemble.using(contract)},
+            ("assemble+contract",),
+            0,
+            tokens=sum(len(s["tokens"]) for s in samples),
+            repeat=400,
+        )
+        case.nbytes = _tensor_bytes(pad_sequence_with_mask(samples))
+        case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+        case.targets = [
+            Target("padded: >= 3x pad_sequence + Python mask", "assemble+contract", "pad_sequence+mask",
+                   "faster", 3.0)
+        ]
+        return case
+    else:
+        raise KeyError(f"unknown case {key!r}; cases: {', '.join(CASES)}")
+
+    case.contenders = {
+        "default_collate": default_collate,
+        "assemble": assemble,
+        "assemble+contract": checked_assemble(samples[0], label_range),
+    }
+    case.checked = ("assemble", "assemble+contract")
+    case.nbytes = _tensor_bytes(default_collate(samples))
+    case.targets = [
+        Target(f">= {speedup:g}x default_collate", "assemble", "default_collate", "faster", speedup),
+        Target("contract check <= 5% over unchecked", "assemble+contract", "assemble", "within", 1.05),
+    ]
+    if key == "imagenet_uint8":
+        # The plain copies move the images' 38.5 MB; id and label add 4 KiB beside them.
+        images = sum(s["image"].nbytes for s in samples)
+        case.contenders["stack(out=reused)"] = ReusedStack(samples)
+        case.contenders[FLOOR] = ReusedFlatCopy(images, "torch")
+        case.contenders["memmove (libc)"] = ReusedFlatCopy(images, "libc")
+        case.targets[1:1] = [
+            Target("<= 1.3x stack(out=reused)", "assemble", "stack(out=reused)", "within", 1.3),
+            Target("<= 1.3x one flat copy_ into reused", "assemble", FLOOR, "within", 1.3),
+        ]
+    else:
+        # Not a target here: the memory-bound floor, so the table shows how far any collate could go.
+        if key == "fashion_mnist":
+            case.contenders["stack(out=reused)"] = ReusedStack(samples)
+        case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+    return case
+
+
+def build_cases(keys: Sequence[str] = CASES) -> list[Case]:
+    return [build_case(key) for key in keys]

@@ -1,0 +1,318 @@
+"""Times fastcollate.assemble against torch's default_collate (and the issue's other baselines) on the
+issue's cases, interleaved in one process, and judges every target.
+
+    python benchmarks/collate_ratios.py [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
+
+Method: per thread count (``torch.set_num_threads``), per case: one equality check of every contender's
+output against the reference, a warm-up, then N rounds; each round calls every contender once, in a
+freshly shuffled order (seeded), so drift hits all alike and no contender always follows the same one
+(a fixed or rotated order does: whoever runs after default_collate finds the caches it left). Each
+call's batch is dropped before the next call, as a training loop does, so assemble's staging ring stays
+warm. The garbage collector is off inside the timed calls (as in timeit) and run between rounds. Times
+are of the collate call alone (freeing default_collate's fresh output is not counted: conservative for
+assemble).
+Ratios are of medians; the spread given is the 25th-75th percentile of the per-round paired ratios.
+Each speed-up target also gets its ceiling: the same baseline against a plain copy of the batch's bytes
+into a reused buffer. With two or more thread counts the ImageNet case is timed once more with the
+counts interleaved call by call, beside a compute-bound control (torch.exp) that shows whether the
+extra cores were free at all. Every repetition's raw time goes to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import collate_cases  # noqa: E402
+from collate_cases import CASES, FLOOR, Case, build_case, outputs_equal  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONTROL = "exp(4M floats), compute-bound control"
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True)
+            return done.stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+
+    module = Path(collate_cases.fastcollate._C.__file__)
+    return {
+        "fastcollate_path": str(Path(collate_cases.fastcollate.__file__).parent),
+        "extension_sha256_16": hashlib.sha256(module.read_bytes()).hexdigest()[:16],
+        "extension_mtime": dt.datetime.fromtimestamp(module.stat().st_mtime, dt.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "numpy": np.__version__,
+        "fastcollate": collate_cases.fastcollate.__version__,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty_paths": [line[3:] for line in git("status", "--porcelain").splitlines()],
+        "torch_parallel_backend": torch.__config__.parallel_info().splitlines()[-1].strip()
+        if torch.__config__.parallel_info() else "",
+    }
+
+
+def check_outputs(case: Case) -> dict[str, list[str]]:
+    """Every contender's batch against the reference's, once (so we never time a wrong result)."""
+    reference = case.contenders[case.reference](case.samples)
+    problems = {}
+    for name in case.checked:
+        out = case.contenders[name](case.samples)
+        problems[name] = outputs_equal(reference, out)
+        del out
+    if "stack(out=reused)" in case.contenders:
+        stacked = case.contenders["stack(out=reused)"](case.samples)
+        same = torch.equal(stacked, reference["image"])
+        problems["stack(out=reused)"] = [] if same else ["image: values differ"]
+    return problems
+
+
+def time_case(case: Case, rounds: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
+    names = list(case.contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    samples = case.samples
+    order = random.Random(seed)
+    for r in range(-warmup, rounds):
+        order.shuffle(names)
+        gc.collect()
+        gc.disable()
+        try:
+            for name in names:
+                fn = case.contenders[name]
+                start = time.perf_counter_ns()
+                out = fn(samples)
+                elapsed = time.perf_counter_ns() - start
+                del out  # the batch is consumed: the ring slot is free for the next call
+                if r >= 0:
+                    times[name].append(elapsed / 1e9)
+        finally:
+            gc.enable()
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+def summarize(case: Case, times: dict[str, list[float]], threads: int) -> dict:
+    contenders = {}
+    for name, values in times.items():
+        median = statistics.median(values)
+        contenders[name] = {
+            "median_s": median,
+            "p25_s": percentile(values, 25),
+            "p75_s": percentile(values, 75),
+            "min_s": min(values),
+            "samples_per_s": len(case.samples) / median,
+            "bytes_per_s": case.nbytes / median,
+            **({"tokens_per_s": case.tokens / median} if case.tokens else {}),
+        }
+    targets = []
+    for target in case.targets:
+        subject, baseline = times[target.subject], times[target.baseline]
+        ratio = target.ratio(statistics.median(subject), statistics.median(baseline))
+        paired = [target.ratio(s, b) for s, b in zip(subject, baseline)]
+        # The best speed-up any collate could show here: the baseline against a plain copy of the bytes.
+        ceiling = (statistics.median(baseline) / statistics.median(times[FLOOR])
+                   if target.kind == "faster" and FLOOR in times else None)
+        targets.append({
+            "case": case.key,
+            "threads": threads,
+            "target": target.label,
+            "rule": target.describe(),
+            "ratio": ratio,
+            "paired_p25": percentile(paired, 25),
+            "paired_p75": percentile(paired, 75),
+            "bound": target.bound,
+            "met": target.met(ratio),
+            "ceiling_vs_plain_copy": ceiling,
+        })
+    return {"contenders": contenders, "targets": targets}
+
+
+def fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e3:8.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:8.1f} us"
+
+
+def fmt_rate(value: float, unit: str) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:7.2f} {prefix}{unit}"
+    return f"{value:7.2f} {unit}"
+
+
+def print_case(case: Case, threads: int, summary: dict, problems: dict[str, list[str]], load: float) -> None:
+    print(f"\n== {case.key}: {case.title}  [threads={threads}, {len(case.samples)} samples, "
+          f"{case.nbytes / 1e6:.2f} MB/batch, load average {load:.2f}]")
+    for name, row in summary["contenders"].items():
+        spread = f"[{fmt_time(row['p25_s']).strip()} .. {fmt_time(row['p75_s']).strip()}]"
+        extra = f"  {fmt_rate(row['tokens_per_s'], 'tok/s')}" if "tokens_per_s" in row else ""
+        rates = f"{fmt_rate(row['samples_per_s'], 'samples/s')}  {fmt_rate(row['bytes_per_s'], 'B/s')}{extra}"
+        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}")
+    for name, issues in problems.items():
+        if issues:
+            print(f"  !! {name} output differs from {case.reference}: {'; '.join(issues[:5])}")
+
+
+def print_targets(rows: list[dict]) -> None:
+    print("\n== targets (ratio of medians; [p25..p75] of per-round paired ratios)")
+    print("  ceiling: the same baseline against a plain copy of the batch's bytes into a reused buffer,")
+    print("  i.e. the largest speed-up any collate that writes the batch could show in this run")
+    print(f"  {'case':15s} {'thr':>3s}  {'target':45s} {'ratio':>7s}  {'spread':13s} {'ceiling':>8s}  result")
+    for row in rows:
+        spread = f"[{row['paired_p25']:.2f}..{row['paired_p75']:.2f}]"
+        ceiling = f"{row['ceiling_vs_plain_copy']:.1f}" if row.get("ceiling_vs_plain_copy") else "-"
+        result = "MET" if row["met"] else "NOT MET"
+        head = f"{row['case']:15s} {row['threads']:>3d}  {row['target']:45s}"
+        print(f"  {head} {row['ratio']:7.2f}  {spread:13s} {ceiling:>8s}  {result}")
+
+
+def thread_scaling(case: Case, rounds: int, warmup: int, thread_counts: list[int]) -> dict:
+    """assemble and the flat copy at each thread count, interleaved call by call (set_num_threads each time),
+    with a compute-bound control (``torch.exp`` of 4M floats) that shows whether the extra cores were free."""
+    control = torch.rand(4_000_000, generator=torch.Generator().manual_seed(2))
+    fns = {name: case.contenders[name] for name in ("assemble", FLOOR) if name in case.contenders}
+    fns[CONTROL] = lambda samples: torch.exp(control)
+    contenders = {}
+    for name, fn in fns.items():
+        for threads in thread_counts:
+
+            def run(samples, fn=fn, threads=threads):
+                torch.set_num_threads(threads)
+                return fn(samples)
+
+            contenders[f"{name} @{threads}t"] = run
+    scaling_case = Case(case.key, case.title, case.samples, contenders, (), case.nbytes)
+    times = time_case(scaling_case, rounds, warmup)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {"raw_s": times, "median_s": medians}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op threads, in order")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds per case (default: 60-400 by case)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--json", type=Path, default=None, help="write every repetition and the summary here")
+    args = parser.parse_args(argv)
+
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory_gib']} GiB; "
+          f"python {info['python']}, torch {info['torch']}, numpy {info['numpy']}; fastcollate "
+          f"{info['fastcollate']} @ {info['git_commit'][:10]}")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"extension: {info['fastcollate_path']} sha256 {info['extension_sha256_16']} "
+          f"built {info['extension_mtime']}; load average {os.getloadavg()[0]:.2f} "
+          f"on {info['logical_cpus']} CPUs")
+    cases = [build_case(key) for key in args.cases]
+    ring = collate_cases.fastcollate.staging.main_process_ring()
+    initial_threads = torch.get_num_threads()
+
+    results: list[dict] = []
+    target_rows: list[dict] = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for case in cases:
+            problems = check_outputs(case)
+            rounds = args.repeat or case.repeat
+            before = ring.stats()
+            load_before = os.getloadavg()
+            times = time_case(case, rounds, args.warmup)
+            load_after = os.getloadavg()
+            after = ring.stats()
+            summary = summarize(case, times, threads)
+            print_case(case, threads, summary, problems, load_after[0])
+            target_rows.extend(summary["targets"])
+            results.append({
+                "case": case.key,
+                "title": case.title,
+                "threads": threads,
+                "batch": len(case.samples),
+                "nbytes": case.nbytes,
+                "tokens": case.tokens,
+                "rounds": rounds,
+                "warmup_rounds": args.warmup,
+                "order": "shuffled each round (random.Random(0))",
+                "loadavg_1min_before_after": [load_before[0], load_after[0]],
+                "output_problems": problems,
+                "ring": {"slot_allocations": after.slot_allocations - before.slot_allocations,
+                         "reuses": after.reuses - before.reuses,
+                         "overflow_allocations": after.overflow_allocations - before.overflow_allocations},
+                "raw_s": times,
+                **summary,
+            })
+    print_targets(target_rows)
+
+    scaling = None
+    if "imagenet_uint8" in args.cases and len(args.threads) > 1:
+        case = next(c for c in cases if c.key == "imagenet_uint8")
+        scaling = thread_scaling(case, args.repeat or case.repeat, args.warmup, args.threads)
+        print("\n== imagenet_uint8 thread scaling (thread counts interleaved call by call)")
+        base = scaling["median_s"]
+        for name, median in base.items():
+            rate = "" if name.startswith(CONTROL) else fmt_rate(case.nbytes / median, "B/s")
+            print(f"  {name:42s} {fmt_time(median)}  {rate}")
+        for name in ("assemble", FLOOR, CONTROL):
+            one, two = base.get(f"{name} @{args.threads[0]}t"), base.get(f"{name} @{args.threads[-1]}t")
+            if one and two:
+                print(f"  {name}: {args.threads[-1]} threads vs {args.threads[0]}: {one / two:.2f}x faster")
+    torch.set_num_threads(initial_threads)
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "benchmark": "collate_ratios",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "method": __doc__.split("Method: ", 1)[1].strip(),
+            "machine": info,
+            "threads": args.threads,
+            "targets": target_rows,
+            "cases": results,
+            "thread_scaling_imagenet": scaling,
+        }
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

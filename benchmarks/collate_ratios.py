@@ -81,7 +81,7 @@ def machine() -> dict:
         "numpy": np.__version__,
         "fastcollate": collate_cases.fastcollate.__version__,
         "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty_paths": [line[3:] for line in git("status", "--porcelain").splitlines()],
+        "git_dirty_paths": [line.split(maxsplit=1)[1] for line in git("status", "--porcelain").splitlines()],
         "torch_parallel_backend": torch.__config__.parallel_info().splitlines()[-1].strip()
         if torch.__config__.parallel_info() else "",
     }

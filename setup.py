@@ -113,8 +113,11 @@ elif USE_CUDA:
 debug = os.environ.get("FASTCOLLATE_DEBUG") == "1"
 sanitize = os.environ.get("FASTCOLLATE_SANITIZE") == "1"
 cxx_flags = ["-O0", "-g"] if debug or sanitize else ["-O3"]
-cxx_flags += ["-fdiagnostics-color=never", "-fvisibility=hidden"]  # the C++ standard is torch's choice (C++20 from torch 2.13)
-link_flags = []
+cxx_flags += ["-fdiagnostics-color=never", "-fvisibility=hidden"]  # C++ standard: torch's choice
+# at::parallel_for is header code over `#pragma omp parallel`: without -fopenmp our copies run on one
+# thread whatever torch.set_num_threads says. libgomp.so.1 is the one torch itself loads.
+cxx_flags += ["-fopenmp"]
+link_flags = ["-fopenmp"]
 if sanitize:
     cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
     link_flags += ["-fsanitize=address,undefined"]

@@ -1023,25 +1023,39 @@ void write_numbers(Node& node) {
 // row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy.
 void add_padded_jobs(Node& node, CopyJobs& jobs) {
   const size_t element_size = c10::elementSize(node.dtype);
-  jobs.fills.push_back({node.out.data_ptr(), static_cast<size_t>(node.out.numel()), element_size, node.pad_pattern});
-  jobs.fills.push_back({node.mask->out.data_ptr(), static_cast<size_t>(node.mask->out.numel()), 1, 0});
   const size_t var_dims = node.mask->shape.size() - 1;
   const size_t count = node.inputs.size();
+  if (count == 0) {
+    return;
+  }
+  const size_t row_elements = static_cast<size_t>(node.out.numel()) / count;
+  const size_t mask_row_elements = static_cast<size_t>(node.mask->out.numel()) / count;
+  const auto row_tail_shape = node.out.sizes().slice(2);
+  auto* out = static_cast<unsigned char*>(node.out.data_ptr());
+  auto* mask = static_cast<unsigned char*>(node.mask->out.data_ptr());
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& value = node.inputs[i];
-    at::Tensor row = node.out.select(0, static_cast<int64_t>(i));
-    at::Tensor mask_row = node.mask->out.select(0, static_cast<int64_t>(i));
+    unsigned char* row = out + i * row_elements * element_size;
+    unsigned char* mask_row = mask + i * mask_row_elements;
     const bool prefix = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
                         value.is_contiguous() && !value.is_conj() && !value.is_neg() &&
-                        value.sizes().slice(1) == row.sizes().slice(1);
+                        value.sizes().slice(1) == row_tail_shape;
     if (prefix) {
-      jobs.add_memcpy(value.const_data_ptr(), row.data_ptr(), value.nbytes());
-      jobs.fills.push_back({mask_row.data_ptr(), static_cast<size_t>(value.size(0)), 1, 1});
+      // Pointer arithmetic, not select(): two dispatcher calls per sample would cost more than its bytes.
+      const size_t used = static_cast<size_t>(value.numel());
+      const size_t length = static_cast<size_t>(value.size(0));
+      jobs.add_memcpy(value.const_data_ptr(), row, used * element_size);
+      jobs.fills.push_back({row + used * element_size, row_elements - used, element_size, node.pad_pattern});
+      jobs.fills.push_back({mask_row, length, 1, 1});
+      jobs.fills.push_back({mask_row + length, mask_row_elements - length, 1, 0});
       continue;
     }
-    // Named dims are narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
-    at::Tensor target = row;
-    at::Tensor mask_target = mask_row;
+    // Pad the whole row, then copy the sample into its corner (fills run before copies). Named dims are
+    // narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
+    jobs.fills.push_back({row, row_elements, element_size, node.pad_pattern});
+    jobs.fills.push_back({mask_row, mask_row_elements, 1, 0});
+    at::Tensor target = node.out.select(0, static_cast<int64_t>(i));
+    at::Tensor mask_target = node.mask->out.select(0, static_cast<int64_t>(i));
     for (size_t k = 0; k < var_dims; ++k) {
       const int64_t d = node.var_dims[k];
       target = target.narrow(d, 0, value.size(d));

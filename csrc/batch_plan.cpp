@@ -485,10 +485,14 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       row_shape = spec->shape;
     }
     node->padded = spec->padded;
+    // Fixed shapes (no named dims) are compared in one go, the common case of a checked batch.
+    const bool all_fixed = std::all_of(spec->dim_names.begin(), spec->dim_names.end(),
+                                       [](const std::string& name) { return name.empty(); });
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
-      if (!value.device().is_cpu() || value.layout() != at::kStrided || value.is_quantized() || value.is_nested()) {
-        fail("type", i, path, "a dense CPU tensor", "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str());
+      if (value.scalar_type() == dtype && spec->has_shape && all_fixed && value.sizes() == at::IntArrayRef(spec->shape)) {
+        check_range(value, *spec, i);
+        continue;
       }
       if (value.scalar_type() != dtype &&
           std::find(spec->cast_from.begin(), spec->cast_from.end(), value.scalar_type()) == spec->cast_from.end()) {
@@ -505,7 +509,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
         }
         bool expandable = false;
         for (const auto& accepted : spec->expand_from) {
-          expandable |= value.sizes() == at::IntArrayRef(accepted);
+          expandable |= !ok && value.sizes() == at::IntArrayRef(accepted);
         }
         if (!ok && !expandable) {
           std::ostringstream expected;

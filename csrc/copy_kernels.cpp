@@ -1,6 +1,7 @@
 // Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
 #include "copy_kernels.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,6 +97,7 @@ void stack_into_cpu(const std::vector<at::Tensor>& samples, const at::Tensor& ou
                 sample.scalar_type(), ", expected ", out.scalar_type());
     TORCH_CHECK(sample.device().is_cpu(), "stack_into: sample ", i, " is on ", sample.device(),
                 ", expected cpu");
+    at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
     at::Tensor row = out.select(0, static_cast<int64_t>(i));
     if (sample.is_contiguous() && !sample.is_conj() && !sample.is_neg()) {
       jobs.add_memcpy(sample.const_data_ptr(), row.data_ptr(), sample.nbytes());

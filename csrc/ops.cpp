@@ -1,6 +1,7 @@
 // The dispatcher operators: every schema in one TORCH_LIBRARY block, with their CPU kernels. They are
 // usable from torch.compile and checked by torch.library.opcheck; CUDA kernels live in csrc/cuda/.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "copy_kernels.h"
@@ -28,6 +29,9 @@ void pad_into_op(at::TensorList samples, const at::Scalar& value, const at::Tens
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
                   lengths.sizes() == at::IntArrayRef({batch}),
               "pad_into: lengths must be a contiguous int64 tensor of shape [", batch, "]");
+  at::assert_no_overlap(out, mask);
+  at::assert_no_overlap(out, lengths);
+  at::assert_no_overlap(mask, lengths);
   const int64_t max_length = out.size(1);
   const auto inner_shape = out.sizes().slice(2);
   const size_t element_size = out.element_size();
@@ -49,6 +53,7 @@ void pad_into_op(at::TensorList samples, const at::Scalar& value, const at::Tens
                 ", longer than out's ", max_length);
     TORCH_CHECK(sample.scalar_type() == out.scalar_type() && sample.device().is_cpu(), "pad_into: sample ", i,
                 " is ", sample.scalar_type(), " on ", sample.device(), ", expected ", out.scalar_type(), " on cpu");
+    at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
     const size_t length = static_cast<size_t>(sample.size(0));
     unsigned char* row = out_bytes + static_cast<size_t>(i) * row_elements * element_size;
     const at::Tensor& contiguous = contiguous_samples.emplace_back(sample.contiguous());

@@ -18,6 +18,7 @@ import torch
 __all__ = ["Contract", "Field"]
 
 Dim = int | str
+_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,30 @@ class Field:
             raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {self.kind!r} ones")
         if self.kind == "text" and (self.dtype is not None or self.range is not None):
             raise ValueError("text fields have no dtype or range")
+        if self.dtype is not None and (self.dtype.is_complex or self.dtype in _QUANTIZED):
+            if self.kind == "number":
+                raise ValueError(f"number fields are bool, integer or floating point, not {self.dtype}")
+            if self.range is not None:
+                raise ValueError(f"a range bounds real values: {self.dtype} has no order")
+        for accepted in self.expand_from:
+            self._check_expand_from(accepted)
+
+    def _check_expand_from(self, accepted: tuple[int, ...]) -> None:
+        """Each shape in expand_from must broadcast to ``shape`` (checked here, not on the first batch)."""
+        if self.shape is None:
+            raise ValueError("expand_from needs a declared shape to expand to")
+        if not all(isinstance(d, int) and d >= 0 for d in accepted):
+            raise ValueError(f"expand_from shapes are sizes >= 0, got {accepted}")
+        named = any(isinstance(d, str) for d in self.shape)
+        if named and len(accepted) != len(self.shape):
+            raise ValueError(f"expand_from {accepted} must have as many dims as shape {self.shape} (it has named dims)")
+        offset = len(self.shape) - len(accepted)
+        if offset < 0:
+            raise ValueError(f"expand_from {accepted} has more dims than shape {self.shape}")
+        for index, size in enumerate(accepted):
+            target = self.shape[offset + index]
+            if isinstance(target, int) and size not in (1, target):
+                raise ValueError(f"expand_from {accepted} does not broadcast to shape {self.shape}")
 
     def describe(self) -> str:
         """One line: ``tensor torch.float32 [3, 16, 16] in [0, 1)``."""

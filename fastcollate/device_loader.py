@@ -11,6 +11,9 @@ no tensor references it; device memory is tied to the consumer stream with ``rec
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
+import signal
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -224,8 +227,37 @@ class DeviceLoader:
         return staged.batch
 
 
+def _name_the_waited_worker(error: BaseException, source: Any) -> None:
+    """Adds a note (the message and the class stay DataLoader's) naming the worker behind an error that
+    does not: the worker a timed-out batch was waited from, or a worker that died (a killed worker can
+    surface as ``ConnectionResetError`` while its last batch's shared memory is fetched)."""
+    if not hasattr(error, "add_note"):
+        return
+    try:  # DataLoader's private bookkeeping: no note if it ever changes
+        workers = list(source._workers)
+        if str(error).startswith("DataLoader timed out"):
+            worker = source._task_info[source._rcvd_idx][0]
+            error.add_note(f"fastcollate.DeviceLoader: the batch waited for was DataLoader worker {worker}'s "
+                           f"(pid {workers[worker].pid})")
+            return
+        if isinstance(error, (ConnectionError, EOFError, FileNotFoundError)):
+            # The worker's sockets close an instant before it can be reaped: wait for that (bounded).
+            multiprocessing.connection.wait([worker.sentinel for worker in workers], timeout=1.0)
+        for index, worker in enumerate(workers):
+            code = worker.exitcode
+            if code and str(worker.pid) not in str(error):
+                how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                error.add_note(f"fastcollate.DeviceLoader: DataLoader worker {index} (pid {worker.pid}) died ({how})")
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return
+
+
 class _DeviceIterator:
-    """One epoch: keeps ``depth`` batches staged ahead of the consumer."""
+    """One epoch: keeps ``depth`` batches staged ahead of the consumer.
+
+    Safe to share between threads: each batch goes to exactly one caller of ``next``, in order (the
+    source, a DataLoader iterator say, is only ever called by one thread at a time).
+    """
 
     def __init__(self, owner: DeviceLoader) -> None:
         self.owner = owner
@@ -233,11 +265,16 @@ class _DeviceIterator:
         self.staged: deque[_Staged] = deque()
         self.error: BaseException | None = None  # raised once the batches before it are delivered
         self.exhausted = False
+        self._lock = threading.Lock()
 
     def __iter__(self) -> _DeviceIterator:
         return self
 
     def __next__(self) -> Any:
+        with self._lock:
+            return self._next_locked()
+
+    def _next_locked(self) -> Any:
         self._fill()
         if not self.staged:
             if self.error is not None:
@@ -260,6 +297,7 @@ class _DeviceIterator:
                     self.exhausted = True
                     return
                 except Exception as error:  # the loader's own error, delivered in order
+                    _name_the_waited_worker(error, self.source)
                     self.error = error
                     return
             with record_function("h2d_transfer"):

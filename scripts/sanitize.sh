@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds fastcollate._C with AddressSanitizer and UndefinedBehaviorSanitizer (FASTCOLLATE_SANITIZE=1) in a
+# copy of the tree, so the normal in-place build is left alone, runs the CPU tests against it and says
+# whether the run was clean: pytest passed and neither sanitizer reported anything.
+#
+#   scripts/sanitize.sh                   the CPU test files below
+#   scripts/sanitize.sh tests/test_ops.py other pytest arguments instead
+#
+# Environment: PYTHON (default .venv/bin/python), SANITIZE_DIR (default: a fresh temporary folder, kept
+# when the run is not clean), FASTCOLLATE_FUZZ_EXAMPLES (default 100 here: everything runs slower).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
+WORK="${SANITIZE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fastcollate-sanitize.XXXXXX")}"
+TESTS=("$@")
+if [ ${#TESTS[@]} -eq 0 ]; then
+  TESTS=(tests/test_assemble_dropin.py tests/test_contract.py tests/test_staging.py tests/test_device_loader.py
+         tests/test_workers.py tests/test_ops.py tests/test_fuzz.py tests/test_faults.py tests/test_lifetimes.py
+         tests/test_concurrency.py)
+fi
+
+say() { echo "[sanitize] $*"; }
+
+# The source tree, without builds, the venv or git's objects (tracked and untracked, as in the checkout).
+say "copying $ROOT to $WORK/src"
+mkdir -p "$WORK/src" "$WORK/logs"
+tar -C "$ROOT" --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' --exclude='*.egg-info' \
+    --exclude=__pycache__ --exclude=.hypothesis --exclude=.pytest_cache --exclude='./bench-out*' -cf - . |
+  tar -C "$WORK/src" -xf -
+
+say "building with FASTCOLLATE_SANITIZE=1 (CPU-only: the CUDA code is checked by compute-sanitizer on a GPU)"
+(cd "$WORK/src" && FASTCOLLATE_SANITIZE=1 FASTCOLLATE_CUDA=0 "$PYTHON" setup.py build_ext --inplace -q \
+   > "$WORK/logs/build.log" 2>&1) || { cat "$WORK/logs/build.log"; say "NOT CLEAN: the build failed"; exit 1; }
+SO="$(ls "$WORK"/src/fastcollate/_C*.so)"
+if ! ldd "$SO" | grep -q libasan || ! ldd "$SO" | grep -q libubsan; then
+  say "NOT CLEAN: $SO is not linked against libasan and libubsan"; exit 1
+fi
+
+# Python is not built with ASan: its runtime has to be loaded first. Leaks are not checked (the
+# interpreter keeps objects alive at exit by design); each report goes to its own file.
+LIBASAN="$(gcc -print-file-name=libasan.so)"
+LIBUBSAN="$(gcc -print-file-name=libubsan.so)"
+export LD_PRELOAD="$LIBASAN:$LIBUBSAN"
+export ASAN_OPTIONS="detect_leaks=0:protect_shadow_gap=0:log_path=$WORK/logs/asan:print_summary=1"
+export UBSAN_OPTIONS="print_stacktrace=1:log_path=$WORK/logs/ubsan"
+export FASTCOLLATE_FUZZ_EXAMPLES="${FASTCOLLATE_FUZZ_EXAMPLES:-100}"
+export PYTHONDONTWRITEBYTECODE=1
+
+cd "$WORK/src"
+"$PYTHON" - <<EOF
+import fastcollate, os
+assert fastcollate.__file__.startswith("$WORK/src/"), f"imported {fastcollate.__file__}, not the sanitized copy"
+print("[sanitize] importing", fastcollate._C.__file__)
+EOF
+say "running: pytest ${TESTS[*]}"
+set +e
+"$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$WORK/logs/pytest.log"
+status=${PIPESTATUS[0]}
+set -e
+
+reports=$(ls "$WORK"/logs/asan.* "$WORK"/logs/ubsan.* 2>/dev/null || true)
+if [ -n "$reports" ]; then
+  for report in $reports; do
+    say "report $report:"; head -60 "$report"
+  done
+fi
+if [ "$status" -eq 0 ] && [ -z "$reports" ]; then
+  say "CLEAN: pytest passed, no AddressSanitizer or UndefinedBehaviorSanitizer report (${TESTS[*]})"
+  [ -n "${SANITIZE_DIR:-}" ] || rm -rf "$WORK"
+  exit 0
+fi
+say "NOT CLEAN: pytest exit status $status, $(echo "$reports" | grep -c . || true) sanitizer report file(s); kept $WORK"
+exit 1

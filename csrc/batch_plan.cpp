@@ -159,10 +159,22 @@ std::string child_path(const std::string& parent, const std::string& key) {
 // Tensors borrowed from the samples: each points into a Python tensor the plan keeps alive (the batch,
 // or BatchPlan::keepalive). Holding at::Tensor copies instead would cost a GIL round trip per sample
 // when they are released (a tensor with a Python object decrefs it under the GIL).
+//
+// The Python tensors themselves are held too (an incref each, released under the GIL with the plan): the
+// samples' containers alone do not keep them alive. Another thread, or Python code that runs between
+// plan() and execute(), may replace a sample's tensor, and execute() copies without the GIL.
 struct BorrowedTensors {
   std::vector<const at::Tensor*> items;
-  void reserve(size_t n) { items.reserve(n); }
-  void push_back(const at::Tensor& tensor) { items.push_back(&tensor); }
+  std::vector<py::object> owners;
+  void reserve(size_t n) {
+    items.reserve(n);
+    owners.reserve(n);
+  }
+  void push_back(const at::Tensor& tensor) { items.push_back(&tensor); }  // its owner is held elsewhere
+  void push_back(PyObject* variable) {
+    owners.push_back(py::reinterpret_borrow<py::object>(variable));
+    items.push_back(&THPVariable_Unpack(variable));
+  }
   const at::Tensor& operator[](size_t i) const { return *items[i]; }
   size_t size() const { return items.size(); }
 };
@@ -403,7 +415,7 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   for (size_t i = 0; i < count; ++i) {
     PyObject* item = items[i];
     if (THPVariable_Check(item)) {
-      node->inputs.push_back(THPVariable_Unpack(item));
+      node->inputs.push_back(item);
       leave_to_default |= !THPVariable_CheckExact(item);  // subclasses keep their own semantics
       continue;
     }

@@ -175,6 +175,28 @@ def test_a_one_slot_ring_shared_by_threads_never_deadlocks_or_mixes_batches():
     assert ring.stats().slots == 1
 
 
+def test_samples_replaced_by_another_thread_while_their_batch_is_copied():
+    """The copy runs without the GIL: a thread that meanwhile replaces a sample's tensor (a cache being
+    refreshed) must not free the tensor being read. Every batch holds the values of one version."""
+    samples = [{"id": i, "x": torch.full((128, 1024), float(i))} for i in range(16)]  # 512 KiB each
+    stop = threading.Event()
+
+    def replace():
+        while not stop.is_set():
+            for sample in samples:
+                sample["x"] = torch.full((128, 1024), float(sample["id"]))
+
+    replacer = threading.Thread(target=replace)
+    replacer.start()
+    try:
+        collate = assemble.using(ring=StagingRing(max_slots=2))
+        for _ in range(60):
+            check(collate(samples))
+    finally:
+        stop.set()
+        replacer.join(JOIN)
+
+
 @pytest.mark.needs_cuda
 def test_on_a_gpu_a_consumer_keeping_every_batch_never_deadlocks_the_pinned_ring():
     """Pinned slots wait for their copy rather than overflow: with depth 1 and every device batch kept,

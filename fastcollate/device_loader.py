@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing.connection
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -240,14 +241,23 @@ def _name_the_waited_worker(error: BaseException, source: Any) -> None:
             error.add_note(f"fastcollate.DeviceLoader: the batch waited for was DataLoader worker {worker}'s "
                            f"(pid {workers[worker].pid})")
             return
-        if isinstance(error, (ConnectionError, EOFError, FileNotFoundError)):
+        lost_connection = isinstance(error, (ConnectionError, EOFError, FileNotFoundError))
+        if lost_connection:
             # The worker's sockets close an instant before it can be reaped: wait for that (bounded).
-            multiprocessing.connection.wait([worker.sentinel for worker in workers], timeout=1.0)
+            deadline = time.monotonic() + 5.0
+            while not any(worker.exitcode for worker in workers) and time.monotonic() < deadline:
+                multiprocessing.connection.wait([worker.sentinel for worker in workers], timeout=0.1)
+        named = False
         for index, worker in enumerate(workers):
             code = worker.exitcode
             if code and str(worker.pid) not in str(error):
                 how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 error.add_note(f"fastcollate.DeviceLoader: DataLoader worker {index} (pid {worker.pid}) died ({how})")
+                named = True
+        if lost_connection and not named:
+            pids = ", ".join(str(worker.pid) for worker in workers)
+            error.add_note(f"fastcollate.DeviceLoader: the connection to a DataLoader worker failed while a batch "
+                           f"was received; no worker had exited 5 s later (workers: pids {pids})")
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         return
 

@@ -242,7 +242,8 @@ def test_a_worker_killed_by_sigkill_is_named_by_pid_and_nothing_leaks(tmp_path):
             # DeviceLoader names the dead worker in a note.
             assert result["error"] in ("ConnectionResetError", "ConnectionRefusedError", "EOFError", "FileNotFoundError"), result
             named = {int(p) for n in result["notes"] for p in re.findall(r"\(pid (\d+)\) died \(killed by signal SIGKILL\)", n)}
-            assert named or not result["wrapped"], result
+            # DeviceLoader names the dead worker; failing that (it was not reaped 5 s later), says so.
+            assert named or not result["wrapped"] or any("no worker had exited" in n for n in result["notes"]), result
         assert named <= set(result["workers"]), result  # the dead one
         ids = result["ids"]
         assert ids == list(range(len(ids))) and len(ids) <= 24, result  # a prefix, in order

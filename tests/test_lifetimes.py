@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastcollate import DeviceLoader, StagingRing, assemble
-from tests.fault_datasets import Numbered
+from tests.fault_datasets import Numbered, fixed_mmap_threshold
 
 EPOCHS = max(3, int(os.environ.get("FASTCOLLATE_EPOCHS", "3")))
 SAMPLE = (3, 96, 96)  # 108 KiB of float32: an epoch of 32 samples is 3.4 MiB, so a leak shows in RSS
@@ -107,7 +107,8 @@ def test_memory_and_descriptors_stay_flat_over_epochs_with_workers(context, pers
     # Spawning fresh workers each epoch costs an interpreter start apiece: one worker keeps make test short.
     workers = 1 if context == "spawn" and not persistent else 2
     loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=workers, collate_fn=assemble,
-                        multiprocessing_context=context, persistent_workers=persistent, timeout=60)
+                        multiprocessing_context=context, persistent_workers=persistent, timeout=60,
+                        worker_init_fn=fixed_mmap_threshold)
     seen = run_epochs(loader, None, workers if persistent else 0)
     assert_flat(seen)
     if persistent:
@@ -121,6 +122,7 @@ def test_memory_and_descriptors_stay_flat_over_epochs_with_workers(context, pers
 
 @pytest.mark.slow
 def test_memory_and_ring_stay_flat_over_epochs_in_the_main_process():
+    fixed_mmap_threshold()
     ring = StagingRing(max_slots=4)
     loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=0, collate_fn=assemble.using(ring=ring))
     seen = run_epochs(loader, ring, 0)

@@ -18,7 +18,7 @@ namespace {
 // Python objects the walk needs, looked up once. Deliberately leaked: they must not be released after
 // the interpreter has shut down.
 struct PythonHelpers {
-  py::object contract_error;    // fastcollate._native_support.contract_error
+  py::object contract_error;    // fastcollate.errors.make_error
   py::object rebuild_mapping;   // copies default_collate's rules for Mapping subclasses
   py::object rebuild_sequence;  // and for Sequence subclasses
   py::object default_collate;   // torch's, for leaves we deliberately leave to it
@@ -42,7 +42,7 @@ const PythonHelpers& helpers() {
   return *storage.call_once_and_store_result([] {
     auto* h = new PythonHelpers();
     py::module_ support = py::module_::import("fastcollate._native_support");
-    h->contract_error = support.attr("contract_error");
+    h->contract_error = py::module_::import("fastcollate.errors").attr("make_error");
     h->rebuild_mapping = support.attr("rebuild_mapping");
     h->rebuild_sequence = support.attr("rebuild_sequence");
     h->default_collate = support.attr("default_collate");
@@ -156,28 +156,58 @@ std::string child_path(const std::string& parent, const std::string& key) {
 
 }  // namespace
 
-// Tensors borrowed from the samples: each points into a Python tensor the plan keeps alive (the batch,
-// or BatchPlan::keepalive). Holding at::Tensor copies instead would cost a GIL round trip per sample
-// when they are released (a tensor with a Python object decrefs it under the GIL).
-//
-// The Python tensors themselves are held too (an incref each, released under the GIL with the plan): the
-// samples' containers alone do not keep them alive. Another thread, or Python code that runs between
-// plan() and execute(), may replace a sample's tensor, and execute() copies without the GIL.
+// Tensors borrowed from the samples: each points into a Python tensor the plan holds until execute() is
+// done (BatchPlan::held or keepalive), so no reference is counted here. Holding at::Tensor copies instead
+// would cost a GIL round trip per sample when they are released (a tensor with a Python object decrefs it
+// under the GIL).
 struct BorrowedTensors {
   std::vector<const at::Tensor*> items;
-  std::vector<py::object> owners;
-  void reserve(size_t n) {
-    items.reserve(n);
-    owners.reserve(n);
-  }
-  void push_back(const at::Tensor& tensor) { items.push_back(&tensor); }  // its owner is held elsewhere
-  void push_back(PyObject* variable) {
-    owners.push_back(py::reinterpret_borrow<py::object>(variable));
-    items.push_back(&THPVariable_Unpack(variable));
-  }
+  void reserve(size_t n) { items.reserve(n); }
+  void push_back(const at::Tensor& tensor) { items.push_back(&tensor); }
+  void push_back(PyObject* variable) { items.push_back(&THPVariable_Unpack(variable)); }
   const at::Tensor& operator[](size_t i) const { return *items[i]; }
   size_t size() const { return items.size(); }
 };
+
+// Batches of many small fields are bound by memory latency, not work: each leaf is a Python object, a
+// TensorImpl and a StorageImpl in three places of the heap. The walk asks for the lines it reads next a
+// few samples ahead.
+constexpr size_t kPrefetchAhead = 4;
+constexpr size_t kPythonTensorBytes = 64;  // PyObject header and the tensor handle (THPVariable)
+
+inline void prefetch(const void* address, size_t bytes) {
+  for (size_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(static_cast<const char*>(address) + offset);
+  }
+}
+
+// The address of a dense CPU tensor's first element. Tensor::const_data_ptr() with its checks inlined away
+// (two calls per leaf): the walk has already checked that the tensor is dense, strided and on the CPU.
+inline const void* first_element(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  return static_cast<const char*>(impl->unsafe_storage().data()) + impl->storage_offset() * impl->itemsize();
+}
+
+// ArrayRef's == calls memcmp; shapes have a handful of dims.
+inline bool same_sizes(at::IntArrayRef a, at::IntArrayRef b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (size_t d = 0; d < a.size(); ++d) {
+    if (a[d] != b[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+inline void prefetch_storage(const at::Tensor& tensor) {
+  // unsafe_storage(): no check, an empty Storage for tensors without one (a prefetch of null is harmless
+  // but skipped).
+  if (const c10::StorageImpl* storage = tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()) {
+    prefetch(storage, sizeof(c10::StorageImpl));
+  }
+}
 
 // The output structure, one node per field path, with the samples' values for that path.
 struct Node {
@@ -192,9 +222,11 @@ struct Node {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;  // including the batch dim
   size_t offset = 0;
-  // Tensor: one input per sample; memcpy when it already has the row's dtype, shape and layout.
+  // Tensor: one input per sample, and its bytes when they can be copied as they are (the row's dtype,
+  // shape and a contiguous layout), else null (an ATen copy). The pointers are read in the checking pass,
+  // while the tensor is in cache; the inputs are held (and the GIL kept) from plan() to the copy.
   BorrowedTensors inputs;
-  std::vector<bool> needs_tensor_copy;
+  std::vector<const void*> sources;
   // Padded tensors: per-sample sizes of each dim, and where the mask and lengths go.
   bool padded = false;
   uint64_t pad_pattern = 0;
@@ -249,7 +281,7 @@ class Walk {
 
 void Walk::fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
                 const std::string& got, const std::string& hint) const {
-  py::object error = helpers().contract_error(kind, batch_, index, field, expected, got, hint);
+  py::object error = helpers().contract_error(kind, batch_, index, field, expected, got, hint, collator_.id_key());
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   throw py::error_already_set();
 }
@@ -322,7 +354,7 @@ std::unique_ptr<Node> Walk::left_to_default(const std::vector<PyObject*>& items,
   for (size_t i = 0; i < items.size(); ++i) {
     values[i] = py::reinterpret_borrow<py::object>(items[i]);
   }
-  node->ready = helpers().default_collate(values, path, batch_);
+  node->ready = helpers().default_collate(values, path, batch_, collator_.id_key());
   return node;
 }
 
@@ -414,6 +446,9 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   const bool first_is_tensor = THPVariable_Check(items[0]);
   for (size_t i = 0; i < count; ++i) {
     PyObject* item = items[i];
+    if (i + kPrefetchAhead < count && THPVariable_CheckExact(items[i + kPrefetchAhead])) {
+      prefetch(THPVariable_Unpack(items[i + kPrefetchAhead]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    }
     if (THPVariable_Check(item)) {
       node->inputs.push_back(item);
       leave_to_default |= !THPVariable_CheckExact(item);  // subclasses keep their own semantics
@@ -459,20 +494,24 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   }
   std::vector<int64_t> row_shape;
   at::ScalarType dtype = first.scalar_type();
+  bool checked_slowly = false;  // some sample of a checked field took the general path
   if (spec == nullptr) {
     // One pass per sample (batches of many small fields are bound by touching each tensor): dense,
     // same shape, same dtype, and whether its bytes can be copied as they are.
     const auto first_keys = first.key_set();
     const auto first_sizes = first.sizes();
     row_shape.assign(first_sizes.begin(), first_sizes.end());
-    node->needs_tensor_copy.resize(count);
+    node->sources.resize(count);
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
+      if (i + kPrefetchAhead < count) {  // its data pointer, read below
+        prefetch_storage(node->inputs[i + kPrefetchAhead]);
+      }
       // The same dispatch keys as sample 0 mean the same device type, layout, conj and neg bits.
       if ((value.key_set() != first_keys && !is_dense(value)) || value.requires_grad()) {
         return left_to_default(items, path);
       }
-      if (value.sizes() != first_sizes) {
+      if (!same_sizes(value.sizes(), first_sizes)) {
         fail("size", i, path, "shape " + shape_string(first_sizes) + " (as sample 0)",
              "shape " + shape_string(value.sizes()),
              "Resize or crop it in the transform, or declare the conversion or padding in a Contract");
@@ -480,32 +519,42 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       if (value.scalar_type() != dtype) {
         return left_to_default(items, path);  // type promotion: default_collate's rules
       }
-      node->needs_tensor_copy[i] = !value.is_contiguous() || value.is_conj() || value.is_neg();
+      const bool as_is = value.is_contiguous() && !value.is_conj() && !value.is_neg();
+      node->sources[i] = as_is ? first_element(value) : nullptr;
     }
   } else {
+    const bool first_dense = is_dense(first);  // else the loop below fails on sample 0: no sizes to read
+    dtype = spec->has_dtype ? spec->dtype : dtype;
+    if (spec->has_shape) {
+      row_shape = spec->shape;
+    } else if (first_dense) {
+      row_shape.assign(first.sizes().begin(), first.sizes().end());
+    }
+    node->padded = spec->padded;
+    // The common case of a checked batch, in one pass: a sample with the declared dtype and fixed shape
+    // (no named dims) whose bytes are copied as they are.
+    const bool all_fixed = spec->has_shape && std::all_of(spec->dim_names.begin(), spec->dim_names.end(),
+                                                          [](const std::string& name) { return name.empty(); });
+    const auto first_keys = first.key_set();
+    node->sources.assign(count, nullptr);
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
-      if (!is_dense(value)) {
+      if (i + kPrefetchAhead < count) {  // its data pointer, read below
+        prefetch_storage(node->inputs[i + kPrefetchAhead]);
+      }
+      // Sample 0's dispatch keys, when it is dense, mean the same device type and layout.
+      if ((!first_dense || value.key_set() != first_keys) && !is_dense(value)) {
         fail("type", i, path, "a dense CPU tensor",
              "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
                  (value.is_nested() ? " (nested)" : value.is_quantized() ? " (quantized)" : ""));
       }
-    }
-    row_shape.assign(first.sizes().begin(), first.sizes().end());
-    dtype = spec->has_dtype ? spec->dtype : dtype;
-    if (spec->has_shape) {
-      row_shape = spec->shape;
-    }
-    node->padded = spec->padded;
-    // Fixed shapes (no named dims) are compared in one go, the common case of a checked batch.
-    const bool all_fixed = std::all_of(spec->dim_names.begin(), spec->dim_names.end(),
-                                       [](const std::string& name) { return name.empty(); });
-    for (size_t i = 0; i < count; ++i) {
-      const at::Tensor& value = node->inputs[i];
-      if (value.scalar_type() == dtype && spec->has_shape && all_fixed && value.sizes() == at::IntArrayRef(spec->shape)) {
+      if (all_fixed && value.scalar_type() == dtype && same_sizes(value.sizes(), spec->shape)) {
         check_range(value, *spec, i);
+        const bool as_is = value.is_contiguous() && !value.is_conj() && !value.is_neg();
+        node->sources[i] = as_is ? first_element(value) : nullptr;
         continue;
       }
+      checked_slowly = true;
       if (value.scalar_type() != dtype &&
           std::find(spec->cast_from.begin(), spec->cast_from.end(), value.scalar_type()) == spec->cast_from.end()) {
         fail("type", i, path, dtype_string(dtype), dtype_string(value.scalar_type()),
@@ -574,12 +623,12 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   node->dtype = dtype;
   node->shape.push_back(static_cast<int64_t>(count));
   node->shape.insert(node->shape.end(), row_shape.begin(), row_shape.end());
-  if (spec != nullptr) {
-    node->needs_tensor_copy.resize(count);
+  if (checked_slowly) {  // what the row is only became known after the loop
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
-      node->needs_tensor_copy[i] = value.scalar_type() != dtype || value.sizes() != at::IntArrayRef(row_shape) ||
-                                   !value.is_contiguous() || value.is_conj() || value.is_neg();
+      const bool as_is = value.scalar_type() == dtype && value.sizes() == at::IntArrayRef(row_shape) &&
+                         value.is_contiguous() && !value.is_conj() && !value.is_neg();
+      node->sources[i] = as_is ? first_element(value) : nullptr;
     }
   }
   if (node->padded) {
@@ -844,15 +893,13 @@ std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const s
       }
     }
   }
-  std::vector<PyObject*> values(items.size());
-  // The values are held while their subtree is walked: Python code the walk runs (a key's __str__, a
-  // mapping's __getitem__, another thread while it runs) may remove them from their dicts meanwhile.
-  std::vector<py::object> held(items.size());
-  py::list owned;  // values fetched through __getitem__ of non-dict mappings are new references
+  // Every value is held from here until the plan is done (BatchPlan::held): Python code the walk runs (a
+  // key's __eq__, a mapping's __getitem__, a tensor subclass's __torch_function__, another thread meanwhile)
+  // may remove values from their dicts, and execute() reads the tensors without the GIL.
   // Fast path: a dict whose keys come in sample 0's order (the usual case: one code path made every
   // sample) is read in one PyDict_Next pass with no hashing; whatever does not line up is looked up.
   const size_t count = items.size();
-  std::vector<PyObject*> in_order(node->keys.size() * count, nullptr);
+  std::vector<py::object> in_order(node->keys.size() * count);
   for (size_t i = 0; i < count; ++i) {
     if (!PyDict_Check(items[i])) {
       continue;
@@ -870,40 +917,38 @@ std::unique_ptr<Node> Walk::mapping(const std::vector<PyObject*>& items, const s
           break;
         }
       }
-      in_order[k * count + i] = value;
+      in_order[k * count + i] = py::reinterpret_borrow<py::object>(value);
     }
   }
+  std::vector<PyObject*> values(count);
   for (size_t k = 0; k < node->keys.size(); ++k) {
     const py::object& key = node->keys[k];
     const std::string key_path = child_path(path, py::str(key));
-    for (size_t i = 0; i < items.size(); ++i) {
+    for (size_t i = 0; i < count; ++i) {
       PyObject* item = items[i];
-      PyObject* value = in_order[k * count + i];
-      if (value == nullptr && PyDict_Check(item)) {
-        value = PyDict_GetItemWithError(item, key.ptr());
+      py::object& value = in_order[k * count + i];
+      if (!value && PyDict_Check(item)) {
+        PyObject* found = PyDict_GetItemWithError(item, key.ptr());
+        if (found == nullptr && PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        value = py::reinterpret_borrow<py::object>(found);
       }
-      if (value == nullptr && PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
-      if (value == nullptr && !PyDict_Check(item)) {
-        py::object fetched = py::reinterpret_steal<py::object>(PyObject_GetItem(item, key.ptr()));
-        if (!fetched) {
+      if (!value && !PyDict_Check(item)) {
+        value = py::reinterpret_steal<py::object>(PyObject_GetItem(item, key.ptr()));
+        if (!value) {
           PyErr_Clear();
-        } else {
-          value = fetched.ptr();
-          owned.append(fetched);
         }
       }
-      if (value == nullptr) {
+      if (!value) {
         fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
              "every sample must have the same fields");
       }
-      values[i] = value;
-      held[i] = py::reinterpret_borrow<py::object>(value);
+      values[i] = value.ptr();
     }
     node->children.push_back(this->node(values, key_path));
   }
-  plan_.keepalive.push_back(std::move(owned));
+  plan_.held.push_back(std::move(in_order));
   return node;
 }
 
@@ -984,29 +1029,28 @@ void Walk::lay_out(Node& node) {
 
 namespace {
 
-at::Tensor view_into(const at::Tensor& buffer, size_t offset, at::ScalarType dtype, const std::vector<int64_t>& shape) {
+at::Tensor view_into(const at::Storage& storage, size_t offset, at::ScalarType dtype, const std::vector<int64_t>& shape) {
   const size_t element_size = c10::elementSize(dtype);
-  const size_t start = static_cast<size_t>(buffer.storage_offset()) + offset;
-  TORCH_INTERNAL_ASSERT(start % element_size == 0, "misaligned field offset");
-  // Built directly on the buffer's storage, as ATen builds its own views: two dispatcher calls per
-  // field (empty + set_) cost more than the copy for batches of many small fields.
-  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(),
+  TORCH_INTERNAL_ASSERT(offset % element_size == 0, "misaligned field offset");
+  // Built directly on the storage, as ATen builds its own views: two dispatcher calls per field
+  // (empty + set_) cost more than the copy for batches of many small fields.
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                              c10::scalarTypeToTypeMeta(dtype));
   view.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-  view.unsafeGetTensorImpl()->set_storage_offset(static_cast<int64_t>(start / element_size));
+  view.unsafeGetTensorImpl()->set_storage_offset(static_cast<int64_t>(offset / element_size));
   return view;
 }
 
-void make_views(Node& node, const at::Tensor& buffer) {
+void make_views(Node& node, const at::Storage& storage, size_t offset) {
   for (auto& child : node.children) {
-    make_views(*child, buffer);
+    make_views(*child, storage, offset);
   }
   if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
-    node.out = view_into(buffer, node.offset, node.dtype, node.shape);
+    node.out = view_into(storage, offset + node.offset, node.dtype, node.shape);
   }
   if (node.padded) {
-    make_views(*node.mask, buffer);
-    make_views(*node.lengths, buffer);
+    make_views(*node.mask, storage, offset);
+    make_views(*node.lengths, storage, offset);
   }
 }
 
@@ -1089,12 +1133,15 @@ void add_tensor_jobs(Node& node, CopyJobs& jobs) {
   }
   const size_t count = node.inputs.size();
   const size_t row_bytes = count == 0 ? 0 : static_cast<size_t>(node.out.nbytes()) / count;
-  auto* base = static_cast<unsigned char*>(node.out.data_ptr());
+  if (row_bytes == 0) {
+    return;
+  }
+  // One job for the field's plain rows (no per-row bookkeeping: batches of many small fields are bound
+  // by it); the rest go through ATen.
+  jobs.add_rows(node.sources.data(), node.out.data_ptr(), row_bytes, count);
   for (size_t i = 0; i < count; ++i) {
-    if (node.needs_tensor_copy[i]) {
+    if (node.sources[i] == nullptr) {
       jobs.tensor_copies.push_back({node.inputs[i], node.out.select(0, static_cast<int64_t>(i))});
-    } else {
-      jobs.add_memcpy(node.inputs[i].const_data_ptr(), base + i * row_bytes, row_bytes);
     }
   }
 }
@@ -1164,7 +1211,6 @@ size_t BatchPlan::reserve(size_t bytes) {
 }
 
 py::object BatchPlan::execute(const at::Tensor& buffer) {
-  TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
   TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 &&
                   buffer.is_contiguous(),
               "BatchPlan.execute: buffer must be a 1-D contiguous uint8 CPU tensor");
@@ -1172,8 +1218,14 @@ py::object BatchPlan::execute(const at::Tensor& buffer) {
               nbytes());
   TORCH_CHECK(buffer.storage_offset() % static_cast<int64_t>(kFieldAlignment) == 0,
               "BatchPlan.execute: buffer must start at a multiple of ", kFieldAlignment, " bytes in its storage");
+  return execute_into(buffer.storage(), static_cast<size_t>(buffer.storage_offset()));
+}
+
+py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset) {
+  TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
+  TORCH_INTERNAL_ASSERT(offset % kFieldAlignment == 0 && storage.nbytes() >= offset + total_bytes_);
   executed_ = true;
-  make_views(*root, buffer);
+  make_views(*root, storage, offset);
   CopyJobs jobs;
   collect_jobs(*root, jobs);
   {
@@ -1183,6 +1235,7 @@ py::object BatchPlan::execute(const at::Tensor& buffer) {
   py::object out = build_output(*root);
   root.reset();
   keepalive.clear();
+  held.clear();
   batch = py::none();
   return out;
 }
@@ -1237,6 +1290,13 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
+std::pair<py::object, bool> Collator::assemble_into(py::handle samples, HostRing& ring) const {
+  std::shared_ptr<BatchPlan> planned = plan(samples);
+  bool overflowed = false;
+  at::Storage slot = ring.acquire_storage(planned->nbytes(), overflowed);
+  return {planned->execute_into(slot, 0), overflowed};
+}
+
 void bind_batch_plan(py::module_& m) {
   py::class_<FieldSpec>(m, "FieldSpec")
       .def(py::init<>())
@@ -1262,7 +1322,8 @@ void bind_batch_plan(py::module_& m) {
   py::class_<Collator>(m, "Collator")
       .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
            py::arg("has_contract"))
-      .def("plan", &Collator::plan, py::arg("samples"));
+      .def("plan", &Collator::plan, py::arg("samples"))
+      .def("assemble_into", &Collator::assemble_into, py::arg("samples"), py::arg("ring"));
 }
 
 }  // namespace fastcollate

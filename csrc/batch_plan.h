@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "copy_kernels.h"
+#include "host_ring.h"
 
 namespace fastcollate {
 
@@ -48,12 +49,16 @@ class BatchPlan {
   // Copies every sample into `buffer` (a 1-D uint8 CPU tensor of at least nbytes()) and returns the
   // batch. The buffer's storage is shared by every tensor of the batch.
   py::object execute(const at::Tensor& buffer);
+  // The same into `storage` from byte `offset` (a multiple of kFieldAlignment) on; the caller has checked
+  // that it holds nbytes() more.
+  py::object execute_into(const at::Storage& storage, size_t offset);
 
   // Reserves an aligned region and returns its offset.
   size_t reserve(size_t bytes);
 
   std::unique_ptr<Node> root;
   std::vector<py::object> keepalive;  // tensors made from numpy arrays, read during execute()
+  std::vector<std::vector<py::object>> held;  // the values of the samples' dicts, one block per mapping
   py::object batch;                   // the samples: their tensors must outlive execute()
 
  private:
@@ -65,6 +70,10 @@ class Collator {
  public:
   Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract);
   std::shared_ptr<BatchPlan> plan(py::handle samples) const;
+  // plan(), a slot of `ring`, then execute() into it, all under the GIL but the copy: the main process's
+  // collate in one call. Returns the batch and whether the ring was full (the slot is then a fresh
+  // buffer outside it).
+  std::pair<py::object, bool> assemble_into(py::handle samples, HostRing& ring) const;
 
   const std::string& id_key() const { return id_key_; }
   bool has_contract() const { return has_contract_; }

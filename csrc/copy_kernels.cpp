@@ -31,7 +31,32 @@ void run_fill(const FillJob& job) {
   }
 }
 
+// Copies rows [begin, end) of a rows job, each split into `pieces` equal parts (so that a few huge rows
+// still spread over threads): unit u is piece u % pieces of row u / pieces.
+void run_row_units(const RowsJob& job, size_t pieces, size_t begin, size_t end) {
+  const size_t piece_bytes = (job.row_bytes + pieces - 1) / pieces;
+  for (size_t unit = begin; unit < end; ++unit) {
+    const size_t row = unit / pieces;
+    const void* source = job.sources[row];
+    if (source == nullptr) {
+      continue;
+    }
+    const size_t offset = unit % pieces * piece_bytes;
+    const size_t n = std::min(piece_bytes, job.row_bytes - offset);
+    std::memcpy(job.dst + row * job.row_bytes + offset, static_cast<const unsigned char*>(source) + offset, n);
+  }
+}
+
+size_t pieces_per_row(const RowsJob& job) {
+  return std::max<size_t>(1, job.row_bytes / kChunkBytes);
+}
+
 }  // namespace
+
+void CopyJobs::add_rows(const void* const* sources, void* dst, size_t row_bytes, size_t count) {
+  rows.push_back({sources, static_cast<unsigned char*>(dst), row_bytes, count});
+  bytes += row_bytes * count;
+}
 
 void CopyJobs::add_memcpy(const void* src, void* dst, size_t n) {
   bytes += n;
@@ -52,18 +77,40 @@ void CopyJobs::run() const {
   for (const auto& fill : fills) {
     run_fill(fill);
   }
-  const int64_t n_memcpy = static_cast<int64_t>(memcpys.size());
   if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
     for (const auto& job : memcpys) {
       std::memcpy(job.dst, job.src, job.bytes);
     }
+    for (const auto& job : rows) {
+      for (size_t i = 0; i < job.count; ++i) {
+        if (job.sources[i] != nullptr) {
+          std::memcpy(job.dst + i * job.row_bytes, job.sources[i], job.row_bytes);
+        }
+      }
+    }
   } else {
-    // Grain: about kChunkBytes of work per task, whatever the sample size.
-    const size_t average = std::max<size_t>(1, bytes / std::max<int64_t>(1, n_memcpy));
+    // Every memcpy and every piece of a row is a unit of work, numbered across jobs; the grain is about
+    // kChunkBytes of work per task, whatever the sample size.
+    std::vector<size_t> first_unit(rows.size() + 1, memcpys.size());
+    for (size_t j = 0; j < rows.size(); ++j) {
+      first_unit[j + 1] = first_unit[j] + rows[j].count * pieces_per_row(rows[j]);
+    }
+    const size_t units = first_unit.back();
+    const size_t average = std::max<size_t>(1, bytes / std::max<size_t>(1, units));
     const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / average));
-    at::parallel_for(0, n_memcpy, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        std::memcpy(memcpys[i].dst, memcpys[i].src, memcpys[i].bytes);
+    at::parallel_for(0, static_cast<int64_t>(units), grain, [&](int64_t begin64, int64_t end64) {
+      size_t begin = static_cast<size_t>(begin64);
+      const size_t end = static_cast<size_t>(end64);
+      for (; begin < end && begin < memcpys.size(); ++begin) {
+        std::memcpy(memcpys[begin].dst, memcpys[begin].src, memcpys[begin].bytes);
+      }
+      // The rows job holding unit `begin`, then on through the following ones.
+      size_t j = static_cast<size_t>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin());
+      for (; begin < end; ++j) {
+        const size_t job_end = std::min(end, first_unit[j]);
+        const size_t pieces = pieces_per_row(rows[j - 1]);
+        run_row_units(rows[j - 1], pieces, begin - first_unit[j - 1], job_end - first_unit[j - 1]);
+        begin = job_end;
       }
     });
   }

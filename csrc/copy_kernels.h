@@ -25,6 +25,15 @@ struct MemcpyJob {
   size_t bytes;
 };
 
+// `count` rows of `row_bytes` laid out back to back at dst, row i copied from sources[i]; a null source
+// is a row some other job fills. The sources array must outlive run().
+struct RowsJob {
+  const void* const* sources;
+  unsigned char* dst;
+  size_t row_bytes;
+  size_t count;
+};
+
 // Fills `count` elements of `element_size` bytes at dst with one element's byte pattern.
 struct FillJob {
   void* dst;
@@ -44,11 +53,14 @@ struct TensorCopyJob {
 struct CopyJobs {
   std::vector<FillJob> fills;
   std::vector<MemcpyJob> memcpys;
+  std::vector<RowsJob> rows;
   std::vector<TensorCopyJob> tensor_copies;
   size_t bytes = 0;
 
   // Adds a memcpy, split into chunks so a few huge samples still spread over threads.
   void add_memcpy(const void* src, void* dst, size_t bytes);
+  // Adds the rows of one stacked field (see RowsJob).
+  void add_rows(const void* const* sources, void* dst, size_t row_bytes, size_t count);
   // Runs every job. Call without the GIL: it touches no Python object.
   void run() const;
 };

@@ -83,11 +83,16 @@ at::Storage HostRing::allocate(size_t bytes) {
 }
 
 at::Tensor HostRing::acquire(int64_t nbytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return acquire_locked(nbytes);
+  bool overflowed = false;
+  return bytes_view(acquire_storage(nbytes, overflowed), nbytes);
 }
 
-at::Tensor HostRing::acquire_locked(int64_t nbytes) {
+at::Storage HostRing::acquire_storage(int64_t nbytes, bool& overflowed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return acquire_locked(nbytes, overflowed);
+}
+
+at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
   TORCH_CHECK(nbytes >= 0, "HostRing.acquire: nbytes must be >= 0, got ", nbytes);
   const size_t wanted = static_cast<size_t>(nbytes);
   // Best fit among free slots that are large enough; else the largest free slot, grown.
@@ -106,7 +111,7 @@ at::Tensor HostRing::acquire_locked(int64_t nbytes) {
   }
   if (best != nullptr) {
     counters_.reuses += 1;
-    return bytes_view(best->storage, nbytes);
+    return best->storage;
   }
   const size_t capacity = align_up(std::max<size_t>(wanted, 1));
   if (largest_free == nullptr && static_cast<int64_t>(slots_.size()) >= max_slots_) {
@@ -117,11 +122,12 @@ at::Tensor HostRing::acquire_locked(int64_t nbytes) {
         slot.pending.wait();
         slot.pending = PendingCopy{};
         counters_.waits_for_copies += 1;
-        return acquire_locked(nbytes);
+        return acquire_locked(nbytes, overflowed);
       }
     }
     counters_.overflow_allocations += 1;
-    return bytes_view(allocate(capacity), nbytes);
+    overflowed = true;
+    return allocate(capacity);
   }
   if (largest_free == nullptr) {
     slots_.push_back(Slot{});
@@ -130,7 +136,7 @@ at::Tensor HostRing::acquire_locked(int64_t nbytes) {
   largest_free->storage = allocate(capacity);  // grows: the old block is freed here
   largest_free->capacity = capacity;
   counters_.slot_allocations += 1;
-  return bytes_view(largest_free->storage, nbytes);
+  return largest_free->storage;
 }
 
 bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
@@ -153,11 +159,8 @@ std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at:
     offsets.push_back(static_cast<int64_t>(total));
     total += align_up(tensor.nbytes());
   }
-  at::Tensor buffer;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    buffer = acquire_locked(static_cast<int64_t>(total));
-  }
+  bool overflowed = false;
+  at::Tensor buffer = bytes_view(acquire_storage(static_cast<int64_t>(total), overflowed), static_cast<int64_t>(total));
   auto* base = static_cast<unsigned char*>(buffer.data_ptr());
   CopyJobs jobs;
   for (size_t i = 0; i < tensors.size(); ++i) {

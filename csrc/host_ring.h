@@ -44,6 +44,9 @@ class HostRing {
   // A 1-D uint8 tensor of exactly `nbytes` over a free slot (reused, grown, or new), or over a fresh
   // buffer outside the ring when all `max_slots` are busy.
   at::Tensor acquire(int64_t nbytes);
+  // The same, as the slot's storage (at least `nbytes` long, data at offset 0); `overflowed` says whether
+  // it is a fresh buffer past the bound.
+  at::Storage acquire_storage(int64_t nbytes, bool& overflowed);
   // Marks the slot under `buffer` busy until `copy.done()` (a CUDA copy still reading it). Returns false
   // for a buffer outside the ring (an overflow one): its owner must keep it alive through the copy.
   bool hold_until(const at::Tensor& buffer, PendingCopy copy);
@@ -64,7 +67,7 @@ class HostRing {
     PendingCopy pending;  // empty functions when no copy is reading the slot
   };
   bool is_free(Slot& slot) const;
-  at::Tensor acquire_locked(int64_t nbytes);
+  at::Storage acquire_locked(int64_t nbytes, bool& overflowed);
   at::Storage allocate(size_t bytes);
 
   mutable std::mutex mutex_;  // two threads may collate or pack at once

@@ -6,19 +6,11 @@ The walk (csrc/batch_plan.cpp) calls these once per field per batch at most, nev
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import MutableMapping, MutableSequence
 
 from torch.utils.data import default_collate as _torch_default_collate
 
 from .errors import ContractError, make_error
-
-# The id key of the collation running on this thread, so errors raised from C++ can name samples.
-_current = threading.local()
-
-
-def contract_error(kind, batch, position, field, expected, got, hint):
-    return make_error(kind, batch, position, field, expected, got, hint, getattr(_current, "id_key", "id"))
 
 
 def rebuild_mapping(elem, values: dict):
@@ -46,7 +38,7 @@ def rebuild_sequence(elem, values: list):
         return values
 
 
-def default_collate(values: list, path: str, batch=None):
+def default_collate(values: list, path: str, batch, id_key: str):
     """Leaves the native walk does not take over (tensor subclasses, mixed dtypes, CUDA or sparse
     tensors, numpy scalars): exactly default_collate's result for them.
 
@@ -60,9 +52,9 @@ def default_collate(values: list, path: str, batch=None):
             raise
         kind = next(kind for cls, kind in _KIND_OF if isinstance(error, cls))
         text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        raise contract_error(
+        raise make_error(
             kind, batch, _first_refused(values), path or "<sample>", "a value default_collate takes (like sample 0)",
-            text[:200], "convert the field in the dataset, or pass a collate_fn that handles it",
+            text[:200], "convert the field in the dataset, or pass a collate_fn that handles it", id_key,
         ) from error
 
 

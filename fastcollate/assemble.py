@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from . import _native_support
 from ._ext import _C
 from .contract import Contract
 from .errors import ContractEmptyError
@@ -65,13 +64,14 @@ class Assembler:
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        _native_support._current.id_key = self.id_key
-        plan = self._collator.plan(batch)
         if get_worker_info() is not None:
-            buffer = _shared_memory_buffer(plan.nbytes)
-        else:
-            buffer = (self.ring or main_process_ring()).acquire(plan.nbytes)  # DeviceLoader's, if active
-        return plan.execute(buffer)
+            plan = self._collator.plan(batch)
+            return plan.execute(_shared_memory_buffer(plan.nbytes))
+        ring = self.ring or main_process_ring()  # DeviceLoader's, if active
+        out, overflowed = self._collator.assemble_into(batch, ring._native)
+        if overflowed:
+            ring.warn_overflow()
+        return out
 
     def __getstate__(self) -> dict:
         # The compiled collator is per process; a ring is bound to this process's memory.

@@ -59,15 +59,20 @@ class StagingRing:
             before = self._native.overflow_allocations
             buffer = self._native.acquire(nbytes)
             overflowed = self._native.overflow_allocations != before
-        if overflowed and not self._warned:
+        if overflowed:
+            self.warn_overflow()
+        return buffer
+
+    def warn_overflow(self) -> None:
+        """Says once per ring that a batch got a fresh buffer because every slot was busy."""
+        if not self._warned:
             self._warned = True
             warnings.warn(
                 f"fastcollate: all {self.stats().max_slots} staging slots are held by batches still in use; "
                 "using fresh buffers (slower). Drop batches sooner or raise max_slots.",
                 ResourceWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return buffer
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """Copies CPU tensors into one slot at aligned offsets (multi-threaded, GIL released).
@@ -105,9 +110,13 @@ class StagingRing:
         )
 
 
+class _ActiveRing(threading.local):
+    ring: StagingRing | None = None  # a class default: reading it unset raises (and costs) nothing
+
+
 _rings: dict[int, StagingRing] = {}
 _rings_lock = threading.Lock()
-_active = threading.local()
+_active = _ActiveRing()
 
 
 @contextlib.contextmanager
@@ -117,7 +126,7 @@ def staging_into(ring: StagingRing) -> Iterator[None]:
     DeviceLoader uses it so that a batch collated in the main process lands straight in its pinned
     ring and crosses to the device with no further host copy.
     """
-    previous = getattr(_active, "ring", None)
+    previous = _active.ring
     _active.ring = ring
     try:
         yield
@@ -128,7 +137,7 @@ def staging_into(ring: StagingRing) -> Iterator[None]:
 def main_process_ring() -> StagingRing:
     """The ring ``assemble`` writes to here: the one ``staging_into`` set on this thread, else this
     process's default (pageable) ring. A forked child gets its own, never its parent's."""
-    active = getattr(_active, "ring", None)
+    active = _active.ring
     if active is not None:
         return active
     pid = os.getpid()

@@ -163,6 +163,26 @@ def test_non_contiguous_and_channels_last_inputs():
     check([torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last) for _ in range(3)])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_multi_threaded_copy_of_many_fields_and_huge_rows(threads):
+    # Past 1 MiB the copy is split across threads, rows over 1 MiB into pieces: every byte must land
+    # once, beside rows that need an ATen copy (non-contiguous) and fields too small to split.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        huge = [torch.randint(0, 255, (5 * 2**20 + 3,), dtype=torch.uint8, generator=g) for _ in range(3)]
+        images = [torch.rand(3, 64, 64, generator=g) for _ in range(3)]
+        images[1] = images[1].transpose(1, 2)  # this row goes through ATen
+        batch = [
+            {"huge": huge[i], "image": images[i], "small": torch.full((3,), float(i)), "id": i} for i in range(3)
+        ]
+        check(batch)
+        check([torch.rand(300, 1000, generator=g) for _ in range(8)])  # 1.2 MB rows: one piece each
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_conjugate_and_negative_views_are_resolved():
     check([torch.randn(3, dtype=torch.complex64).conj() for _ in range(4)])
 

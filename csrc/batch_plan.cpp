@@ -260,6 +260,7 @@ class Walk {
   [[noreturn]] void fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
                          const std::string& got, const std::string& hint = "") const;
   std::unique_ptr<Node> tensors(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
+  bool stack_plain_tensors(const std::vector<PyObject*>& items, const FieldSpec* spec, Node& node);
   std::unique_ptr<Node> numbers(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
   std::unique_ptr<Node> texts(const std::vector<PyObject*>& items, const std::string& path, const FieldSpec* spec);
   std::unique_ptr<Node> mapping(const std::vector<PyObject*>& items, const std::string& path, bool is_dict);
@@ -434,6 +435,67 @@ void Walk::check_cast(const at::Tensor& value, at::ScalarType dtype, const std::
   }
 }
 
+// The common case in one pass over the samples, each read once while it is in cache: every sample a plain
+// tensor (not a subclass), dense on the CPU, without grad, with sample 0's dispatch keys, and the dtype
+// and shape of sample 0 (drop-in) or the declared ones (a contract, fixed dims only; ranges are checked
+// here too). Returns false at the first sample that is not, and the general path decides (and names the
+// sample, when it is an error).
+bool Walk::stack_plain_tensors(const std::vector<PyObject*>& items, const FieldSpec* spec, Node& node) {
+  const size_t count = items.size();
+  if (!THPVariable_CheckExact(items[0])) {
+    return false;
+  }
+  const at::Tensor& first = THPVariable_Unpack(items[0]);
+  const bool dense = first.device().is_cpu() && first.layout() == at::kStrided && !first.is_quantized() &&
+                     !first.is_nested();
+  if (!dense || first.requires_grad() || first.is_conj() || first.is_neg()) {
+    return false;
+  }
+  const auto keys = first.key_set();
+  at::IntArrayRef sizes = first.sizes();
+  at::ScalarType dtype = first.scalar_type();
+  if (spec != nullptr) {
+    const bool named_dims = std::any_of(spec->dim_names.begin(), spec->dim_names.end(),
+                                        [](const std::string& name) { return !name.empty(); });
+    if (spec->padded || named_dims) {
+      return false;
+    }
+    sizes = spec->has_shape ? at::IntArrayRef(spec->shape) : sizes;
+    dtype = spec->has_dtype ? spec->dtype : dtype;
+  }
+  node.inputs.items.resize(count);
+  node.sources.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    // Two stages ahead: the TensorImpl of a later sample, and the StorageImpl (where the data pointer
+    // lives) of a nearer one, whose TensorImpl was asked for earlier.
+    if (i + 2 * kPrefetchAhead < count && THPVariable_CheckExact(items[i + 2 * kPrefetchAhead])) {
+      prefetch(THPVariable_Unpack(items[i + 2 * kPrefetchAhead]).unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    }
+    if (i + kPrefetchAhead < count && THPVariable_CheckExact(items[i + kPrefetchAhead])) {
+      prefetch_storage(THPVariable_Unpack(items[i + kPrefetchAhead]));
+    }
+    if (!THPVariable_CheckExact(items[i])) {
+      return false;
+    }
+    const at::Tensor& value = THPVariable_Unpack(items[i]);
+    // The same dispatch keys as sample 0 mean the same device type and layout, and no conj or neg bit.
+    if (value.key_set() != keys || value.scalar_type() != dtype || !same_sizes(value.sizes(), sizes) ||
+        value.requires_grad()) {
+      return false;
+    }
+    if (spec != nullptr && spec->has_range) {
+      check_range(value, *spec, i);
+    }
+    node.inputs.items[i] = &value;
+    node.sources[i] = value.is_contiguous() ? first_element(value) : nullptr;
+  }
+  node.dtype = dtype;
+  node.shape.reserve(sizes.size() + 1);
+  node.shape.push_back(static_cast<int64_t>(count));
+  node.shape.insert(node.shape.end(), sizes.begin(), sizes.end());
+  return true;
+}
+
 std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const std::string& path,
                                     const FieldSpec* spec) {
   const PythonHelpers& h = helpers();
@@ -441,6 +503,13 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   auto node = std::make_unique<Node>();
   node->kind = Node::Kind::Tensor;
   node->path = path;
+  if (stack_plain_tensors(items, spec, *node)) {
+    lay_out(*node);
+    return node;
+  }
+  node->inputs.items.clear();
+  node->sources.clear();
+  node->shape.clear();
   node->inputs.reserve(count);
   bool leave_to_default = false;
   const bool first_is_tensor = THPVariable_Check(items[0]);
@@ -494,7 +563,6 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   }
   std::vector<int64_t> row_shape;
   at::ScalarType dtype = first.scalar_type();
-  bool checked_slowly = false;  // some sample of a checked field took the general path
   if (spec == nullptr) {
     // One pass per sample (batches of many small fields are bound by touching each tensor): dense,
     // same shape, same dtype, and whether its bytes can be copied as they are.
@@ -531,30 +599,13 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
       row_shape.assign(first.sizes().begin(), first.sizes().end());
     }
     node->padded = spec->padded;
-    // The common case of a checked batch, in one pass: a sample with the declared dtype and fixed shape
-    // (no named dims) whose bytes are copied as they are.
-    const bool all_fixed = spec->has_shape && std::all_of(spec->dim_names.begin(), spec->dim_names.end(),
-                                                          [](const std::string& name) { return name.empty(); });
-    const auto first_keys = first.key_set();
-    node->sources.assign(count, nullptr);
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
-      if (i + kPrefetchAhead < count) {  // its data pointer, read below
-        prefetch_storage(node->inputs[i + kPrefetchAhead]);
-      }
-      // Sample 0's dispatch keys, when it is dense, mean the same device type and layout.
-      if ((!first_dense || value.key_set() != first_keys) && !is_dense(value)) {
+      if (!is_dense(value)) {
         fail("type", i, path, "a dense CPU tensor",
              "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
                  (value.is_nested() ? " (nested)" : value.is_quantized() ? " (quantized)" : ""));
       }
-      if (all_fixed && value.scalar_type() == dtype && same_sizes(value.sizes(), spec->shape)) {
-        check_range(value, *spec, i);
-        const bool as_is = value.is_contiguous() && !value.is_conj() && !value.is_neg();
-        node->sources[i] = as_is ? first_element(value) : nullptr;
-        continue;
-      }
-      checked_slowly = true;
       if (value.scalar_type() != dtype &&
           std::find(spec->cast_from.begin(), spec->cast_from.end(), value.scalar_type()) == spec->cast_from.end()) {
         fail("type", i, path, dtype_string(dtype), dtype_string(value.scalar_type()),
@@ -623,7 +674,8 @@ std::unique_ptr<Node> Walk::tensors(const std::vector<PyObject*>& items, const s
   node->dtype = dtype;
   node->shape.push_back(static_cast<int64_t>(count));
   node->shape.insert(node->shape.end(), row_shape.begin(), row_shape.end());
-  if (checked_slowly) {  // what the row is only became known after the loop
+  if (spec != nullptr) {
+    node->sources.resize(count);
     for (size_t i = 0; i < count; ++i) {
       const at::Tensor& value = node->inputs[i];
       const bool as_is = value.scalar_type() == dtype && value.sizes() == at::IntArrayRef(row_shape) &&

@@ -46,7 +46,10 @@ def children() -> set[int]:
 
 
 def snapshot() -> dict:
-    return {"fds": len(os.listdir("/proc/self/fd")), "shm": set(os.listdir("/dev/shm")), "children": children()}
+    """Children, /dev/shm entries and descriptors (count and targets from one listing: the loader's
+    threads open and close descriptors meanwhile)."""
+    targets = fd_targets()
+    return {"fds": len(targets), "fd_targets": targets, "shm": set(os.listdir("/dev/shm")), "children": children()}
 
 
 def fd_targets() -> dict[str, str]:
@@ -75,7 +78,7 @@ def settled(before: dict, seconds: float = 20.0, targets: dict | None = None) ->
         now = snapshot()
         extra = now["fds"] - before["fds"]
         if extra > 0 and targets is not None:
-            extra = sum(1 for fd, target in fd_targets().items()
+            extra = sum(1 for fd, target in now["fd_targets"].items()
                         if targets.get(fd) != target and not TORCH_FD_PROBE.fullmatch(target))
         if (now["children"] <= before["children"] and extra <= 0) or time.monotonic() > deadline:
             return now
@@ -198,7 +201,8 @@ def kill_scenarios(pid_root: str) -> list[dict]:
             pid_dir = os.path.join(pid_root, f"{how}-{int(wrapped)}")
             os.makedirs(pid_dir)
             handler = signal.getsignal(signal.SIGCHLD)
-            before, targets = snapshot(), fd_targets()
+            before = snapshot()
+            targets = before["fd_targets"]
             if how == "itself":
                 dataset, kill_after = KillsItselfAt(64, bad=21, pid_dir=pid_dir), None
             else:
@@ -219,7 +223,7 @@ def kill_scenarios(pid_root: str) -> list[dict]:
             after = settled(before, targets=targets)
             result.update(children_left=sorted(after["children"] - before["children"]),
                           fds=[before["fds"], after["fds"]], shm_left=sorted(after["shm"] - before["shm"]),
-                          fds_left=sorted(v for k, v in fd_targets().items() if targets.get(k) != v))
+                          fds_left=sorted(v for k, v in after["fd_targets"].items() if targets.get(k) != v))
             signal.signal(signal.SIGCHLD, handler)
             results.append(result)
     return results

@@ -8,7 +8,9 @@ output against the reference, a warm-up, then N rounds; each round calls every c
 freshly shuffled order (seeded), so drift hits all alike and no contender always follows the same one
 (a fixed or rotated order does: whoever runs after default_collate finds the caches it left). Each
 call's batch is dropped before the next call, as a training loop does, so assemble's staging ring stays
-warm. The garbage collector is off inside the timed calls (as in timeit) and run between rounds. Times
+warm. The garbage collector is off inside the timed calls (as in timeit) and run between rounds (the
+whole heap by default, which leaves the samples' objects out of the caches; ``--gc young``: the youngest
+generation only). Times
 are of the collate call alone (freeing default_collate's fresh output is not counted: conservative for
 assemble).
 Ratios are of medians; the spread given is the 25th-75th percentile of the per-round paired ratios.
@@ -102,14 +104,14 @@ def check_outputs(case: Case) -> dict[str, list[str]]:
     return problems
 
 
-def time_case(case: Case, rounds: int, warmup: int, seed: int = 0) -> dict[str, list[float]]:
+def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation: int = 2) -> dict[str, list[float]]:
     names = list(case.contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     samples = case.samples
     order = random.Random(seed)
     for r in range(-warmup, rounds):
         order.shuffle(names)
-        gc.collect()
+        gc.collect(gc_generation)
         gc.disable()
         try:
             for name in names:
@@ -232,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--json", type=Path, default=None, help="write every repetition and the summary here")
+    parser.add_argument(
+        "--gc", choices=("full", "young"), default="full",
+        help="collection between rounds: the whole heap (default; it also evicts the samples' objects from "
+             "the caches before every round) or the youngest generation only, as a running program mostly does",
+    )
     args = parser.parse_args(argv)
 
     info = machine()
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds = args.repeat or case.repeat
             before = ring.stats()
             load_before = os.getloadavg()
-            times = time_case(case, rounds, args.warmup)
+            times = time_case(case, rounds, args.warmup, gc_generation=2 if args.gc == "full" else 0)
             load_after = os.getloadavg()
             after = ring.stats()
             summary = summarize(case, times, threads)
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "method": __doc__.split("Method: ", 1)[1].strip(),
             "machine": info,
             "threads": args.threads,
+            "gc_between_rounds": args.gc,
             "targets": target_rows,
             "cases": results,
             "thread_scaling_imagenet": scaling,

@@ -1,5 +1,6 @@
-"""Module-level datasets that break in DataLoader workers, for the fault tests (spawn pickles them by
-reference). Each sample is ``{"id": i, "x": float tensor full of i}``, so any batch can be checked."""
+"""Module-level datasets that break in DataLoader workers, for the fault and lifetime tests (spawn pickles
+them by reference), and what those tests measure the process with. Each sample is ``{"id": i, "x": float
+tensor full of i}``, so any batch can be checked."""
 
 from __future__ import annotations
 
@@ -92,3 +93,15 @@ def fixed_mmap_threshold(worker_id: int | None = None) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD, below any sample here
     except (OSError, AttributeError):
         pass  # not glibc: nothing to fix
+
+
+def child_pids() -> set[int]:
+    """The pids of this process's children, every thread's."""
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as handle:
+                pids.update(int(p) for p in handle.read().split())
+        except OSError:
+            pass  # a thread that just ended
+    return pids

@@ -27,29 +27,18 @@ from torch.utils.data import DataLoader
 from fastcollate import ContractError, DeviceLoader, StagingRing, assemble
 from fastcollate.staging import main_process_ring
 from tests.conftest import cpu_and_cuda
-from tests.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, RaisesAt
+from tests.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, RaisesAt, child_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 10  # seconds DataLoader waits for a batch before it raises: the bound on every fault here
 KILLED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)")
 
 
-def children() -> set[int]:
-    pids = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as handle:
-                pids.update(int(p) for p in handle.read().split())
-        except OSError:
-            pass
-    return pids
-
-
 def snapshot() -> dict:
     """Children, /dev/shm entries and descriptors (count and targets from one listing: the loader's
     threads open and close descriptors meanwhile)."""
     targets = fd_targets()
-    return {"fds": len(targets), "fd_targets": targets, "shm": set(os.listdir("/dev/shm")), "children": children()}
+    return {"fds": len(targets), "fd_targets": targets, "shm": set(os.listdir("/dev/shm")), "children": child_pids()}
 
 
 def fd_targets() -> dict[str, str]:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastcollate import DeviceLoader, StagingRing, assemble
-from tests.fault_datasets import Numbered, fixed_mmap_threshold
+from tests.fault_datasets import Numbered, child_pids, fixed_mmap_threshold
 
 EPOCHS = max(3, int(os.environ.get("FASTCOLLATE_EPOCHS", "3")))
 SAMPLE = (3, 96, 96)  # 108 KiB of float32: an epoch of 32 samples is 3.4 MiB, so a leak shows in RSS
@@ -36,15 +36,8 @@ HELPERS = (b"resource_tracker", b"forkserver", b"torch_shm_manager")  # one per 
 
 def children() -> set[int]:
     """This process's children, less multiprocessing's and torch's per-process helpers."""
-    pids = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as handle:
-                pids.update(int(p) for p in handle.read().split())
-        except OSError:
-            pass  # a thread that just ended
     workers = set()
-    for pid in pids:
+    for pid in child_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 if not any(helper in handle.read() for helper in HELPERS):

@@ -82,9 +82,10 @@ at::Storage HostRing::allocate(size_t bytes) {
                      /*allocator=*/nullptr, /*resizable=*/false);
 }
 
-at::Tensor HostRing::acquire(int64_t nbytes) {
+std::pair<at::Tensor, bool> HostRing::acquire(int64_t nbytes) {
   bool overflowed = false;
-  return bytes_view(acquire_storage(nbytes, overflowed), nbytes);
+  at::Tensor buffer = bytes_view(acquire_storage(nbytes, overflowed), nbytes);
+  return {buffer, overflowed};
 }
 
 at::Storage HostRing::acquire_storage(int64_t nbytes, bool& overflowed) {

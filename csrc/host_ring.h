@@ -42,8 +42,8 @@ class HostRing {
   HostRing& operator=(const HostRing&) = delete;
 
   // A 1-D uint8 tensor of exactly `nbytes` over a free slot (reused, grown, or new), or over a fresh
-  // buffer outside the ring when all `max_slots` are busy.
-  at::Tensor acquire(int64_t nbytes);
+  // buffer outside the ring when all `max_slots` are busy; and whether it is such a fresh buffer.
+  std::pair<at::Tensor, bool> acquire(int64_t nbytes);
   // The same, as the slot's storage (at least `nbytes` long, data at offset 0); `overflowed` says whether
   // it is a fresh buffer past the bound.
   at::Storage acquire_storage(int64_t nbytes, bool& overflowed);

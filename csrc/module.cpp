@@ -47,9 +47,5 @@ PYBIND11_MODULE(_C, m) {
           py::arg("buffer"), py::arg("stream"),
           "Keeps the slot under `buffer` busy until the work queued so far on `stream` has finished")
       .def("trim", &fastcollate::HostRing::trim)
-      .def("stats", &fastcollate::HostRing::stats)
-      .def_property_readonly(
-          "overflow_allocations",
-          [](const fastcollate::HostRing& ring) { return ring.stats().overflow_allocations; },
-          "buffers handed out past the bound (cheaper to read than stats())");
+      .def("stats", &fastcollate::HostRing::stats);
 }

@@ -49,16 +49,12 @@ class StagingRing:
     """
 
     def __init__(self, max_slots: int = DEFAULT_MAX_SLOTS, pinned: bool = False) -> None:
-        self._native = _C.HostRing(max_slots, pinned)
-        self._lock = threading.Lock()  # two threads may collate at once (a loader iterated twice)
+        self._native = _C.HostRing(max_slots, pinned)  # locked natively: two threads may collate at once
         self._warned = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of ``nbytes`` over a free slot (or a fresh buffer when all are busy)."""
-        with self._lock:
-            before = self._native.overflow_allocations
-            buffer = self._native.acquire(nbytes)
-            overflowed = self._native.overflow_allocations != before
+        buffer, overflowed = self._native.acquire(nbytes)
         if overflowed:
             self.warn_overflow()
         return buffer
@@ -71,7 +67,7 @@ class StagingRing:
                 f"fastcollate: all {self.stats().max_slots} staging slots are held by batches still in use; "
                 "using fresh buffers (slower). Drop batches sooner or raise max_slots.",
                 ResourceWarning,
-                stacklevel=4,
+                stacklevel=3,  # the caller of assemble (or of acquire)
             )
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -92,8 +88,7 @@ class StagingRing:
 
     def trim(self) -> int:
         """Frees every slot nothing references; returns the bytes freed."""
-        with self._lock:
-            return self._native.trim()
+        return self._native.trim()
 
     def stats(self) -> RingStats:
         s = self._native.stats()

@@ -95,6 +95,8 @@ class Case:
         tokens: real (unpadded) tokens in the batch, for variable-length cases.
         repeat: default number of interleaved rounds.
         targets: the issue's targets on this case.
+        build: makes the same samples again, as new objects (what a Dataset's ``__getitem__`` hands a
+            worker's collate_fn before every batch).
     """
 
     key: str
@@ -106,6 +108,7 @@ class Case:
     tokens: int | None = None
     repeat: int = 200
     targets: list[Target] = dataclasses.field(default_factory=list)
+    build: Callable[[], list] | None = None
 
     @property
     def reference(self) -> str:
@@ -275,21 +278,25 @@ def build_case(key: str) -> Case:
     """One case of the issue, with its contenders and targets."""
     if key == "small_fields":
         samples = small_fields_samples()
+        build = small_fields_samples
         case = Case(key, "256 dicts x (16 float32[8] + id + label)", samples, {}, (), 0, repeat=400)
         speedup = 5.0
         label_range = (0, 10)
     elif key == "fashion_mnist":
         samples = fashion_mnist_samples()
+        build = fashion_mnist_samples
         case = Case(key, "256 x (float32[1,28,28] + label + id)", samples, {}, (), 0, repeat=400)
         speedup = 3.0
         label_range = (0, 10)
     elif key == "imagenet_uint8":
         samples = imagenet_samples()
+        build = imagenet_samples
         case = Case(key, "256 x (uint8[3,224,224] + label + id), ring warm", samples, {}, (), 0, repeat=60)
         speedup = 5.0
         label_range = (0, 1000)
     elif key == "tokens_padded":
         samples = token_samples()
+        build = token_samples
         contract = Contract({"tokens": Field(dtype=torch.int64, shape=("T",), pad=0)}, id=None)
         case = Case(
             key,
@@ -303,6 +310,7 @@ def build_case(key: str) -> Case:
         )
         case.nbytes = _tensor_bytes(pad_sequence_with_mask(samples))
         case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+        case.build = build
         case.targets = [
             Target("padded: >= 3x pad_sequence + Python mask", "assemble+contract", "pad_sequence+mask",
                    "faster", 3.0)
@@ -317,6 +325,7 @@ def build_case(key: str) -> Case:
         "assemble+contract": checked_assemble(samples[0], label_range),
     }
     case.checked = ("assemble", "assemble+contract")
+    case.build = build
     case.nbytes = _tensor_bytes(default_collate(samples))
     case.targets = [
         Target(f">= {speedup:g}x default_collate", "assemble", "default_collate", "faster", speedup),

@@ -2,17 +2,21 @@
 issue's cases, interleaved in one process, and judges every target.
 
     python benchmarks/collate_ratios.py [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
+                                        [--gc young|full] [--samples same|fresh]
 
 Method: per thread count (``torch.set_num_threads``), per case: one equality check of every contender's
 output against the reference, a warm-up, then N rounds; each round calls every contender once, in a
 freshly shuffled order (seeded), so drift hits all alike and no contender always follows the same one
 (a fixed or rotated order does: whoever runs after default_collate finds the caches it left). Each
 call's batch is dropped before the next call, as a training loop does, so assemble's staging ring stays
-warm. The garbage collector is off inside the timed calls (as in timeit) and run between rounds (the
-whole heap by default, which leaves the samples' objects out of the caches; ``--gc young``: the youngest
-generation only). Times
-are of the collate call alone (freeing default_collate's fresh output is not counted: conservative for
-assemble).
+warm. The garbage collector is off inside the timed calls (as in timeit) and run between rounds: the
+youngest generation by default, as a running program mostly does; ``--gc full`` collects the whole heap,
+which also evicts the samples' objects from the caches before every round. By default every call
+collates the same sample objects (the conditions of design.md's reference times, e.g. default_collate
+at about 0.93 ms on the small-field batch); ``--samples fresh`` makes the samples again before every
+call, untimed, as a DataLoader worker's ``__getitem__`` does (new objects at new addresses; the plain
+copies' sources are not remade). Times are of the collate call alone (freeing default_collate's fresh
+output is not counted: conservative for assemble).
 Ratios are of medians; the spread given is the 25th-75th percentile of the per-round paired ratios.
 Each speed-up target also gets its ceiling: the same baseline against a plain copy of the batch's bytes
 into a reused buffer. With two or more thread counts the ImageNet case is timed once more with the
@@ -104,7 +108,10 @@ def check_outputs(case: Case) -> dict[str, list[str]]:
     return problems
 
 
-def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation: int = 2) -> dict[str, list[float]]:
+def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation: int = 0,
+              fresh: bool = False) -> dict[str, list[float]]:
+    """Every contender once per round, in a shuffled order. ``fresh``: each call gets the samples made
+    again just before it (untimed), as a worker's collate_fn gets them from ``__getitem__``."""
     names = list(case.contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     samples = case.samples
@@ -112,18 +119,21 @@ def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation
     for r in range(-warmup, rounds):
         order.shuffle(names)
         gc.collect(gc_generation)
-        gc.disable()
-        try:
-            for name in names:
-                fn = case.contenders[name]
+        for name in names:
+            fn = case.contenders[name]
+            if fresh:
+                samples = None  # freed first, as a worker's last batch of samples is
+                samples = case.build()
+            gc.disable()
+            try:
                 start = time.perf_counter_ns()
                 out = fn(samples)
                 elapsed = time.perf_counter_ns() - start
                 del out  # the batch is consumed: the ring slot is free for the next call
-                if r >= 0:
-                    times[name].append(elapsed / 1e9)
-        finally:
-            gc.enable()
+            finally:
+                gc.enable()
+            if r >= 0:
+                times[name].append(elapsed / 1e9)
     return times
 
 
@@ -235,9 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--json", type=Path, default=None, help="write every repetition and the summary here")
     parser.add_argument(
-        "--gc", choices=("full", "young"), default="full",
-        help="collection between rounds: the whole heap (default; it also evicts the samples' objects from "
-             "the caches before every round) or the youngest generation only, as a running program mostly does",
+        "--gc", choices=("young", "full"), default="young",
+        help="collection between rounds: the youngest generation (default, as a running program mostly does) "
+             "or the whole heap, which also evicts the samples' objects from the caches before every round",
+    )
+    parser.add_argument(
+        "--samples", choices=("same", "fresh"), default="same",
+        help="every call collates the same sample objects (default), or samples made again just before it, "
+             "untimed (as in a DataLoader worker, where __getitem__ made them)",
     )
     args = parser.parse_args(argv)
 
@@ -262,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds = args.repeat or case.repeat
             before = ring.stats()
             load_before = os.getloadavg()
-            times = time_case(case, rounds, args.warmup, gc_generation=2 if args.gc == "full" else 0)
+            times = time_case(case, rounds, args.warmup, gc_generation=2 if args.gc == "full" else 0,
+                              fresh=args.samples == "fresh")
             load_after = os.getloadavg()
             after = ring.stats()
             summary = summarize(case, times, threads)
@@ -313,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": info,
             "threads": args.threads,
             "gc_between_rounds": args.gc,
+            "samples": args.samples,
             "targets": target_rows,
             "cases": results,
             "thread_scaling_imagenet": scaling,

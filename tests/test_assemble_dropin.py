@@ -165,8 +165,9 @@ def test_non_contiguous_and_channels_last_inputs():
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_multi_threaded_copy_of_many_fields_and_huge_rows(threads):
-    # Past 1 MiB the copy is split across threads, rows over 1 MiB into pieces: every byte must land
-    # once, beside rows that need an ATen copy (non-contiguous) and fields too small to split.
+    # Past 1 MiB the copy is split across threads, rows over 1 MiB into pieces, and past 8 MiB it uses
+    # streaming stores: every byte must land once, beside rows that need an ATen copy (non-contiguous)
+    # and fields too small to split, whatever the alignment of sources, rows and pieces.
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -179,6 +180,10 @@ def test_multi_threaded_copy_of_many_fields_and_huge_rows(threads):
         ]
         check(batch)
         check([torch.rand(300, 1000, generator=g) for _ in range(8)])  # 1.2 MB rows: one piece each
+        # 12 MB of rows of an odd length, read from odd addresses (views into one buffer) and written
+        # back to back (so most start off a 16-byte boundary).
+        flat = torch.randint(0, 255, (41 * 300_011,), dtype=torch.uint8, generator=g)
+        check([flat[i * 300_011 + 1 : i * 300_011 + 1 + 300_007] for i in range(40)])
     finally:
         torch.set_num_threads(previous)
 

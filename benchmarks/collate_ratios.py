@@ -20,9 +20,10 @@ output is not counted: conservative for assemble).
 Ratios are of medians; the spread given is the 25th-75th percentile of the per-round paired ratios.
 Each speed-up target also gets the same baseline against a plain copy (``copy_``, ordinary stores) of
 the batch's bytes into a reused buffer: the speed-up of a collate that did nothing but that copy
-(assemble writes batches of 8 MiB and more with streaming stores, and can beat it). With two or more thread counts the ImageNet case is timed once more with the
-counts interleaved call by call, beside a compute-bound control (torch.exp) that shows whether the
-extra cores were free at all. Every repetition's raw time goes to the JSON.
+(assemble writes batches of 8 MiB and more with streaming stores, and can beat it). With two or more
+thread counts the ImageNet case is timed once more with the counts interleaved call by call, beside a
+compute-bound control (torch.exp) that shows whether the extra cores were free at all. Every
+repetition's raw time goes to the JSON.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def summarize(case: Case, times: dict[str, list[float]], threads: int) -> dict:
         paired = [target.ratio(s, b) for s, b in zip(subject, baseline)]
         # The speed-up of a collate that did nothing but copy the bytes (with ordinary stores).
         plain_copy = (statistics.median(baseline) / statistics.median(times[FLOOR])
-                   if target.kind == "faster" and FLOOR in times else None)
+                      if target.kind == "faster" and FLOOR in times else None)
         targets.append({
             "case": case.key,
             "threads": threads,

@@ -217,8 +217,9 @@ def kill_scenarios(pid_root: str, attempts: int = 3) -> list[dict]:
     SIGCHLD handler raises wherever the main thread is, so once in many runs it interrupts torch or
     multiprocessing between opening a descriptor and handing it to its owner, which then never closes
     it (see TORCH_FD_PROBE, the usual case). A scenario that leaves any other descriptor is run again,
-    up to ``attempts`` times: a leak of DeviceLoader's own is in every run; the leaks of the retried
-    runs are kept (``fds_left_before_retry``) for the test to report."""
+    up to ``attempts`` times: DeviceLoader opens no descriptor here, and a reference it kept would keep
+    the loader's pipes open in every run. The leaks of the retried runs are kept
+    (``fds_left_before_retry``) for the test to report."""
     warm()
     results = []
     for how in ("itself", "outside"):

@@ -277,26 +277,26 @@ FLOOR = "copy_ into reused"
 def build_case(key: str) -> Case:
     """One case of the issue, with its contenders and targets."""
     if key == "small_fields":
-        samples = small_fields_samples()
         build = small_fields_samples
+        samples = build()
         case = Case(key, "256 dicts x (16 float32[8] + id + label)", samples, {}, (), 0, repeat=400)
         speedup = 5.0
         label_range = (0, 10)
     elif key == "fashion_mnist":
-        samples = fashion_mnist_samples()
         build = fashion_mnist_samples
+        samples = build()
         case = Case(key, "256 x (float32[1,28,28] + label + id)", samples, {}, (), 0, repeat=400)
         speedup = 3.0
         label_range = (0, 10)
     elif key == "imagenet_uint8":
-        samples = imagenet_samples()
         build = imagenet_samples
+        samples = build()
         case = Case(key, "256 x (uint8[3,224,224] + label + id), ring warm", samples, {}, (), 0, repeat=60)
         speedup = 5.0
         label_range = (0, 1000)
     elif key == "tokens_padded":
-        samples = token_samples()
         build = token_samples
+        samples = build()
         contract = Contract({"tokens": Field(dtype=torch.int64, shape=("T",), pad=0)}, id=None)
         case = Case(
             key,

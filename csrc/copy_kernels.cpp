@@ -86,15 +86,24 @@ void run_fill(const FillJob& job) {
 // still spread over threads): unit u is piece u % pieces of row u / pieces.
 void run_row_units(const RowsJob& job, size_t pieces, size_t begin, size_t end, bool streaming) {
   const size_t piece_bytes = (job.row_bytes + pieces - 1) / pieces;
+  size_t row = begin / pieces;
+  size_t part = begin % pieces;  // stepped below: no division per unit
   for (size_t unit = begin; unit < end; ++unit) {
-    const size_t row = unit / pieces;
-    const void* source = job.sources[row];
-    if (source == nullptr) {
-      continue;
+    // Rows of small fields lie scattered over the heap, each a cache miss of its own: ask for a later
+    // one's first line now (the hardware prefetcher follows a row once it has started).
+    if (part == 0 && row + kRowPrefetchAhead < job.count && job.sources[row + kRowPrefetchAhead] != nullptr) {
+      __builtin_prefetch(job.sources[row + kRowPrefetchAhead]);
     }
-    const size_t offset = unit % pieces * piece_bytes;
-    const size_t n = std::min(piece_bytes, job.row_bytes - offset);
-    copy_bytes(job.dst + row * job.row_bytes + offset, static_cast<const unsigned char*>(source) + offset, n, streaming);
+    if (const void* source = job.sources[row]) {
+      const size_t offset = part * piece_bytes;
+      const size_t n = std::min(piece_bytes, job.row_bytes - offset);
+      copy_bytes(job.dst + row * job.row_bytes + offset, static_cast<const unsigned char*>(source) + offset, n,
+                 streaming);
+    }
+    if (++part == pieces) {
+      part = 0;
+      ++row;
+    }
   }
 }
 
@@ -134,16 +143,7 @@ void CopyJobs::run() const {
       copy_bytes(job.dst, job.src, job.bytes, streaming);
     }
     for (const auto& job : rows) {
-      for (size_t i = 0; i < job.count; ++i) {
-        // Rows of small fields lie scattered over the heap, each a cache miss of its own: ask for a
-        // later one's first line now (the hardware prefetcher follows a row once it has started).
-        if (i + kRowPrefetchAhead < job.count && job.sources[i + kRowPrefetchAhead] != nullptr) {
-          __builtin_prefetch(job.sources[i + kRowPrefetchAhead]);
-        }
-        if (job.sources[i] != nullptr) {
-          copy_bytes(job.dst + i * job.row_bytes, job.sources[i], job.row_bytes, streaming);
-        }
-      }
+      run_row_units(job, /*pieces=*/1, 0, job.count, streaming);
     }
     finish_streaming(streaming);
   } else {

@@ -160,8 +160,7 @@ std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at:
     offsets.push_back(static_cast<int64_t>(total));
     total += align_up(tensor.nbytes());
   }
-  bool overflowed = false;
-  at::Tensor buffer = bytes_view(acquire_storage(static_cast<int64_t>(total), overflowed), static_cast<int64_t>(total));
+  at::Tensor buffer = acquire(static_cast<int64_t>(total)).first;
   auto* base = static_cast<unsigned char*>(buffer.data_ptr());
   CopyJobs jobs;
   for (size_t i = 0; i < tensors.size(); ++i) {

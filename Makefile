@@ -21,6 +21,7 @@ help:
 	@echo "make fuzz      the long runs: 10,000 hypothesis examples a property, 20-epoch lifetimes"
 	@echo "make sanitize  build with ASan+UBSan and run the CPU tests under them"
 	@echo "make build     only build the extension"
+	@echo "make test-compat PYTHON=/path/to/python   the suite on a second interpreter and torch (not in CI)"
 
 .venv/.stamp-deps: requirements.txt
 	test -x .venv/bin/python || python3 -m venv .venv
@@ -59,7 +60,16 @@ fuzz: .stamp-build
 sanitize: $(DEPS)
 	PYTHON=$(PY) bash scripts/sanitize.sh
 
+# Another interpreter with its own torch already installed (e.g. torch 2.11 on Python 3.12, as on the GPU
+# machine): built in place beside the main build (its own .so suffix and build folder), then the suite.
+test-compat:
+	@test -n "$(PYTHON)" || { echo "make test-compat needs PYTHON=/path/to/python (with torch installed)"; exit 2; }
+	$(PYTHON) -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
+	set -o pipefail; $(PYTHON) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee .compat-build.log \
+		| grep "\[fastcollate build\]"
+	$(PYTHON) -m pytest tests -q -p no:cacheprovider
+
 clean:
 	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps
 
-.PHONY: help build test demo bench profile fuzz sanitize clean
+.PHONY: help build test test-compat demo bench profile fuzz sanitize clean

@@ -7,9 +7,11 @@ Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 25
   DataLoader(pin_memory=True) + .to(non_blocking=True) against assemble + DeviceLoader, workers 0, 2, 4;
 - DeviceLoader's host-to-device GB/s (its copy events) against a bare pinned copy_ of the same bytes;
 - the pipelined step time against max(copy time, compute time);
-- pinned bytes held against depth x batch bytes, and pinned allocations after warm-up.
-Every repetition's values are kept under "runs"; tables show medians. Without a GPU it runs the same
-loops on the CPU with tiny sizes (to check the script end to end) and reports the GPU figures as null.
+- pinned bytes held against depth x batch bytes, and pinned allocations after warm-up;
+- the time of DeviceLoader's Normalize on one batch, beside the copy's (both on the copy stream).
+Every repetition's values are kept under "runs"; tables show medians. The JSON is written after every
+configuration, and a configuration that fails is recorded there while the others still run.
+Without a GPU it runs the same loops on the CPU with tiny sizes (to check the script end to end) and reports the GPU figures as null.
 """
 
 from __future__ import annotations
@@ -90,26 +92,49 @@ def run_default(dataset, model, workers, batch_size, steps, warmup, device):
     return seen / (time.perf_counter() - start)
 
 
+class StepClock:
+    """Step times on the consumer's stream. On a GPU, an event is recorded after each step's work and
+    read once the loop has synchronised: host time between ``next()`` calls would measure how far the
+    host runs ahead of the GPU, not the step. Without a GPU, host time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_ms(self) -> list[float]:
+        """Consecutive intervals between marks (call after synchronising)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
+
+
 def run_device_loader(dataset, model, workers, batch_size, steps, warmup, device, depth=2):
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=assemble)
     device_loader = DeviceLoader(loader, device=device, depth=depth, record_copy_events=device.type == "cuda",
                                  transforms={"image": Normalize(MEAN, STD)})
     seen = 0
     start = None
-    step_times = []
+    clock = StepClock(device)
     warm_allocations = None
-    last = time.perf_counter()
     for step, batch in enumerate(device_loader):
         if step == warmup:
             sync(device)
-            start = last = time.perf_counter()
+            start = time.perf_counter()
             warm_allocations = device_loader.stats()["pinned_allocations"]
+            clock.mark()
         model(batch["image"])
         if step >= warmup:
             seen += batch["image"].shape[0]
-            now = time.perf_counter()
-            step_times.append(now - last)
-            last = now
+            clock.mark()
         if step == warmup + steps - 1:
             break
     sync(device)
@@ -121,7 +146,7 @@ def run_device_loader(dataset, model, workers, batch_size, steps, warmup, device
     device_loader.close()
     return {
         "samples_per_s": seen / elapsed,
-        "step_ms": [t * 1e3 for t in step_times],
+        "step_ms": clock.step_ms(),
         "copy_ms": copy_ms,
         "pinned_bytes": stats["pinned_bytes"],
         "pinned_allocations_after_warmup": stats["pinned_allocations"] - (warm_allocations or 0),
@@ -143,26 +168,76 @@ def bare_pinned_copy_gbps(nbytes: int, device: torch.device, repeat: int = 20) -
     return rates[3:]
 
 
-def compute_ms(model, batch_size, size, device, repeat=10) -> list[float]:
-    images = torch.randn(batch_size, 3, size, size, device=device)
+def gpu_ms(work, device: torch.device, repeat: int = 10, warmup: int = 2) -> list[float]:
+    """Times ``work()`` ``repeat`` times: CUDA events on a GPU, host time on the CPU."""
     times = []
-    for _ in range(repeat + 2):
+    for _ in range(repeat + warmup):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            model(images)
+            work()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            model(images)
+            work()
             times.append((time.perf_counter() - t0) * 1e3)
-    return times[2:]
+    return times[warmup:]
+
+
+def compute_ms(model, batch_size, size, device) -> list[float]:
+    images = torch.randn(batch_size, 3, size, size, device=device)
+    return gpu_ms(lambda: model(images), device)
+
+
+def normalize_ms(batch_size, size, device) -> list[float]:
+    """DeviceLoader's Normalize on one batch: it runs on the copy stream, ahead of the next copy."""
+    images = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8, device=device)
+    normalize = Normalize(MEAN, STD)
+    return gpu_ms(lambda: normalize(images), device)
 
 
 def median(values):
     return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict], bare: list[float], compute: dict, normalize: list[float], workers: list[int],
+              batch_bytes: int, gpu: bool) -> dict:
+    """The figures against their targets, from the runs so far (medians)."""
+    ok = [r for r in runs if "error" not in r]
+
+    def pick(loop, w, key):
+        return [r[key] for r in ok if r["loop"] == loop and r["workers"] == w]
+
+    speedup = {str(w): median([o / d for o, d in zip(pick("transfer_bound", w, "samples_per_s"),
+                                                        pick("transfer_bound", w, "default_samples_per_s"))])
+               for w in workers}
+    copy_ms = [c for r in ok for c in r["copy_ms"]]
+    loader_gbps = [batch_bytes / (c / 1e3) / 1e9 for c in copy_ms if c > 0]
+    top = max(workers)
+    step_ms = median([median(s) for s in pick("compute_bound", top, "step_ms") if s])
+    copy_median = median(copy_ms)
+    compute_median = median(compute.get("compute_bound", []))
+    return {
+        "speedup_vs_default": speedup,
+        "h2d_efficiency": (median(loader_gbps) / median(bare)) if gpu and loader_gbps and bare else None,
+        "h2d_gbps": {"device_loader": median(loader_gbps), "bare_pinned_copy": median(bare)} if gpu else None,
+        "step_over_max_copy_compute": (step_ms / max(copy_median, compute_median))
+        if gpu and step_ms and copy_median and compute_median else None,
+        "step_ms": {"pipelined": step_ms, "copy": copy_median, "normalize": median(normalize),
+                    "compute": compute_median, "workers": top},
+        "pinned_bytes_over_depth_batch": (max(r["pinned_bytes"] for r in ok) / (2 * batch_bytes))
+        if gpu and ok else None,
+        "pinned_allocs_after_warmup": max(r["pinned_allocations_after_warmup"] for r in ok)
+        if gpu and ok else None,
+        "failed_configurations": len(runs) - len(ok),
+    }
+
+
+TARGETS = {"speedup_vs_default": ">= 1.5 at each worker count", "h2d_efficiency": ">= 0.9",
+           "step_over_max_copy_compute": "<= 1.1", "pinned_bytes_over_depth_batch": "<= 1.1",
+           "pinned_allocs_after_warmup": "== 0", "failed_configurations": "== 0"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script end to end")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="start no configuration after S seconds (those left are recorded as skipped)")
     args = parser.parse_args(argv)
+    began = time.monotonic()
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -186,68 +264,78 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         models = {name: model.to(memory_format=torch.channels_last) for name, model in models.items()}
 
+    device_name = torch.cuda.get_device_name() if gpu else "cpu (no GPU)"
+    date = datetime.date.today().isoformat()
+    name = (device_name.replace(" ", "-").replace("(", "").replace(")", "") + "-" + date).lower()
+    path = args.out / f"{name}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
-    print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu (no GPU: tiny sizes, GPU figures null)'}")
+    skipped: list[dict] = []
+    print(f"device: {device_name if gpu else 'cpu (no GPU: tiny sizes, GPU figures null)'}")
     print(f"batch {batch_size} x uint8 3x{size}x{size}; {steps} timed steps after {warmup} warm-up; {repeat} repetitions")
+
     with torch.inference_mode():
+        # The references first: cheap, and the ratios need them whatever happens later.
+        bare = bare_pinned_copy_gbps(batch_bytes, device) if gpu else []
+        compute = {loop: compute_ms(model, batch_size, size, device) for loop, model in models.items()}
+        normalize = normalize_ms(batch_size, size, device)
+
+        def write() -> dict:
+            result = {
+                "device": device_name,
+                "torch": torch.__version__,
+                "fastcollate": fastcollate.__version__,
+                "date": date,
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "python": sys.version.split()[0]},
+                "config": {"batch_size": batch_size, "image": [3, size, size], "dtype": "uint8",
+                           "steps": steps,
+                           "warmup_steps": warmup, "repetitions": repeat, "workers": workers, "depth": 2,
+                           "step_timing": "CUDA events on the consumer stream" if gpu else "host clock"},
+                **summarize(runs, bare, compute, normalize, workers, batch_bytes, gpu),
+                "targets": TARGETS,
+                "runs": runs,
+                "skipped_for_time": skipped,
+                "bare_pinned_copy_gbps_runs": bare,
+                "compute_ms_runs": compute,
+                "normalize_ms_runs": normalize,
+            }
+            path.write_text(json.dumps(result, indent=2))
+            return result
+
         for repetition in range(repeat):
             for loop, model in models.items():
                 for w in workers:
-                    # Interleaved: the default path, then DeviceLoader, at each setting.
-                    default_rate = run_default(dataset, model, w, batch_size, steps, warmup, device)
-                    ours = run_device_loader(dataset, model, w, batch_size, steps, warmup, device)
-                    runs.append({"repetition": repetition, "loop": loop, "workers": w,
-                                 "default_samples_per_s": default_rate, **{k: v for k, v in ours.items() if k != "stats"},
+                    config = {"repetition": repetition, "loop": loop, "workers": w}
+                    if args.time_budget is not None and time.monotonic() - began > args.time_budget:
+                        skipped.append(config)
+                        continue
+                    # Interleaved: the default path, then DeviceLoader, at each setting. A failure is
+                    # recorded and the others still run.
+                    try:
+                        default_rate = run_default(dataset, model, w, batch_size, steps, warmup, device)
+                        ours = run_device_loader(dataset, model, w, batch_size, steps, warmup, device)
+                    except Exception as error:  # noqa: BLE001  (recorded in the JSON, and the run goes on)
+                        runs.append({**config, "error": f"{type(error).__name__}: {error}"})
+                        print(f"  rep {repetition} {loop:<14} workers={w}: FAILED {runs[-1]['error']}")
+                        write()
+                        continue
+                    runs.append({**config, "default_samples_per_s": default_rate,
+                                 **{k: v for k, v in ours.items() if k != "stats"},
                                  "device_loader_stats": ours["stats"]})
                     print(f"  rep {repetition} {loop:<14} workers={w}: default {default_rate:9.0f}/s  "
                           f"DeviceLoader {ours['samples_per_s']:9.0f}/s  ratio {ours['samples_per_s'] / default_rate:5.2f}")
-        bare = bare_pinned_copy_gbps(batch_bytes, device) if gpu else []
-        compute = {loop: compute_ms(model, batch_size, size, device) for loop, model in models.items()}
+                    write()
+    result = write()
 
-    def pick(loop, w, key):
-        return [r[key] for r in runs if r["loop"] == loop and r["workers"] == w]
-
-    speedup = {str(w): median([o / d for o, d in zip(pick("transfer_bound", w, "samples_per_s"),
-                                                        pick("transfer_bound", w, "default_samples_per_s"))])
-               for w in workers}
-    copy_ms = [c for r in runs for c in r["copy_ms"]]
-    loader_gbps = [batch_bytes / (c / 1e3) / 1e9 for c in copy_ms if c > 0]
-    top = max(workers)
-    step_ms = median([median(s) for s in pick("compute_bound", top, "step_ms")])
-    copy_median = median(copy_ms)
-    compute_median = median(compute["compute_bound"])
-    result = {
-        "device": torch.cuda.get_device_name() if gpu else "cpu (no GPU)",
-        "torch": torch.__version__,
-        "fastcollate": fastcollate.__version__,
-        "date": datetime.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "config": {"batch_size": batch_size, "image": [3, size, size], "dtype": "uint8", "steps": steps,
-                   "warmup_steps": warmup, "repetitions": repeat, "workers": workers, "depth": 2},
-        "speedup_vs_default": speedup,
-        "h2d_efficiency": (median(loader_gbps) / median(bare)) if gpu and loader_gbps else None,
-        "h2d_gbps": {"device_loader": median(loader_gbps), "bare_pinned_copy": median(bare)} if gpu else None,
-        "step_over_max_copy_compute": (step_ms / max(copy_median, compute_median)) if gpu and copy_median else None,
-        "step_ms": {"pipelined": step_ms, "copy": copy_median, "compute": compute_median, "workers": top},
-        "pinned_bytes_over_depth_batch": (max(r["pinned_bytes"] for r in runs) / (2 * batch_bytes)) if gpu else None,
-        "pinned_allocs_after_warmup": max(r["pinned_allocations_after_warmup"] for r in runs) if gpu else None,
-        "targets": {"speedup_vs_default": ">= 1.5 at each worker count", "h2d_efficiency": ">= 0.9",
-                    "step_over_max_copy_compute": "<= 1.1", "pinned_bytes_over_depth_batch": "<= 1.1",
-                    "pinned_allocs_after_warmup": "== 0"},
-        "runs": runs,
-        "bare_pinned_copy_gbps_runs": bare,
-        "compute_ms_runs": compute,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = (result["device"].replace(" ", "-").replace("(", "").replace(")", "") + "-" + result["date"]).lower()
-    path = args.out / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2))
     print("\nsummary (medians; targets in brackets):")
-    for key in ("speedup_vs_default", "h2d_efficiency", "step_over_max_copy_compute",
-                "pinned_bytes_over_depth_batch", "pinned_allocs_after_warmup"):
-        print(f"  {key}: {result[key]}  [{result['targets'][key]}]")
+    for key in TARGETS:
+        print(f"  {key}: {result[key]}  [{TARGETS[key]}]")
+    print(f"  step_ms: {result['step_ms']}")
+    if skipped:
+        print(f"  {len(skipped)} configurations skipped: past the time budget of {args.time_budget} s")
     print(f"wrote {path}")
-    return 0
+    return 1 if result["failed_configurations"] else 0
 
 
 if __name__ == "__main__":

@@ -1351,7 +1351,11 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
 std::pair<py::object, bool> Collator::assemble_into(py::handle samples, HostRing& ring) const {
   std::shared_ptr<BatchPlan> planned = plan(samples);
   bool overflowed = false;
-  at::Storage slot = ring.acquire_storage(planned->nbytes(), overflowed);
+  at::Storage slot;
+  {
+    py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
+    slot = ring.acquire_storage(planned->nbytes(), overflowed);
+  }
   return {planned->execute_into(slot, 0), overflowed};
 }
 

@@ -31,8 +31,8 @@ at::DataPtr allocate_aligned_host_memory(size_t bytes) {
 }
 
 #ifndef FASTCOLLATE_WITH_CUDA
-// The CUDA build defines these two in csrc/cuda/pinned_memory.cpp.
-at::DataPtr allocate_host_memory(size_t bytes, bool pinned) {
+// The CUDA build defines these in csrc/cuda/pinned_memory.cpp.
+at::DataPtr allocate_host_memory(size_t bytes, bool pinned, int64_t /*device*/) {
   TORCH_CHECK(!pinned, "fastcollate was built without CUDA: pinned memory is not available");
   return allocate_aligned_host_memory(bytes);
 }
@@ -41,12 +41,40 @@ bool pinned_memory_available() {
   return false;
 }
 
-PendingCopy record_on_stream(int64_t) {
+PendingCopy record_on_stream(int64_t, int64_t) {
   TORCH_CHECK(false, "fastcollate was built without CUDA: there are no streams to wait for");
+}
+
+int64_t built_cuda_version() {
+  return 0;
 }
 #endif
 
-HostRing::HostRing(int64_t max_slots, bool pinned) : max_slots_(max_slots), pinned_(pinned) {
+void CompletionFlag::set() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->set = true;
+  }
+  state_->changed.notify_all();
+}
+
+bool CompletionFlag::is_set() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->set;
+}
+
+void CompletionFlag::wait() const {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->changed.wait(lock, [this] { return state_->set; });
+}
+
+PendingCopy CompletionFlag::pending() const {
+  CompletionFlag flag = *this;  // shares the state: the ring's copy sees set() from any thread
+  return PendingCopy{[flag] { return flag.is_set(); }, [flag] { flag.wait(); }};
+}
+
+HostRing::HostRing(int64_t max_slots, bool pinned, int64_t device)
+    : max_slots_(max_slots), pinned_(pinned), device_(device) {
   TORCH_CHECK(max_slots >= 0, "HostRing: max_slots must be >= 0, got ", max_slots);
   TORCH_CHECK(!pinned || pinned_memory_available(),
               "HostRing: pinned slots need a CUDA build of fastcollate and a visible GPU");
@@ -78,8 +106,20 @@ bool HostRing::is_free(Slot& slot) const {
 }
 
 at::Storage HostRing::allocate(size_t bytes) {
-  return at::Storage(at::Storage::use_byte_size_t(), bytes, allocate_host_memory(bytes, pinned_),
+  return at::Storage(at::Storage::use_byte_size_t(), bytes, allocate_host_memory(bytes, pinned_, device_),
                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+size_t HostRing::capacity_for(size_t wanted, bool growing) const {
+  // A new slot is sized to the largest batch seen so far, not to this one: a short last batch would
+  // otherwise make a small slot that the next epoch's first full batch must grow again. A slot that
+  // grows gets 1/16 headroom, so batches whose padded size creeps up re-pin a few times, not on each
+  // batch (pinning is slow and synchronises), while pinned bytes stay within 1.07x the largest batch.
+  size_t capacity = std::max(wanted, largest_request_);
+  if (growing) {
+    capacity += capacity / 16;
+  }
+  return align_up(std::max<size_t>(capacity, 1));
 }
 
 std::pair<at::Tensor, bool> HostRing::acquire(int64_t nbytes) {
@@ -114,7 +154,6 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
     counters_.reuses += 1;
     return best->storage;
   }
-  const size_t capacity = align_up(std::max<size_t>(wanted, 1));
   if (largest_free == nullptr && static_cast<int64_t>(slots_.size()) >= max_slots_) {
     // A slot that only a device copy still reads will be free shortly: waiting for that copy beats
     // allocating (pinned allocation is slow) and cannot deadlock, the copy is already queued.
@@ -128,15 +167,20 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
     }
     counters_.overflow_allocations += 1;
     overflowed = true;
-    return allocate(capacity);
+    return allocate(align_up(std::max<size_t>(wanted, 1)));  // not kept: sized to this batch alone
   }
-  if (largest_free == nullptr) {
+  largest_request_ = std::max(largest_request_, wanted);
+  const bool growing = largest_free != nullptr;
+  const size_t capacity = capacity_for(wanted, growing);
+  at::Storage storage = allocate(capacity);  // first: a failed allocation leaves the ring as it was
+  if (!growing) {
     slots_.push_back(Slot{});
     largest_free = &slots_.back();
   }
-  largest_free->storage = allocate(capacity);  // grows: the old block is freed here
+  largest_free->storage = std::move(storage);  // a grown slot's old block is freed here
   largest_free->capacity = capacity;
   counters_.slot_allocations += 1;
+  counters_.regrowths += growing ? 1 : 0;
   return largest_free->storage;
 }
 
@@ -211,7 +255,8 @@ RingStats HostRing::stats() const {
   out.in_use = 0;
   for (const auto& slot : slots_) {
     out.bytes_held += static_cast<int64_t>(slot.capacity);
-    out.in_use += (slot.storage.use_count() != 1 || slot.pending.done) ? 1 : 0;
+    const bool copy_running = slot.pending.done && !slot.pending.done();
+    out.in_use += (slot.storage.use_count() != 1 || copy_running) ? 1 : 0;
   }
   return out;
 }

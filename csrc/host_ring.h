@@ -8,7 +8,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -20,10 +22,11 @@ struct RingStats {
   int64_t max_slots = 0;             // the bound
   int64_t bytes_held = 0;            // sum of slot capacities
   int64_t slot_allocations = 0;      // new slots and grown slots, since creation
+  int64_t regrowths = 0;             // of those, slots reallocated larger (a re-pin when pinned)
   int64_t reuses = 0;                // acquisitions served by an existing slot without allocating
   int64_t overflow_allocations = 0;  // buffers handed out past the bound (not kept by the ring)
   int64_t waits_for_copies = 0;      // acquisitions that waited for a device copy to free a slot
-  int64_t in_use = 0;                // slots some tensor or device copy still uses
+  int64_t in_use = 0;                // slots some tensor or unfinished device copy still uses
   bool pinned = false;
 };
 
@@ -33,10 +36,29 @@ struct PendingCopy {
   std::function<void()> wait;  // blocks until done
 };
 
+// A copy made by other means than a CUDA stream, finished when someone calls set(). It is what a CUDA
+// event is to the ring, without a GPU: the tests use it to hold a slot as an unfinished copy would.
+class CompletionFlag {
+ public:
+  void set();
+  bool is_set() const;
+  void wait() const;
+  PendingCopy pending() const;
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool set = false;
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
+
 class HostRing {
  public:
-  // `pinned`: page-locked memory from the CUDA runtime (needs a CUDA build and a driver).
-  HostRing(int64_t max_slots, bool pinned);
+  // `pinned`: page-locked memory from the CUDA runtime (needs a CUDA build and a driver), allocated with
+  // `device` (a CUDA device index) current, so no context is made on another GPU; -1: the current one.
+  HostRing(int64_t max_slots, bool pinned, int64_t device = -1);
   ~HostRing();
   HostRing(const HostRing&) = delete;
   HostRing& operator=(const HostRing&) = delete;
@@ -69,21 +91,27 @@ class HostRing {
   bool is_free(Slot& slot) const;
   at::Storage acquire_locked(int64_t nbytes, bool& overflowed);
   at::Storage allocate(size_t bytes);
+  size_t capacity_for(size_t wanted, bool growing) const;
 
   mutable std::mutex mutex_;  // two threads may collate or pack at once
   std::vector<Slot> slots_;
   int64_t max_slots_;
   bool pinned_;
+  int64_t device_;
+  size_t largest_request_ = 0;  // the high-water mark that new slots are sized to
   RingStats counters_;
 };
 
-// Host memory for slots: page-locked when `pinned` (CUDA builds only), else page-aligned memory.
-at::DataPtr allocate_host_memory(size_t bytes, bool pinned);
+// Host memory for slots: page-locked when `pinned` (CUDA builds only, with CUDA device `device` current,
+// -1 for the current one), else page-aligned memory.
+at::DataPtr allocate_host_memory(size_t bytes, bool pinned, int64_t device);
 at::DataPtr allocate_aligned_host_memory(size_t bytes);
 // True when this build can pin memory and a CUDA driver and device are present.
 bool pinned_memory_available();
-// A PendingCopy that is done once all work queued so far on `stream` (a cudaStream_t) has finished.
-// CUDA builds only.
-PendingCopy record_on_stream(int64_t stream);
+// A PendingCopy that is done once all work queued so far on `stream` (a cudaStream_t of CUDA device
+// `device`) has finished. CUDA builds only.
+PendingCopy record_on_stream(int64_t stream, int64_t device);
+// The CUDA runtime version this build was compiled against (e.g. 13000), or 0 for a CPU-only build.
+int64_t built_cuda_version();
 
 }  // namespace fastcollate

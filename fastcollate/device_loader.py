@@ -100,12 +100,15 @@ class DeviceLoader:
             self._copy_stream = torch.cuda.Stream(self.device)
             # One slot per batch in flight: a slot frees as soon as its copy ends (the host batch is
             # dropped when staged), and acquire waits for that copy rather than allocate past the bound.
-            self._ring = StagingRing(max_slots=depth, pinned=True)
+            self._ring = StagingRing(max_slots=depth, pinned=True, device=self.device)
             if record_copy_events:
                 self.copy_events = deque(maxlen=4096)
         elif self.device.type != "cpu":
             raise ValueError(f"DeviceLoader: device must be 'cuda' or 'cpu', got {self.device}")
         self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0}
+        # Host buffers from outside the ring (it overflowed) that a copy may still read: each is kept
+        # with the event recorded after its copy until that event completes.
+        self._unpooled: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
         self._closed = False
 
     def __len__(self) -> int:
@@ -123,6 +126,7 @@ class DeviceLoader:
         self._closed = True
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
+        self._unpooled.clear()
         if self._ring is not None:
             self._ring.trim()
         self._ring = None
@@ -144,6 +148,8 @@ class DeviceLoader:
             "pinned_allocations": ring.slot_allocations + ring.overflow_allocations if ring else 0,
             "pinned_slots": ring.slots if ring else 0,
             "waits_for_copies": ring.waits_for_copies if ring else 0,
+            "slot_regrowths": ring.regrowths if ring else 0,
+            "unpooled_in_flight": len(self._unpooled),
         }
 
     # Staging and hand-over, on the producing side and the consuming side of one batch.
@@ -161,6 +167,8 @@ class DeviceLoader:
         host = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
         stream = self._copy_stream
+        while self._unpooled and self._unpooled[0][0].query():
+            self._unpooled.popleft()
         with torch.cuda.stream(stream):
             if host:
                 buffer, offsets = self._into_slot([leaves[i] for i in host])
@@ -173,7 +181,10 @@ class DeviceLoader:
                 if self.copy_events is not None:
                     end.record(stream)
                     self.copy_events.append((start, end))
-                self._ring.hold_until_stream_done(buffer, stream)  # the slot stays untouched until then
+                if not self._ring.hold_until_stream_done(buffer, stream):  # a slot stays untouched until then
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                    self._unpooled.append((copied, buffer))  # not the ring's: keep it alive until then
                 for i, offset in zip(host, offsets):
                     leaf = leaves[i]
                     leaves[i] = device_bytes[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
@@ -213,7 +224,11 @@ class DeviceLoader:
         for key, transform in self.transforms.items():
             values[key] = transform(values[key])
             if outputs is not None:
-                outputs.append(values[key])
+                # A transform may return any nesting of tensors, on any device: only CUDA tensors made on
+                # the copy stream need tying to the consumer's stream.
+                leaves: list = []
+                _flatten(values[key], leaves)
+                outputs.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda)
         return values if type(batch) is dict else rebuild_mapping(batch, values)
 
     def _hand_over(self, staged: _Staged) -> Any:

@@ -32,6 +32,7 @@ class RingStats:
     max_slots: int
     bytes_held: int
     slot_allocations: int
+    regrowths: int
     reuses: int
     overflow_allocations: int
     waits_for_copies: int
@@ -46,10 +47,22 @@ class StagingRing:
         max_slots: the most slots kept; batches past it get fresh, unpooled buffers.
         pinned: page-locked slots (needs a CUDA build and a GPU). Whoever copies out of a pinned slot
             asynchronously must hold it until the copy is done (DeviceLoader does).
+        device: the CUDA device whose context pins the slots (default: the current one), so that a
+            process working on ``cuda:1`` makes no context on GPU 0.
+
+    New slots are sized to the largest batch seen so far; a slot that must grow gets 1/16 headroom, so
+    batches of creeping size re-pin rarely (``RingStats.regrowths`` counts it).
     """
 
-    def __init__(self, max_slots: int = DEFAULT_MAX_SLOTS, pinned: bool = False) -> None:
-        self._native = _C.HostRing(max_slots, pinned)  # locked natively: two threads may collate at once
+    def __init__(
+        self,
+        max_slots: int = DEFAULT_MAX_SLOTS,
+        pinned: bool = False,
+        device: torch.device | int | None = None,
+    ) -> None:
+        index = None if device is None else torch.device(device).index  # an int is a CUDA ordinal
+        # Locked natively: two threads may collate at once.
+        self._native = _C.HostRing(max_slots, pinned, -1 if index is None else index)
         self._warned = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -84,7 +97,12 @@ class StagingRing:
     def hold_until_stream_done(self, buffer: torch.Tensor, stream: torch.cuda.Stream) -> bool:
         """Keeps the slot under ``buffer`` from reuse until the work queued so far on ``stream`` (a copy
         reading the slot) has finished. False for a buffer outside the ring."""
-        return self._native.hold_until_stream_done(buffer, stream.cuda_stream)
+        return self._native.hold_until_stream_done(buffer, stream.cuda_stream, stream.device_index)
+
+    def hold_until_flag(self, buffer: torch.Tensor, flag: _C.CompletionFlag) -> bool:
+        """Keeps the slot under ``buffer`` from reuse until ``flag.set()``: a copy made by other means
+        than a CUDA stream (the tests' stand-in for one). False for a buffer outside the ring."""
+        return self._native.hold_until_flag(buffer, flag)
 
     def trim(self) -> int:
         """Frees every slot nothing references; returns the bytes freed."""
@@ -97,6 +115,7 @@ class StagingRing:
             max_slots=s.max_slots,
             bytes_held=s.bytes_held,
             slot_allocations=s.slot_allocations,
+            regrowths=s.regrowths,
             reuses=s.reuses,
             overflow_allocations=s.overflow_allocations,
             waits_for_copies=s.waits_for_copies,

@@ -1,6 +1,9 @@
 """DeviceLoader: the iteration contract (on the CPU here), and on a GPU the copy, overlap and lifetimes."""
 
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
+from tests.conftest import CUDA
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import BadFourth, Records
 
@@ -223,7 +227,157 @@ def test_default_collate_batches_are_staged_too():
 
 
 @needs_cuda
-def test_normalize_on_the_gpu_matches_the_cpu():
-    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
-    normalize = Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), dtype=torch.float16, channels_last=True)
-    torch.testing.assert_close(normalize(images.cuda()).cpu(), normalize(images), atol=2e-3, rtol=2e-3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape, misaligned", [((4, 3, 16, 16), False),  # 4 pixels a thread, vector load
+                                               ((5, 3, 15, 17), False),  # a plane of 255 pixels: scalar tail
+                                               ((2, 3, 16, 16), True),   # input off a 4-byte boundary
+                                               ((3, 1, 64, 2050), False)])  # a plane of several blocks
+def test_normalize_on_the_gpu_matches_the_cpu(dtype, channels_last, shape, misaligned):
+    count = torch.Size(shape).numel()
+    flat = torch.randint(0, 256, (count + 1,), dtype=torch.uint8)
+    images = (flat[1:] if misaligned else flat[:count]).view(shape)
+    channels = shape[1]
+    normalize = Normalize((0.485, 0.456, 0.406)[:channels], (0.229, 0.224, 0.225)[:channels], dtype=dtype,
+                          channels_last=channels_last)
+    on_gpu = images.cuda() if not misaligned else flat.cuda()[1:].view(shape)
+    assert (on_gpu.data_ptr() % 4 != 0) == misaligned
+    got = normalize(on_gpu)
+    assert got.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    tolerance = 2e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu(), normalize(images), atol=tolerance, rtol=tolerance)
+
+
+class Constant(torch.utils.data.Dataset):
+    """Sample i: its id and a 3 x side x side uint8 image filled with i % 251 (sums say which sample)."""
+
+    def __init__(self, n: int, side: int) -> None:
+        self.n, self.side = n, side
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        return {"id": index, "image": torch.full((3, self.side, self.side), index % 251, dtype=torch.uint8)}
+
+
+SLEEP_CYCLES = 50_000_000  # about 25 ms of GPU time: far longer than collating the next batch
+
+
+def lag_then_add_one(images):
+    """A transform that runs late on the copy stream: the next batch's copy queues behind it, and its
+    own output is written only after the sleep."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    return images + 1
+
+
+def read_at_once(device_loader, lag_consumer: bool):
+    """Per-sample image sums and ids, computed on the consumer's stream as each batch arrives (no
+    synchronisation), then brought back once everything ran."""
+    sums, ids = [], []
+    for batch in device_loader:
+        if lag_consumer:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the reads below run late on the consumer's stream
+        images = batch["image"]
+        sums.append(images.reshape(images.shape[0], -1).sum(1))
+        ids.append(batch["id"].clone())  # a copy: a view would keep the batch's device memory alive
+        del batch, images
+    torch.cuda.synchronize()
+    return torch.cat(sums).cpu(), torch.cat(ids).cpu()
+
+
+@needs_cuda
+@pytest.mark.parametrize("lagging", ["copy_stream", "consumer"])
+def test_batches_stay_intact_when_the_copy_stream_or_the_consumer_lags(lagging):
+    """Fails without any one of DeviceLoader's three guards:
+    - the consumer's wait on the batch's event: the consumer would read the transform's output before
+      it is written (copy stream lagging);
+    - the slot's hold until its copy ran: the next batch would be collated into the one slot while the
+      copy behind the lagging transform still has to read it (copy stream lagging);
+    - record_stream: the allocator would give a dropped batch's device memory to the next copy while the
+      lagging consumer's reads of it are still queued (consumer lagging)."""
+    side, n = 128, 24 * 16  # 24 batches of 16 x 48 KiB
+    source = DataLoader(Constant(n, side), batch_size=16, collate_fn=assemble)
+    transforms = {"image": lag_then_add_one} if lagging == "copy_stream" else None
+    device_loader = DeviceLoader(source, depth=1, transforms=transforms)
+    sums, ids = read_at_once(device_loader, lag_consumer=lagging == "consumer")
+    assert ids.tolist() == list(range(n))
+    added = 1 if lagging == "copy_stream" else 0
+    assert torch.equal(sums, (ids % 251 + added) * 3 * side * side)
+
+
+def keeps_the_first_batch(loader):
+    """A source that holds on to its first host batch (as a logging wrapper might), so the ring's one
+    slot stays taken and every later batch goes through a fresh buffer outside the ring."""
+    first = None
+    for batch in loader:
+        first = batch if first is None else first
+        yield batch
+
+
+@needs_cuda
+def test_a_fresh_buffer_past_the_ring_lives_until_its_copy_ran():
+    side, n = 128, 12 * 16
+    source = keeps_the_first_batch(DataLoader(Constant(n, side), batch_size=16, collate_fn=assemble))
+    device_loader = DeviceLoader(source, depth=1, transforms={"image": lag_then_add_one})
+    sums, ids, held = [], [], []
+    with pytest.warns(ResourceWarning, match="staging slots"):
+        for batch in device_loader:
+            held.append(device_loader.stats()["unpooled_in_flight"])  # the next copy waits behind the sleep
+            sums.append(batch["image"].reshape(16, -1).sum(1))
+            ids.append(batch["id"].clone())
+            del batch
+    torch.cuda.synchronize()
+    ids = torch.cat(ids).cpu()
+    assert ids.tolist() == list(range(n))
+    assert torch.equal(torch.cat(sums).cpu(), (ids % 251 + 1) * 3 * side * side)
+    assert max(held) >= 1
+    device_loader.close()
+    assert device_loader.stats()["unpooled_in_flight"] == 0
+
+
+@needs_cuda
+def test_transforms_may_return_cpu_tensors_tuples_and_dicts():
+    transforms = {"image": lambda x: (x.float(), x.cpu()),
+                  "label": lambda x: {"on_host": x.cpu(), "twice": x * 2}}
+    for batch, host in zip(DeviceLoader(loader(), transforms=transforms), loader(collate_fn=default_collate)):
+        image, on_host = batch["image"]
+        assert image.is_cuda and not on_host.is_cuda and torch.equal(on_host, host["image"])
+        assert not batch["label"]["on_host"].is_cuda
+        assert torch.equal(batch["label"]["twice"].cpu(), host["label"] * 2)
+
+
+@needs_cuda
+def test_a_failed_pin_says_what_to_do_and_leaves_no_cuda_error_behind():
+    ring = StagingRing(max_slots=1, pinned=True)
+    with pytest.raises(RuntimeError, match="ulimit -l"):
+        ring.acquire(1 << 50)  # a petabyte: the runtime refuses at once
+    assert ring.stats().slots == 0
+    # Left set, the runtime's error would surface at the next launch check anywhere: our kernel's here.
+    Normalize((0.5,) * 3, (0.5,) * 3)(torch.zeros(1, 3, 4, 4, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+
+
+needs_two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+ON_THE_SECOND_GPU = """
+import torch
+from torch.utils.data import DataLoader
+from fastcollate import DeviceLoader, assemble
+from tests.worker_datasets import Records
+for batch in DeviceLoader(DataLoader(Records(64), batch_size=8, collate_fn=assemble), device="cuda:1"):
+    assert batch["image"].device == torch.device("cuda:1")
+torch.cuda.synchronize(1)
+print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0))
+"""
+
+
+@needs_cuda
+@needs_two_gpus
+def test_on_the_second_gpu_no_context_is_made_on_the_first():
+    # The pinned slots are allocated, and the copy events made, with cuda:1 current: without that the
+    # events fail on cuda:1's stream and a context (about 0.5 GB) appears on GPU 0.
+    done = subprocess.run([sys.executable, "-c", ON_THE_SECOND_GPU], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "context on GPU 0: False" in done.stdout

@@ -1,12 +1,14 @@
 """The main-process staging ring: slots reused when free, never while a batch still uses them, bounded."""
 
 import gc
+import threading
+import time
 import warnings
 
 import pytest
 import torch
 
-from fastcollate import StagingRing, assemble
+from fastcollate import _C, StagingRing, assemble
 
 
 def images(n=8, value=0):
@@ -83,3 +85,63 @@ def test_bad_ring_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="pinned"):
             StagingRing(pinned=True)
+
+
+# ---- Slots held by an unfinished copy (a CompletionFlag stands in for a CUDA event) ----------------
+
+
+def test_a_slot_counts_as_in_use_only_while_its_copy_is_unfinished():
+    ring = StagingRing(max_slots=1)
+    buffer = ring.acquire(4096)
+    copy = _C.CompletionFlag()
+    assert ring.hold_until_flag(buffer, copy)
+    del buffer
+    assert ring.stats().in_use == 1  # nothing references it, but the copy still reads it
+    copy.set()
+    assert ring.stats().in_use == 0  # done: asked, not assumed from the copy having been recorded
+
+
+def test_acquire_waits_for_the_unfinished_copy_of_the_only_slot():
+    ring = StagingRing(max_slots=1)
+    first = ring.acquire(4096)
+    first.fill_(7)
+    copy = _C.CompletionFlag()
+    ring.hold_until_flag(first, copy)
+    del first
+    finisher = threading.Timer(0.2, copy.set)
+    finisher.start()
+    started = time.monotonic()
+    second = ring.acquire(4096)  # the only slot: wait for its copy, not hand it out or allocate
+    waited = time.monotonic() - started
+    finisher.join()
+    assert copy.is_set() and waited >= 0.15
+    stats = ring.stats()
+    assert stats.waits_for_copies == 1 and stats.overflow_allocations == 0 and stats.slots == 1
+    assert second.numel() == 4096
+
+
+def test_a_buffer_outside_the_ring_cannot_be_held():
+    ring = StagingRing(max_slots=1)
+    assert not ring.hold_until_flag(torch.zeros(16, dtype=torch.uint8), _C.CompletionFlag())
+
+
+def test_batches_of_creeping_size_regrow_a_slot_rarely_and_within_headroom():
+    ring = StagingRing(max_slots=1)
+    sizes = [100_000 + 1_000 * i for i in range(50)]  # padded batches growing by 1% at a time
+    for size in sizes:
+        ring.acquire(size)
+    stats = ring.stats()
+    # 1/16 headroom per regrowth: at most log(1.49)/log(1.0625) ~ 6.6 regrowths (exact sizing made 49).
+    assert 1 <= stats.regrowths <= 8 and stats.slot_allocations == stats.regrowths + 1
+    assert max(sizes) <= stats.bytes_held <= max(sizes) * 17 // 16 + 64
+
+
+def test_a_short_batch_gets_a_slot_sized_for_the_full_ones():
+    ring = StagingRing(max_slots=2)
+    full = ring.acquire(50_000)
+    short = ring.acquire(1_000)  # the last batch of an epoch, while a full one is still held
+    del full, short
+    both = [ring.acquire(50_000), ring.acquire(50_000)]  # the next epoch's first two batches
+    stats = ring.stats()
+    assert len(both) == 2 and stats.slot_allocations == 2 and stats.regrowths == 0
+    assert stats.bytes_held == 2 * 50_048  # each aligned, none rounded to a power of two

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from fastcollate import Contract, ContractError, Field, assemble
+from fastcollate import Contract, ContractError, assemble
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import BadFourth, Records
 

@@ -1,9 +1,11 @@
 // Page-locked host memory for the staging ring, from the CUDA runtime. Only this file and the .cu files
 // talk to CUDA directly, so the CPU build needs no toolkit.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <optional>
 #include <type_traits>
 
 #include "host_ring.h"
@@ -16,16 +18,29 @@ void free_pinned(void* ptr) {
   cudaFreeHost(ptr);
 }
 
+// The device to make current for a runtime call (an OptionalCUDAGuard restores the previous one), so
+// that the call creates no context on GPU 0 for a process that works on another GPU; -1: the current.
+std::optional<c10::DeviceIndex> device_or_current(int64_t device) {
+  return device < 0 ? std::nullopt : std::optional<c10::DeviceIndex>(static_cast<c10::DeviceIndex>(device));
+}
+
 }  // namespace
 
-at::DataPtr allocate_host_memory(size_t bytes, bool pinned) {
+at::DataPtr allocate_host_memory(size_t bytes, bool pinned, int64_t device) {
   if (!pinned) {
     return allocate_aligned_host_memory(bytes);
   }
+  const c10::cuda::OptionalCUDAGuard guard(device_or_current(device));
   void* ptr = nullptr;
   const cudaError_t status = cudaHostAlloc(&ptr, std::max<size_t>(bytes, 1), cudaHostAllocDefault);
-  TORCH_CHECK(status == cudaSuccess, "fastcollate: cudaHostAlloc of ", bytes, " bytes failed: ",
-              cudaGetErrorString(status));
+  if (status != cudaSuccess) {
+    // Read the error back: left set, it would surface as a stale failure at the next kernel launch
+    // check anywhere in the process.
+    cudaGetLastError();
+    TORCH_CHECK(false, "fastcollate: pinning ", bytes, " bytes of host memory failed (", cudaGetErrorString(status),
+                "). Pinned memory is limited by RAM and the memlock limit (ulimit -l); lower DeviceLoader's depth "
+                "or the batch size, or free pinned memory held elsewhere (e.g. DataLoader(pin_memory=True)).");
+  }
   return at::DataPtr(ptr, ptr, &free_pinned, at::Device(at::kCPU));
 }
 
@@ -38,7 +53,9 @@ bool pinned_memory_available() {
   return count > 0;
 }
 
-PendingCopy record_on_stream(int64_t stream) {
+PendingCopy record_on_stream(int64_t stream, int64_t device) {
+  // An event must be made and recorded on its stream's device.
+  const c10::cuda::OptionalCUDAGuard guard(device_or_current(device));
   cudaEvent_t raw = nullptr;
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
   std::shared_ptr<std::remove_pointer_t<cudaEvent_t>> event(raw, [](cudaEvent_t e) { cudaEventDestroy(e); });
@@ -55,6 +72,10 @@ PendingCopy record_on_stream(int64_t stream) {
       },
       // Runs from the ring's destructor, possibly at exit: it must not throw.
       [event] { cudaEventSynchronize(event.get()); }};
+}
+
+int64_t built_cuda_version() {
+  return CUDART_VERSION;
 }
 
 }  // namespace fastcollate

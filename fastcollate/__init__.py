@@ -4,8 +4,8 @@
     loader = DataLoader(dataset, batch_size=256, collate_fn=assemble)
 """
 
+from ._ext import _C  # noqa: F401, I001  (first: a missing build says how to fix it)
 from . import audit
-from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
 from .contract import Contract, Field

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -65,6 +66,10 @@ def settled(before: dict, seconds: float = 20.0, targets: dict | None = None) ->
     deadline = time.monotonic() + seconds
     while True:
         gc.collect()
+        # Reaps workers that have exited, as multiprocessing does anyway when it next starts a process.
+        # torch >= 2.14 joins a worker it had to terminate; torch 2.11 leaves it a zombie, its sentinel
+        # and pipe descriptors open, until then. What torch guarantees on both is that it ends them.
+        multiprocessing.active_children()
         now = snapshot()
         extra = now["fds"] - before["fds"]
         if extra > 0 and targets is not None:

@@ -169,10 +169,10 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
     overflowed = true;
     return allocate(align_up(std::max<size_t>(wanted, 1)));  // not kept: sized to this batch alone
   }
-  largest_request_ = std::max(largest_request_, wanted);
   const bool growing = largest_free != nullptr;
   const size_t capacity = capacity_for(wanted, growing);
   at::Storage storage = allocate(capacity);  // first: a failed allocation leaves the ring as it was
+  largest_request_ = std::max(largest_request_, wanted);
   if (!growing) {
     slots_.push_back(Slot{});
     largest_free = &slots_.back();

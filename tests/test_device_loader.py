@@ -353,6 +353,7 @@ def test_a_failed_pin_says_what_to_do_and_leaves_no_cuda_error_behind():
     with pytest.raises(RuntimeError, match="ulimit -l"):
         ring.acquire(1 << 50)  # a petabyte: the runtime refuses at once
     assert ring.stats().slots == 0
+    assert ring.acquire(1 << 20).numel() == 1 << 20  # the refused size is not what later slots get
     # Left set, the runtime's error would surface at the next launch check anywhere: our kernel's here.
     Normalize((0.5,) * 3, (0.5,) * 3)(torch.zeros(1, 3, 4, 4, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()

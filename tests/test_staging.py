@@ -145,3 +145,12 @@ def test_a_short_batch_gets_a_slot_sized_for_the_full_ones():
     stats = ring.stats()
     assert len(both) == 2 and stats.slot_allocations == 2 and stats.regrowths == 0
     assert stats.bytes_held == 2 * 50_048  # each aligned, none rounded to a power of two
+
+
+def test_a_refused_allocation_leaves_the_ring_as_it_was():
+    ring = StagingRing(max_slots=2)
+    with pytest.raises(RuntimeError, match="out of host memory"):
+        ring.acquire(1 << 50)  # a petabyte: past any address space, refused at once
+    assert ring.stats().slots == 0
+    ring.acquire(4096)  # sized to what it asks, not to the refused request
+    assert ring.stats().bytes_held == 4096 and ring.stats().slots == 1

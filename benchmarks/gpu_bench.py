@@ -11,7 +11,8 @@ Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 25
 - the time of DeviceLoader's Normalize on one batch, beside the copy's (both on the copy stream).
 Every repetition's values are kept under "runs"; tables show medians. The JSON is written after every
 configuration, and a configuration that fails is recorded there while the others still run.
-Without a GPU it runs the same loops on the CPU with tiny sizes (to check the script end to end) and reports the GPU figures as null.
+Without a GPU it runs the same loops on the CPU with tiny sizes (to check the script end to end) and
+reports the GPU figures as null.
 """
 
 from __future__ import annotations
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     size, batch_size = (32, 16) if quick else (224, 256)
     steps, warmup, repeat = (4, 2, 1) if quick else (30, 5, args.repeat)
     workers = [w for w in args.workers if w <= (os.cpu_count() or 1)]
+    if not workers:
+        parser.error(f"no worker count in {args.workers} fits this machine's {os.cpu_count()} CPUs")
     dataset = Images(n=batch_size * (steps + warmup + 2), size=size)
     batch_bytes = batch_size * 3 * size * size + 2 * batch_size * 8
     torch.backends.cudnn.benchmark = True
@@ -274,11 +277,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name if gpu else 'cpu (no GPU: tiny sizes, GPU figures null)'}")
     print(f"batch {batch_size} x uint8 3x{size}x{size}; {steps} timed steps after {warmup} warm-up; {repeat} repetitions")
 
+    reference_errors: dict[str, str] = {}
+
+    def reference(name: str, measure, default):
+        """A reference measurement; a failure is recorded (and written) instead of ending the run."""
+        try:
+            return measure()
+        except Exception as error:  # noqa: BLE001  (recorded in the JSON)
+            reference_errors[name] = f"{type(error).__name__}: {error}"
+            print(f"  {name}: FAILED {reference_errors[name]}")
+            return default
+
     with torch.inference_mode():
         # The references first: cheap, and the ratios need them whatever happens later.
-        bare = bare_pinned_copy_gbps(batch_bytes, device) if gpu else []
-        compute = {loop: compute_ms(model, batch_size, size, device) for loop, model in models.items()}
-        normalize = normalize_ms(batch_size, size, device)
+        bare = []
+        if gpu:
+            bare = reference("bare_pinned_copy", lambda: bare_pinned_copy_gbps(batch_bytes, device), [])
+        compute = {loop: reference(f"compute_{loop}", lambda m=model: compute_ms(m, batch_size, size, device), [])
+                   for loop, model in models.items()}
+        normalize = reference("normalize", lambda: normalize_ms(batch_size, size, device), [])
 
         def write() -> dict:
             result = {
@@ -295,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 **summarize(runs, bare, compute, normalize, workers, batch_bytes, gpu),
                 "targets": TARGETS,
                 "runs": runs,
+                "reference_errors": reference_errors,
                 "skipped_for_time": skipped,
                 "bare_pinned_copy_gbps_runs": bare,
                 "compute_ms_runs": compute,
@@ -303,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(result, indent=2))
             return result
 
+        write()  # the references alone, before any configuration runs
         for repetition in range(repeat):
             for loop, model in models.items():
                 for w in workers:
@@ -335,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"  {len(skipped)} configurations skipped: past the time budget of {args.time_budget} s")
     print(f"wrote {path}")
-    return 1 if result["failed_configurations"] else 0
+    return 1 if result["failed_configurations"] or reference_errors else 0
 
 
 if __name__ == "__main__":

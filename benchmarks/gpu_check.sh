@@ -16,6 +16,7 @@ OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/check.log") 2>&1
+tee_pid=$!
 export PYTHONUNBUFFERED=1
 
 # Per-step budgets in seconds; they add up to CHECK_BUDGET_S.
@@ -91,10 +92,21 @@ else
       --error-exitcode 99 --target-processes all "$PY" -m pytest $short -q -m needs_cuda -p no:cacheprovider \
       >> "$OUT/sanitizers.log" 2>&1
     code=$?
-    echo "$tool: exit $code; $(grep -E 'ERROR SUMMARY' "$OUT/sanitizers.log" | tail -1)"
-    [ "$code" = 0 ] || fail "compute-sanitizer $tool (exit $code)"
+    summary=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizers.log" | tail -1)
+    reported=$(sed -n "/^--- $tool\$/,\$p" "$OUT/sanitizers.log" | grep -cE '^========= (Invalid|Race|Barrier|Uninitialized|Error|Program hit)')
+    if [ "$code" = 0 ]; then
+      echo "$tool: clean; $summary"
+    elif grep -qiE "device not supported|not supported on this" "$OUT/sanitizers.log"; then
+      echo "$tool: compute-sanitizer does not support this machine's GPU runtime: not checked"
+    elif [ "$code" = 124 ] && [ "$reported" = 0 ]; then
+      echo "$tool: timed out after its budget: not checked to the end (no error reported before)"
+    else
+      fail "compute-sanitizer $tool (exit $code; $summary)"
+    fi
   done
 fi
 
 echo; echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $((SECONDS - started)) s ($(date +%T))"
+exec >&- 2>&-
+wait "$tee_pid"  # check.log holds the last line too
 exit $status

@@ -14,6 +14,14 @@ void free_aligned(void* ptr) {
   std::free(ptr);
 }
 
+// The deleter of a storage lent over a slot: the slot is free again (its memory stays, kept by the ring,
+// or freed here if the ring is already gone).
+void return_slot(void* context) {
+  auto* memory = static_cast<std::shared_ptr<SlotMemory>*>(context);
+  (*memory)->lent.store(false, std::memory_order_release);
+  delete memory;
+}
+
 at::Tensor bytes_view(const at::Storage& storage, int64_t nbytes) {
   at::Tensor view = at::empty({0}, at::TensorOptions().dtype(at::kByte));
   view.set_(storage, /*storage_offset=*/0, {nbytes}, {1});
@@ -93,7 +101,7 @@ HostRing::~HostRing() {
 }
 
 bool HostRing::is_free(Slot& slot) const {
-  if (slot.storage.use_count() != 1) {
+  if (slot.memory->lent.load(std::memory_order_acquire)) {
     return false;
   }
   if (slot.pending.done) {
@@ -108,6 +116,25 @@ bool HostRing::is_free(Slot& slot) const {
 at::Storage HostRing::allocate(size_t bytes) {
   return at::Storage(at::Storage::use_byte_size_t(), bytes, allocate_host_memory(bytes, pinned_, device_),
                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+at::Storage HostRing::lend(Slot& slot) {
+  SlotMemory& memory = *slot.memory;
+  auto context = std::make_unique<std::shared_ptr<SlotMemory>>(slot.memory);
+  at::DataPtr data(memory.memory.get(), context.get(), &return_slot, at::Device(at::kCPU));
+  context.release();  // the DataPtr's deleter owns it now
+  memory.lent.store(true, std::memory_order_release);
+  return at::Storage(at::Storage::use_byte_size_t(), memory.capacity, std::move(data), /*allocator=*/nullptr,
+                     /*resizable=*/false);
+}
+
+int64_t HostRing::slot_index(const at::Storage& storage) const {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (storage.data() == slots_[i].memory->memory.get()) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
 }
 
 size_t HostRing::capacity_for(size_t wanted, bool growing) const {
@@ -143,22 +170,23 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
     if (!is_free(slot)) {
       continue;
     }
-    if (slot.capacity >= wanted && (best == nullptr || slot.capacity < best->capacity)) {
+    const size_t capacity = slot.memory->capacity;
+    if (capacity >= wanted && (best == nullptr || capacity < best->memory->capacity)) {
       best = &slot;
     }
-    if (largest_free == nullptr || slot.capacity > largest_free->capacity) {
+    if (largest_free == nullptr || capacity > largest_free->memory->capacity) {
       largest_free = &slot;
     }
   }
   if (best != nullptr) {
     counters_.reuses += 1;
-    return best->storage;
+    return lend(*best);
   }
   if (largest_free == nullptr && static_cast<int64_t>(slots_.size()) >= max_slots_) {
     // A slot that only a device copy still reads will be free shortly: waiting for that copy beats
     // allocating (pinned allocation is slow) and cannot deadlock, the copy is already queued.
     for (auto& slot : slots_) {
-      if (slot.storage.use_count() == 1 && slot.pending.wait) {
+      if (!slot.memory->lent.load(std::memory_order_acquire) && slot.pending.wait) {
         slot.pending.wait();
         slot.pending = PendingCopy{};
         counters_.waits_for_copies += 1;
@@ -171,28 +199,28 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
   }
   const bool growing = largest_free != nullptr;
   const size_t capacity = capacity_for(wanted, growing);
-  at::Storage storage = allocate(capacity);  // first: a failed allocation leaves the ring as it was
+  auto memory = std::make_shared<SlotMemory>();
+  memory->memory = allocate_host_memory(capacity, pinned_, device_);  // first: a failure leaves the ring as it was
+  memory->capacity = capacity;
   largest_request_ = std::max(largest_request_, wanted);
   if (!growing) {
     slots_.push_back(Slot{});
     largest_free = &slots_.back();
   }
-  largest_free->storage = std::move(storage);  // a grown slot's old block is freed here
-  largest_free->capacity = capacity;
+  largest_free->memory = std::move(memory);  // a grown slot's old block is freed here (nothing uses it)
   counters_.slot_allocations += 1;
   counters_.regrowths += growing ? 1 : 0;
-  return largest_free->storage;
+  return lend(*largest_free);
 }
 
 bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& slot : slots_) {
-    if (slot.storage.is_alias_of(buffer.storage())) {
-      slot.pending = std::move(copy);
-      return true;
-    }
+  const int64_t index = buffer.has_storage() ? slot_index(buffer.storage()) : -1;
+  if (index < 0) {
+    return false;
   }
-  return false;
+  slots_[static_cast<size_t>(index)].pending = std::move(copy);
+  return true;
 }
 
 std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at::Tensor>& tensors) {
@@ -224,12 +252,7 @@ std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at:
 
 bool HostRing::owns(const at::Tensor& tensor) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& slot : slots_) {
-    if (tensor.has_storage() && slot.storage.is_alias_of(tensor.storage())) {
-      return true;
-    }
-  }
-  return false;
+  return tensor.has_storage() && slot_index(tensor.storage()) >= 0;
 }
 
 int64_t HostRing::trim() {
@@ -238,7 +261,7 @@ int64_t HostRing::trim() {
   std::vector<Slot> kept;
   for (auto& slot : slots_) {
     if (is_free(slot)) {
-      freed += static_cast<int64_t>(slot.capacity);
+      freed += static_cast<int64_t>(slot.memory->capacity);
     } else {
       kept.push_back(std::move(slot));
     }
@@ -254,9 +277,9 @@ RingStats HostRing::stats() const {
   out.bytes_held = 0;
   out.in_use = 0;
   for (const auto& slot : slots_) {
-    out.bytes_held += static_cast<int64_t>(slot.capacity);
+    out.bytes_held += static_cast<int64_t>(slot.memory->capacity);
     const bool copy_running = slot.pending.done && !slot.pending.done();
-    out.in_use += (slot.storage.use_count() != 1 || copy_running) ? 1 : 0;
+    out.in_use += (slot.memory->lent.load(std::memory_order_acquire) || copy_running) ? 1 : 0;
   }
   return out;
 }

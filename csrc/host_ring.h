@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <condition_variable>
@@ -54,6 +55,16 @@ class CompletionFlag {
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
+// A slot's memory. It outlives the ring while a batch still uses it, and each storage lent over it marks
+// it unused when that storage dies. (Counting references to one long-lived storage instead cannot work:
+// since torch 2.10 a storage's Python wrapper, made by `tensor.untyped_storage()`, is kept alive by any
+// other C++ reference to the storage, the ring's own included, so the count never fell back to one.)
+struct SlotMemory {
+  at::DataPtr memory;
+  size_t capacity = 0;
+  std::atomic<bool> lent{false};  // a storage over it is alive
+};
+
 class HostRing {
  public:
   // `pinned`: page-locked memory from the CUDA runtime (needs a CUDA build and a driver), allocated with
@@ -84,11 +95,12 @@ class HostRing {
 
  private:
   struct Slot {
-    at::Storage storage;
-    size_t capacity = 0;
+    std::shared_ptr<SlotMemory> memory;
     PendingCopy pending;  // empty functions when no copy is reading the slot
   };
   bool is_free(Slot& slot) const;
+  at::Storage lend(Slot& slot);
+  int64_t slot_index(const at::Storage& storage) const;  // -1: not one of the ring's slots
   at::Storage acquire_locked(int64_t nbytes, bool& overflowed);
   at::Storage allocate(size_t bytes);
   size_t capacity_for(size_t wanted, bool growing) const;

@@ -154,3 +154,25 @@ def test_a_refused_allocation_leaves_the_ring_as_it_was():
     assert ring.stats().slots == 0
     ring.acquire(4096)  # sized to what it asks, not to the refused request
     assert ring.stats().bytes_held == 4096 and ring.stats().slots == 1
+
+
+def test_a_slot_whose_storage_python_has_seen_is_still_reused():
+    # Since torch 2.10 a storage's Python wrapper lives as long as any C++ reference to the storage:
+    # a ring that counted references to one long-lived storage per slot never saw it free again.
+    ring = StagingRing(max_slots=1)
+    batch = assemble.using(ring=ring)(images())
+    storage = batch["x"].untyped_storage()  # as DeviceLoader, pickling or a user's code would
+    del storage, batch
+    assert ring.stats().in_use == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fresh buffer: the slot is reused
+        assemble.using(ring=ring)(images())
+    assert ring.stats().reuses == 1 and ring.stats().overflow_allocations == 0
+
+
+def test_a_batch_outlives_its_ring():
+    ring = StagingRing(max_slots=1)
+    batch = assemble.using(ring=ring)(images(value=3))
+    del ring
+    gc.collect()
+    assert batch["x"][1, 0, 0, 0].item() == 4  # the slot's memory lives as long as the batch

@@ -77,8 +77,8 @@ class HostRing {
   // A 1-D uint8 tensor of exactly `nbytes` over a free slot (reused, grown, or new), or over a fresh
   // buffer outside the ring when all `max_slots` are busy; and whether it is such a fresh buffer.
   std::pair<at::Tensor, bool> acquire(int64_t nbytes);
-  // The same, as the slot's storage (at least `nbytes` long, data at offset 0); `overflowed` says whether
-  // it is a fresh buffer past the bound.
+  // The same, as a storage lent over the slot (at least `nbytes` long, data at offset 0; the slot is free
+  // again when it dies); `overflowed` says whether it is a fresh buffer past the bound.
   at::Storage acquire_storage(int64_t nbytes, bool& overflowed);
   // Marks the slot under `buffer` busy until `copy.done()` (a CUDA copy still reading it). Returns false
   // for a buffer outside the ring (an overflow one): its owner must keep it alive through the copy.

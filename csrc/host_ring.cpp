@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "copy_kernels.h"
+#include "shared_slots.h"
 
 namespace fastcollate {
 
@@ -56,6 +57,12 @@ PendingCopy record_on_stream(int64_t, int64_t) {
 int64_t built_cuda_version() {
   return 0;
 }
+
+void register_host_memory(void*, size_t, int64_t) {
+  TORCH_CHECK(false, "fastcollate was built without CUDA: shared slots cannot be page-locked");
+}
+
+void unregister_host_memory(void*) {}
 #endif
 
 void CompletionFlag::set() {

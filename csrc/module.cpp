@@ -4,6 +4,7 @@
 
 #include "batch_plan.h"
 #include "host_ring.h"
+#include "shared_slots.h"
 
 namespace py = pybind11;
 
@@ -22,6 +23,7 @@ PYBIND11_MODULE(_C, m) {
         "True when this build can pin memory and a CUDA device is present");
   m.attr("built_cuda_version") = fastcollate::built_cuda_version();
   fastcollate::bind_batch_plan(m);
+  fastcollate::bind_shared_slots(m);
 
   py::class_<fastcollate::RingStats>(m, "RingStats")
       .def_readonly("slots", &fastcollate::RingStats::slots)

@@ -2,8 +2,9 @@
 and field, and, configured with a Contract, a checked one.
 
 The batch is walked and checked once in C++ (no Python per sample), then copied into one buffer with
-the GIL released: shared memory inside a DataLoader worker (so the batch reaches the main process with
-no further copy, as with default_collate), a reusable staging-ring slot in the main process.
+the GIL released: in the main process a reusable staging-ring slot; inside a DataLoader worker a slot
+shared with the main process (fastcollate.worker_slots), which reaches it with no copy and no new
+mapping, or fresh shared memory when no slot is free.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.utils.data import get_worker_info
 
 from ._ext import _C
 from .contract import Contract
+from . import worker_slots
 from .errors import ContractEmptyError
 from .staging import StagingRing, main_process_ring
 
@@ -36,23 +38,62 @@ class Assembler:
         id_key: the mapping key (or attribute) holding each sample's id, to name samples in errors.
             Defaults to the contract's id field, else ``"id"``.
         ring: the main-process staging ring; None for this process's default one.
+        shared_slots: DataLoader workers write batches into slots shared with the main process (no copy,
+            no new mapping per batch); False, or ``FASTCOLLATE_SHARED_SLOTS=0``, gives each batch fresh
+            shared memory instead, as default_collate does.
+        max_shared_slots: the most slots the workers use at once; None for
+            ``2 x num_workers + 4`` (DataLoader's default prefetch_factor, DeviceLoader's default depth and
+            two batches the consumer holds). Past it a batch gets fresh shared memory, with one warning.
 
-    Instances are picklable (they cross to spawned workers); the compiled state is rebuilt there.
+    Instances are picklable (they cross to spawned workers, with the shared slots' descriptor); the
+    compiled state is rebuilt there.
     """
 
     def __init__(
-        self, contract: Contract | None = None, *, id_key: str | None = None, ring: StagingRing | None = None
+        self,
+        contract: Contract | None = None,
+        *,
+        id_key: str | None = None,
+        ring: StagingRing | None = None,
+        shared_slots: bool = True,
+        max_shared_slots: int | None = None,
     ) -> None:
+        if max_shared_slots is not None and max_shared_slots < 1:
+            raise ValueError(f"Assembler: max_shared_slots must be >= 1 or None, got {max_shared_slots}")
         self.contract = contract
         self.id_key = id_key or (contract.id if contract is not None and contract.id else "id")
         self.ring = ring
+        self.shared_slots = shared_slots
+        self.max_shared_slots = max_shared_slots
         self._collator = None
+        self._slots: worker_slots.SlotPool | None = None
+        worker_slots.track(self)
 
     def using(
-        self, contract: Contract | None = None, *, id_key: str | None = None, ring: StagingRing | None = None
+        self,
+        contract: Contract | None = None,
+        *,
+        id_key: str | None = None,
+        ring: StagingRing | None = None,
+        shared_slots: bool = True,
+        max_shared_slots: int | None = None,
     ) -> Assembler:
         """A collate function that enforces ``contract`` (and/or reads ids from ``id_key``)."""
-        return Assembler(contract, id_key=id_key, ring=ring)
+        return Assembler(contract, id_key=id_key, ring=ring, shared_slots=shared_slots,
+                         max_shared_slots=max_shared_slots)
+
+    def prepare_shared_slots(self) -> worker_slots.SlotPool | None:
+        """Makes (or keeps) the pool of slots this process's workers write into; None when switched off.
+        Runs when workers start: before a fork, and when pickled for a spawned worker."""
+        if not worker_slots.slots_switched_on(self.shared_slots):
+            return None
+        capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
+        self._slots = worker_slots.for_workers(self._slots, capacity)
+        return self._slots
+
+    def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:
+        """The state of the slots shared with this process's workers; None before any worker started."""
+        return self._slots.stats() if self._slots is not None and self._slots.owned_here() else None
 
     def __call__(self, batch: Sequence[Any]) -> Any:
         if len(batch) == 0:
@@ -66,19 +107,42 @@ class Assembler:
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
         if get_worker_info() is not None:
             plan = self._collator.plan(batch)
-            return plan.execute(_shared_memory_buffer(plan.nbytes))
+            return plan.execute(self._worker_buffer(plan.nbytes))
         ring = self.ring or main_process_ring()  # DeviceLoader's, if active
         out, overflowed = self._collator.assemble_into(batch, ring._native)
         if overflowed:
             ring.warn_overflow()
         return out
 
+    def _worker_buffer(self, nbytes: int) -> torch.Tensor:
+        slots = self._slots
+        if (
+            slots is not None
+            and worker_slots.slots_switched_on(self.shared_slots)
+            and slots.serves_this_worker()
+            and worker_slots.install_reducer()
+        ):
+            buffer = slots.claim(nbytes, self.max_shared_slots)
+            if buffer is not None:
+                return buffer
+        return _shared_memory_buffer(nbytes)
+
     def __getstate__(self) -> dict:
-        # The compiled collator is per process; a ring is bound to this process's memory.
-        return {"contract": self.contract, "id_key": self.id_key}
+        # The compiled collator is per process; a ring is bound to this process's memory. A worker being
+        # started gets the shared slots' descriptor.
+        state = {"contract": self.contract, "id_key": self.id_key, "shared_slots": self.shared_slots,
+                 "max_shared_slots": self.max_shared_slots}
+        if worker_slots.being_spawned() and get_worker_info() is None:
+            slots = self.prepare_shared_slots()
+            if slots is not None:
+                state["slots"] = slots.handle_for_child()
+        return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["contract"], id_key=state["id_key"])
+        self.__init__(state["contract"], id_key=state["id_key"], shared_slots=state.get("shared_slots", True),
+                      max_shared_slots=state.get("max_shared_slots"))
+        if "slots" in state:
+            self._slots = worker_slots.SlotPool.attach(state["slots"])
 
     def __repr__(self) -> str:
         what = "drop-in" if self.contract is None else f"{len(self.contract.fields)}-field contract"

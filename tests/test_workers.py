@@ -1,5 +1,5 @@
-"""assemble inside DataLoader workers (fork and spawn): shared memory, identical batches, named errors;
-and the copy releasing the GIL."""
+"""assemble inside DataLoader workers (fork and spawn): shared slots or fresh shared memory, identical
+batches, named errors; and the copy releasing the GIL."""
 
 import subprocess
 import sys
@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Contract, ContractError, assemble
+from fastcollate._ext import _C
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import BadFourth, Records
 
@@ -21,16 +22,20 @@ def batches(collate, workers, context=None):
     return [batch for batch in loader]
 
 
+@pytest.mark.parametrize("shared_slots", [True, False])
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_workers_give_the_same_batches_as_the_main_process_and_as_default_collate(context):
+def test_workers_give_the_same_batches_as_the_main_process_and_as_default_collate(context, shared_slots):
     reference = batches(default_collate, 0)
     in_main = batches(assemble, 0)
-    in_workers = batches(assemble, 2, context)
+    in_workers = batches(assemble.using(shared_slots=shared_slots), 2, context)
     assert len(reference) == len(in_main) == len(in_workers) == 5
     for expected, a, b in zip(reference, in_main, in_workers):
         assert_same(a, expected)
         assert_same(b, expected)
-    assert in_workers[0]["image"].is_shared()  # built in shared memory, as default_collate does
+    if shared_slots:  # received over a slot the worker wrote into
+        assert all(_C.shared_slot_kind(batch["image"]) == 2 for batch in in_workers)
+    else:  # built in fresh shared memory, as default_collate does
+        assert in_workers[0]["image"].is_shared() and _C.shared_slot_kind(in_workers[0]["image"]) == 0
 
 
 def test_a_contract_assembler_works_in_spawned_workers():

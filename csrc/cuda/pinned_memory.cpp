@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "host_ring.h"
+#include "shared_slots.h"
 
 namespace fastcollate {
 
@@ -72,6 +73,24 @@ PendingCopy record_on_stream(int64_t stream, int64_t device) {
       },
       // Runs from the ring's destructor, possibly at exit: it must not throw.
       [event] { cudaEventSynchronize(event.get()); }};
+}
+
+void register_host_memory(void* ptr, size_t bytes, int64_t device) {
+  const c10::cuda::OptionalCUDAGuard guard(device_or_current(device));
+  // Portable: pinned for every device's context, whichever GPU the copy is made to.
+  const cudaError_t status = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // read back, so it does not surface at the next kernel launch check
+    TORCH_CHECK(false, "fastcollate: page-locking a shared slot of ", bytes, " bytes failed (",
+                cudaGetErrorString(status), "). Pinned memory is limited by RAM and the memlock limit (ulimit -l); "
+                "lower max_shared_slots or the batch size, or set FASTCOLLATE_SHARED_SLOTS=0.");
+  }
+}
+
+void unregister_host_memory(void* ptr) {
+  if (cudaHostUnregister(ptr) != cudaSuccess) {
+    cudaGetLastError();  // at exit the runtime may be gone already; nothing to do then
+  }
 }
 
 int64_t built_cuda_version() {

@@ -1,0 +1,591 @@
+#include "shared_slots.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <random>
+#include <sstream>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it and the pages fault in as written
+#endif
+
+namespace fastcollate {
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr uint64_t kMagic = 0x73746f6c73636621ULL;  // "!fcslots"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kPage = 4096;
+// Address space, not memory: the file is sparse, so a slot costs only the pages its batches wrote. It
+// bounds one batch (a larger one takes the fresh-shared-memory path) and lets a slot grow in place.
+constexpr uint64_t kRegionBytes = uint64_t{1} << 38;  // 256 GiB
+constexpr size_t kSlotsOffset = 128;
+
+enum State : uint64_t { kFree = 0, kWriting = 1, kDelivered = 2, kLent = 3 };
+constexpr uint64_t kStateMask = 3;
+constexpr uint64_t kWriterHolds = 4;
+constexpr uint64_t kPidMask = (uint64_t{1} << 29) - 1;
+
+State state_of(uint64_t word) {
+  return static_cast<State>(word & kStateMask);
+}
+bool writer_holds(uint64_t word) {
+  return (word & kWriterHolds) != 0;
+}
+int64_t pid_of(uint64_t word) {
+  return static_cast<int64_t>((word >> 3) & kPidMask);
+}
+uint32_t seq_of(uint64_t word) {
+  return static_cast<uint32_t>(word >> 32);
+}
+uint64_t make_word(State state, bool holds, int64_t pid, uint32_t seq) {
+  return (uint64_t{seq} << 32) | ((static_cast<uint64_t>(pid) & kPidMask) << 3) | (holds ? kWriterHolds : 0) |
+         static_cast<uint64_t>(state);
+}
+uint64_t with_state(uint64_t word, State state) {
+  return (word & ~kStateMask) | static_cast<uint64_t>(state);
+}
+
+size_t round_up_page(size_t bytes) {
+  return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+}
+
+// A writer that is gone: no such process, or a zombie not yet reaped by its parent.
+bool process_is_gone(int64_t pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) {
+    return errno == ESRCH;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos || close + 2 >= text.size()) {
+    return false;
+  }
+  const char state = text[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+std::string describe_word(uint64_t word) {
+  std::ostringstream out;
+  switch (state_of(word)) {
+    case kFree:
+      out << "is free";
+      break;
+    case kWriting:
+      out << "is being written by pid " << pid_of(word);
+      break;
+    case kDelivered:
+      out << "holds a batch sent by pid " << pid_of(word) << " and not yet received";
+      break;
+    case kLent:
+      out << "holds a batch this process received";
+      break;
+  }
+  out << " (batch #" << seq_of(word) << ")";
+  return out.str();
+}
+
+at::Tensor bytes_over(at::Storage storage, int64_t nbytes) {
+  at::Tensor view = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  view.set_(std::move(storage), /*storage_offset=*/0, {nbytes}, {1});
+  return view;
+}
+
+}  // namespace
+
+struct SharedSlots::Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t capacity;
+  uint64_t region_bytes;
+  int64_t token;
+  int64_t owner_pid;
+  std::atomic<int64_t> claims;
+  std::atomic<int64_t> fresh_fallbacks;
+  std::atomic<int64_t> reclaimed;
+
+  struct Slot {
+    std::atomic<uint64_t> word;        // see shared_slots.h
+    std::atomic<uint64_t> high_water;  // the largest batch written (page-rounded): the memory it holds
+  };
+  Slot& slot(int64_t index) {
+    return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + kSlotsOffset)[index];
+  }
+};
+static_assert(sizeof(SharedSlots::Header) <= kSlotsOffset, "the slot table starts after the header");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are shared between processes");
+
+// One process's mapping of a slot's region; unmapped (and unregistered) when the last batch over it dies.
+struct SharedSlots::Mapping {
+  void* base = nullptr;
+  size_t length = 0;
+  pid_t pid = 0;  // a forked child inherits the mapping but not the CUDA registration
+  bool registered = false;
+  ~Mapping() {
+    if (registered && ::getpid() == pid) {
+      unregister_host_memory(base);
+    }
+    ::munmap(base, length);
+  }
+};
+
+namespace {
+
+// The context of a storage lent over a slot: one batch, in the writer or in the reader.
+struct LentBatch {
+  std::shared_ptr<SharedSlots> pool;
+  std::shared_ptr<SharedSlots::Mapping> mapping;
+  int64_t slot;
+  uint32_t seq;
+  pid_t pid;  // a forked child's copy of the storage must not change the slot's state
+};
+
+void writer_released(void* context);
+void reader_released(void* context);
+
+}  // namespace
+
+SharedSlots::SharedSlots(int fd, void* header, size_t header_bytes)
+    : fd_(fd), header_(static_cast<Header*>(header)), header_bytes_(header_bytes) {
+  const auto count = static_cast<size_t>(header_->capacity);
+  writer_maps_.resize(count);
+  reader_maps_.resize(count);
+  received_.resize(count);
+  received_seq_.assign(count, -1);
+}
+
+SharedSlots::~SharedSlots() {
+  ::munmap(header_, header_bytes_);
+  ::close(fd_);
+}
+
+std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
+  TORCH_CHECK(capacity >= 1 && capacity <= 4096, "SharedSlots: capacity must be in [1, 4096], got ", capacity);
+  const int fd = ::memfd_create("fastcollate-slots", MFD_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "fastcollate: memfd_create failed (", std::strerror(errno), ")");
+  const size_t header_bytes = round_up_page(kSlotsOffset + static_cast<size_t>(capacity) * sizeof(Header::Slot));
+  void* header = MAP_FAILED;
+  if (::fchmod(fd, 0600) == 0 &&
+      ::ftruncate(fd, static_cast<off_t>(header_bytes + static_cast<uint64_t>(capacity) * kRegionBytes)) == 0) {
+    header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (header == MAP_FAILED) {
+    const int error = errno;
+    ::close(fd);
+    TORCH_CHECK(false, "fastcollate: could not make the shared slots' file (", std::strerror(error), ")");
+  }
+  auto* fields = new (header) Header{};
+  for (int64_t i = 0; i < capacity; ++i) {
+    new (&fields->slot(i)) Header::Slot{};
+  }
+  std::random_device entropy;
+  fields->token = static_cast<int64_t>(((uint64_t{entropy()} << 32) | entropy()) >> 1);
+  fields->owner_pid = ::getpid();
+  fields->region_bytes = kRegionBytes;
+  fields->capacity = static_cast<uint32_t>(capacity);
+  fields->version = kVersion;
+  fields->magic = kMagic;
+  return std::shared_ptr<SharedSlots>(new SharedSlots(fd, header, header_bytes));
+}
+
+std::shared_ptr<SharedSlots> SharedSlots::attach(int fd) {
+  void* first = ::mmap(nullptr, kPage, PROT_READ, MAP_SHARED, fd, 0);
+  if (first == MAP_FAILED) {
+    const int error = errno;
+    ::close(fd);
+    TORCH_CHECK(false, "fastcollate: could not map the shared slots' header (", std::strerror(error), ")");
+  }
+  const auto* peek = static_cast<const Header*>(first);
+  const bool valid = peek->magic == kMagic && peek->version == kVersion && peek->capacity >= 1;
+  const size_t header_bytes = round_up_page(kSlotsOffset + peek->capacity * sizeof(Header::Slot));
+  ::munmap(first, kPage);
+  if (!valid) {
+    ::close(fd);
+    TORCH_CHECK(false, "fastcollate: the descriptor is not a shared-slots file of this version");
+  }
+  void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (header == MAP_FAILED) {
+    const int error = errno;
+    ::close(fd);
+    TORCH_CHECK(false, "fastcollate: could not map the shared slots' header (", std::strerror(error), ")");
+  }
+  return std::shared_ptr<SharedSlots>(new SharedSlots(fd, header, header_bytes));
+}
+
+uint64_t SharedSlots::token() const {
+  return static_cast<uint64_t>(header_->token);
+}
+
+int64_t SharedSlots::owner_pid() const {
+  return header_->owner_pid;
+}
+
+int64_t SharedSlots::capacity() const {
+  return header_->capacity;
+}
+
+std::shared_ptr<SharedSlots::Mapping> SharedSlots::mapping_for(std::vector<std::shared_ptr<Mapping>>& maps,
+                                                               int64_t slot, size_t bytes) {
+  auto& current = maps[static_cast<size_t>(slot)];
+  if (current && current->length >= bytes) {
+    return current;
+  }
+  // 1/16 headroom, so that batches of creeping size remap (and re-register) rarely.
+  const size_t length = std::min<size_t>(round_up_page(bytes + bytes / 16), header_->region_bytes);
+  const off_t offset = static_cast<off_t>(header_bytes_ + static_cast<uint64_t>(slot) * header_->region_bytes);
+  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
+  TORCH_CHECK(base != MAP_FAILED, "fastcollate: mapping shared slot ", slot, " (", length, " bytes) failed (",
+              std::strerror(errno), ")");
+  auto mapping = std::make_shared<Mapping>();
+  mapping->base = base;
+  mapping->length = length;
+  mapping->pid = ::getpid();
+  // Fault the pages in with one call instead of one fault per 4 KiB: the writer is about to write them,
+  // the reader to read what was written. Advice only: an older kernel refuses it harmlessly.
+  (void)::madvise(base, round_up_page(bytes), MADV_POPULATE_WRITE);
+  current = mapping;
+  ++mappings_;
+  return mapping;
+}
+
+at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound) {
+  TORCH_CHECK(nbytes >= 0, "SharedSlots.claim: nbytes must be >= 0, got ", nbytes);
+  const size_t need = round_up_page(static_cast<size_t>(nbytes));
+  if (need > header_->region_bytes) {
+    return {};
+  }
+  bound = std::clamp<int64_t>(bound, 1, capacity());
+  const int64_t me = ::getpid();
+  int64_t chosen = -1;
+  uint32_t seq = 0;
+  for (int attempt = 0; attempt < 2 && chosen < 0; ++attempt) {
+    // Lowest index first, so the slots in use stay as few as the batches in flight; among the free ones
+    // first those already large enough, so a slot grows only when a larger batch arrives.
+    for (int pass = 0; pass < 2 && chosen < 0; ++pass) {
+      for (int64_t i = 0; i < bound && chosen < 0; ++i) {
+        auto& entry = header_->slot(i);
+        uint64_t word = entry.word.load(std::memory_order_acquire);
+        if (state_of(word) != kFree || writer_holds(word)) {
+          continue;
+        }
+        if (pass == 0 && entry.high_water.load(std::memory_order_relaxed) < need) {
+          continue;
+        }
+        const uint32_t next_seq = seq_of(word) + 1;
+        if (entry.word.compare_exchange_strong(word, make_word(kWriting, true, me, next_seq),
+                                               std::memory_order_acq_rel)) {
+          chosen = i;
+          seq = next_seq;
+        }
+      }
+    }
+    if (chosen < 0 && (attempt > 0 || reclaim_dead_writers() == 0)) {
+      break;
+    }
+  }
+  if (chosen < 0) {
+    return {};
+  }
+  auto& entry = header_->slot(chosen);
+  std::shared_ptr<Mapping> mapping;
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    mapping = mapping_for(writer_maps_, chosen, need);
+  } catch (...) {
+    entry.word.store(make_word(kFree, false, 0, seq), std::memory_order_release);
+    throw;
+  }
+  if (entry.high_water.load(std::memory_order_relaxed) < need) {
+    entry.high_water.store(need, std::memory_order_relaxed);  // only the claimer writes it
+  }
+  header_->claims.fetch_add(1, std::memory_order_relaxed);
+  auto* context = new LentBatch{shared_from_this(), mapping, chosen, seq, static_cast<pid_t>(me)};
+  at::Storage storage(at::Storage::use_byte_size_t(), nbytes,
+                      at::DataPtr(mapping->base, context, &writer_released, at::Device(at::kCPU)),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+  return bytes_over(std::move(storage), nbytes);
+}
+
+void SharedSlots::count_fresh_fallback() {
+  header_->fresh_fallbacks.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool SharedSlots::mark_delivered(int64_t slot, uint32_t seq) {
+  auto& word = header_->slot(slot).word;
+  uint64_t current = word.load(std::memory_order_acquire);
+  for (;;) {
+    if (seq_of(current) != seq || pid_of(current) != (::getpid() & static_cast<int64_t>(kPidMask))) {
+      return false;
+    }
+    if (state_of(current) == kDelivered) {
+      return true;  // another tensor of the same batch
+    }
+    if (state_of(current) != kWriting) {
+      return false;  // received already: this is the batch sent a second time
+    }
+    if (word.compare_exchange_weak(current, with_state(current, kDelivered), std::memory_order_acq_rel)) {
+      return true;
+    }
+  }
+}
+
+void SharedSlots::release_writer(int64_t slot, uint32_t seq) {
+  auto& word = header_->slot(slot).word;
+  uint64_t current = word.load(std::memory_order_acquire);
+  for (;;) {
+    if (seq_of(current) != seq || !writer_holds(current)) {
+      return;  // taken back already
+    }
+    uint64_t next = current & ~kWriterHolds;
+    if (state_of(current) == kWriting) {
+      next = with_state(next, kFree);  // the batch was never sent: the slot is free
+    }
+    if (word.compare_exchange_weak(current, next, std::memory_order_acq_rel)) {
+      return;
+    }
+  }
+}
+
+void SharedSlots::release_reader(int64_t slot, uint32_t seq) {
+  auto& word = header_->slot(slot).word;
+  uint64_t current = word.load(std::memory_order_acquire);
+  for (;;) {
+    if (seq_of(current) != seq || state_of(current) != kLent) {
+      return;
+    }
+    if (word.compare_exchange_weak(current, with_state(current, kFree), std::memory_order_acq_rel)) {
+      return;
+    }
+  }
+}
+
+at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
+                                at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device) {
+  TORCH_CHECK(slot >= 0 && slot < capacity(), "fastcollate: a batch names shared slot ", slot, " of ", capacity());
+  TORCH_CHECK(nbytes >= 0 && static_cast<uint64_t>(nbytes) <= header_->region_bytes && sizes.size() == strides.size(),
+              "fastcollate: a batch from a worker describes an impossible view of shared slot ", slot);
+  int64_t extent = 1;  // elements the view reaches past its offset
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    TORCH_CHECK(sizes[d] >= 0 && strides[d] >= 0, "fastcollate: a negative size or stride in a slot view");
+    extent = sizes[d] == 0 ? 0 : (extent == 0 ? 0 : extent + (sizes[d] - 1) * strides[d]);
+  }
+  TORCH_CHECK(offset >= 0 && (offset + extent) * static_cast<int64_t>(c10::elementSize(dtype)) <= nbytes,
+              "fastcollate: a view from a worker reaches past its batch in shared slot ", slot);
+  const auto index = static_cast<size_t>(slot);
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Storage storage;
+  if (received_seq_[index] == seq && received_[index]) {
+    if (auto alive = received_[index]->lock()) {
+      storage = at::Storage(std::move(alive));  // another tensor of the batch received just now
+    }
+  }
+  if (!storage) {
+    auto& word = header_->slot(slot).word;
+    uint64_t current = word.load(std::memory_order_acquire);
+    do {
+      TORCH_CHECK(state_of(current) == kDelivered && seq_of(current) == static_cast<uint32_t>(seq),
+                  "fastcollate: a batch from a DataLoader worker (shared slot ", slot, ", batch #", seq,
+                  ") cannot be received: the slot ", describe_word(current),
+                  ". A batch is received at most once, and only while its slot holds it; this one was sent "
+                  "twice, or its worker died and the slot was taken back.");
+    } while (!word.compare_exchange_weak(current, with_state(current, kLent), std::memory_order_acq_rel));
+    std::shared_ptr<Mapping> mapping;
+    try {
+      mapping = mapping_for(reader_maps_, slot, static_cast<size_t>(nbytes));
+      if (pin_device >= 0 && !mapping->registered) {
+        register_host_memory(mapping->base, mapping->length, pin_device);
+        mapping->registered = true;
+        ++registrations_;
+      }
+    } catch (...) {
+      release_reader(slot, static_cast<uint32_t>(seq));  // the batch is lost loudly, the slot kept
+      throw;
+    }
+    auto* context = new LentBatch{shared_from_this(), mapping, slot, static_cast<uint32_t>(seq), ::getpid()};
+    storage = at::Storage(at::Storage::use_byte_size_t(), nbytes,
+                          at::DataPtr(mapping->base, context, &reader_released, at::Device(at::kCPU)),
+                          /*allocator=*/nullptr, /*resizable=*/false);
+    received_[index] = storage.getWeakStorageImpl();
+    received_seq_[index] = seq;
+    ++receipts_;
+  }
+  at::Tensor view = at::empty({0}, at::TensorOptions().dtype(dtype));
+  view.set_(std::move(storage), offset, sizes, strides);
+  return view;
+}
+
+int64_t SharedSlots::reclaim_dead_writers() {
+  int64_t reclaimed = 0;
+  for (int64_t i = 0; i < capacity(); ++i) {
+    auto& word = header_->slot(i).word;
+    uint64_t current = word.load(std::memory_order_acquire);
+    for (;;) {
+      const State state = state_of(current);
+      const bool unsent = state == kWriting || state == kDelivered;
+      if ((!unsent && !writer_holds(current)) || pid_of(current) == 0 || !process_is_gone(pid_of(current))) {
+        break;
+      }
+      // The writer died: its own view of the slot went with it, and a batch it wrote but that was not
+      // received never will be (DataLoader drops a dead worker's queue). A batch received stays lent.
+      const uint64_t next = make_word(unsent ? kFree : state, false, 0, seq_of(current));
+      if (word.compare_exchange_weak(current, next, std::memory_order_acq_rel)) {
+        reclaimed += unsent ? 1 : 0;
+        break;
+      }
+    }
+  }
+  header_->reclaimed.fetch_add(reclaimed, std::memory_order_relaxed);
+  return reclaimed;
+}
+
+SharedSlotStats SharedSlots::stats() const {
+  SharedSlotStats out;
+  out.capacity = capacity();
+  for (int64_t i = 0; i < capacity(); ++i) {
+    const uint64_t word = header_->slot(i).word.load(std::memory_order_acquire);
+    switch (state_of(word)) {
+      case kFree:
+        (writer_holds(word) ? out.lent : out.free) += 1;
+        break;
+      case kWriting:
+        out.writing += 1;
+        break;
+      case kDelivered:
+        out.delivered += 1;
+        break;
+      case kLent:
+        out.lent += 1;
+        break;
+    }
+  }
+  struct stat info {};
+  if (::fstat(fd_, &info) == 0) {
+    out.bytes_held = static_cast<int64_t>(info.st_blocks) * 512;
+  }
+  out.claims = header_->claims.load(std::memory_order_relaxed);
+  out.fresh_fallbacks = header_->fresh_fallbacks.load(std::memory_order_relaxed);
+  out.reclaimed = header_->reclaimed.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mutex_);
+  out.receipts = receipts_;
+  out.mappings = mappings_;
+  out.registrations = registrations_;
+  return out;
+}
+
+std::string SharedSlots::describe_slot(int64_t slot) const {
+  TORCH_CHECK(slot >= 0 && slot < capacity(), "SharedSlots: no slot ", slot);
+  return describe_word(header_->slot(slot).word.load(std::memory_order_acquire));
+}
+
+namespace {
+
+void writer_released(void* context) {
+  auto* batch = static_cast<LentBatch*>(context);
+  if (::getpid() == batch->pid) {
+    batch->pool->release_writer(batch->slot, batch->seq);
+  }
+  delete batch;
+}
+
+void reader_released(void* context) {
+  auto* batch = static_cast<LentBatch*>(context);
+  if (::getpid() == batch->pid) {
+    batch->pool->release_reader(batch->slot, batch->seq);
+  }
+  delete batch;
+}
+
+const LentBatch* lent_batch(const at::Tensor& tensor, void (*deleter)(void*)) {
+  if (!tensor.defined() || !tensor.has_storage() || !tensor.device().is_cpu()) {
+    return nullptr;
+  }
+  const auto& data = tensor.storage().data_ptr();
+  return data.get_deleter() == deleter ? static_cast<const LentBatch*>(data.get_context()) : nullptr;
+}
+
+}  // namespace
+
+int64_t shared_slot_kind(const at::Tensor& tensor) {
+  if (lent_batch(tensor, &writer_released) != nullptr) {
+    return 1;
+  }
+  const LentBatch* received = lent_batch(tensor, &reader_released);
+  if (received == nullptr) {
+    return 0;
+  }
+  return received->mapping->registered ? 3 : 2;
+}
+
+std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {
+  const LentBatch* batch = lent_batch(tensor, &writer_released);
+  if (batch == nullptr || batch->pid != ::getpid() || !batch->pool->mark_delivered(batch->slot, batch->seq)) {
+    return {};
+  }
+  return {static_cast<int64_t>(batch->pool->token()), batch->slot, static_cast<int64_t>(batch->seq),
+          static_cast<int64_t>(tensor.storage().nbytes())};
+}
+
+void bind_shared_slots(py::module_& m) {
+  using Stats = SharedSlotStats;
+  py::class_<Stats>(m, "SharedSlotStats")
+      .def_readonly("capacity", &Stats::capacity)
+      .def_readonly("free", &Stats::free)
+      .def_readonly("writing", &Stats::writing)
+      .def_readonly("delivered", &Stats::delivered)
+      .def_readonly("lent", &Stats::lent)
+      .def_readonly("bytes_held", &Stats::bytes_held)
+      .def_readonly("claims", &Stats::claims)
+      .def_readonly("fresh_fallbacks", &Stats::fresh_fallbacks)
+      .def_readonly("reclaimed", &Stats::reclaimed)
+      .def_readonly("receipts", &Stats::receipts)
+      .def_readonly("mappings", &Stats::mappings)
+      .def_readonly("registrations", &Stats::registrations);
+  const py::call_guard<py::gil_scoped_release> release_gil;
+  py::class_<SharedSlots, std::shared_ptr<SharedSlots>>(m, "SharedSlots")
+      .def_static("create", &SharedSlots::create, py::arg("capacity"))
+      .def_static("attach", &SharedSlots::attach, py::arg("fd"), "Takes over `fd`")
+      .def_property_readonly("fd", &SharedSlots::fd)
+      .def_property_readonly("token", [](const SharedSlots& pool) { return static_cast<int64_t>(pool.token()); })
+      .def_property_readonly("owner_pid", &SharedSlots::owner_pid)
+      .def_property_readonly("capacity", &SharedSlots::capacity)
+      .def(
+          "claim",
+          [](SharedSlots& pool, int64_t nbytes, int64_t bound) -> py::object {
+            at::Tensor buffer;
+            {
+              py::gil_scoped_release no_gil;  // the first claim of a slot maps and faults in its pages
+              buffer = pool.claim(nbytes, bound);
+            }
+            return buffer.defined() ? py::cast(buffer) : py::none();
+          },
+          py::arg("nbytes"), py::arg("bound"))
+      .def("count_fresh_fallback", &SharedSlots::count_fresh_fallback)
+      .def(
+          "receive",
+          [](SharedSlots& pool, int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
+             const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides, int64_t pin_device) {
+            return pool.receive(slot, seq, nbytes, dtype, offset, sizes, strides, pin_device);
+          },
+          py::arg("slot"), py::arg("seq"), py::arg("nbytes"), py::arg("dtype"), py::arg("offset"), py::arg("sizes"),
+          py::arg("strides"), py::arg("pin_device"), release_gil)
+      .def("reclaim_dead_writers", &SharedSlots::reclaim_dead_writers, release_gil)
+      .def("stats", &SharedSlots::stats, release_gil)
+      .def("describe_slot", &SharedSlots::describe_slot, py::arg("slot"));
+  m.def("shared_slot_kind", &shared_slot_kind, py::arg("tensor"),
+        "0: not a shared slot; 1: a worker's view of the slot it writes; 2: a batch received from a worker; "
+        "3: the same, page-locked");
+  m.def("deliver_slot_tensor", &deliver_slot_tensor, py::arg("tensor"));
+}
+
+}  // namespace fastcollate

@@ -1,0 +1,124 @@
+// Slots shared between the main process and its DataLoader workers (issue 11).
+//
+// The main process owns one memfd (no name in /dev/shm, mode 0600) for each pool: a header page with
+// one state word per slot, then one fixed region per slot. The file is sparse: a region costs memory
+// only for the pages a batch has written. A worker claims a free slot with a compare-and-swap on its
+// state word, writes the batch through its own long-lived mapping, and sends the main process only
+// (slot, sequence number, views). The main process maps each slot once and lends every batch a storage
+// over its mapping; when that storage dies the slot is free again. So per batch there is no new
+// segment, no new mapping, no page fault after warm-up and no copy; with CUDA, the main process's
+// mapping of each slot is registered (page-locked) once.
+//
+// A slot's state word (64 bits, in shared memory, changed only by compare-and-swap):
+//   bits 0-1  state: free / being written / delivered (sent to the main process) / lent (held there)
+//   bit  2    the writer still holds its own storage over the slot (a worker may keep a batch)
+//   bits 3-31 the writer's pid
+//   bits 32-63 the sequence number of the slot's current batch
+// A slot may be claimed only when it is free and its writer's bit is clear, so neither a batch the
+// consumer keeps nor one a worker keeps is ever overwritten.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fastcollate {
+
+struct SharedSlotStats {
+  int64_t capacity = 0;       // slots the pool's header has room for
+  int64_t free = 0;           // free, and no worker holds its own view
+  int64_t writing = 0;        // claimed by a worker, being written
+  int64_t delivered = 0;      // written and sent, not yet received
+  int64_t lent = 0;           // received: tensors in this process still use it
+  int64_t bytes_held = 0;     // memory the pool's file holds (touched pages)
+  int64_t claims = 0;         // batches written into a slot, by any worker
+  int64_t fresh_fallbacks = 0;  // batches that got fresh shared memory because no slot was free
+  int64_t reclaimed = 0;      // slots taken back from a writer that died
+  int64_t receipts = 0;       // batches received by this process
+  int64_t mappings = 0;       // slot mappings this process made (new slots and grown ones)
+  int64_t registrations = 0;  // of those, registered with CUDA (page-locked)
+};
+
+class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
+ public:
+  // A new pool owned by this process, with room for `capacity` slots.
+  static std::shared_ptr<SharedSlots> create(int64_t capacity);
+  // The pool behind `fd` (a descriptor this call takes over), made by another process.
+  static std::shared_ptr<SharedSlots> attach(int fd);
+  ~SharedSlots();
+  SharedSlots(const SharedSlots&) = delete;
+  SharedSlots& operator=(const SharedSlots&) = delete;
+
+  int fd() const { return fd_; }
+  uint64_t token() const;       // the pool's random identity, the same in every process
+  int64_t owner_pid() const;    // the process that made it
+  int64_t capacity() const;
+
+  // Writer side (a worker). A 1-D uint8 tensor of `nbytes` over the lowest free slot below `bound`
+  // (one already large enough first), or an undefined tensor when none is free (after taking back the
+  // slots of writers that died) or the batch is larger than a slot region.
+  at::Tensor claim(int64_t nbytes, int64_t bound);
+  // Counts a batch that went to fresh shared memory because claim() found no slot.
+  void count_fresh_fallback();
+
+  // Reader side (the main process). A tensor of `dtype`, `sizes`, `strides` at element `offset` over
+  // the slot's batch `seq` of `nbytes`; the first view of a batch moves the slot from delivered to lent
+  // (so a batch is received at most once: any other state or sequence number raises), the others share
+  // its storage. With `pin_device` >= 0 the mapping is registered with CUDA (once per mapping).
+  at::Tensor receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
+                     at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device);
+
+  // Frees every slot whose writer died while writing it or before it was received; returns how many.
+  int64_t reclaim_dead_writers();
+  SharedSlotStats stats() const;
+  std::string describe_slot(int64_t slot) const;
+
+  // State changes made by the storages lent over slots (see the state word above).
+  bool mark_delivered(int64_t slot, uint32_t seq);     // writer: its batch is being sent
+  void release_writer(int64_t slot, uint32_t seq);     // writer: its own view died
+  void release_reader(int64_t slot, uint32_t seq);     // reader: the received batch died
+
+  struct Header;
+  struct Mapping;
+
+ private:
+  SharedSlots(int fd, void* header, size_t header_bytes);
+  std::shared_ptr<Mapping> mapping_for(std::vector<std::shared_ptr<Mapping>>& maps, int64_t slot, size_t bytes);
+
+  int fd_;
+  Header* header_;
+  size_t header_bytes_;
+  mutable std::mutex mutex_;  // this process's mappings and receipts (the header is lock-free)
+  std::vector<std::shared_ptr<Mapping>> writer_maps_;
+  std::vector<std::shared_ptr<Mapping>> reader_maps_;
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> received_;  // the live storage of each slot's batch
+  std::vector<int64_t> received_seq_;
+  int64_t receipts_ = 0;
+  int64_t mappings_ = 0;
+  int64_t registrations_ = 0;
+};
+
+// What a tensor's storage is, by its deleter: 0 not a slot; 1 a worker's view of the slot it is
+// writing; 2 a batch received from a worker; 3 the same, page-locked.
+int64_t shared_slot_kind(const at::Tensor& tensor);
+// For a worker's view of a slot it wrote: marks the slot delivered (it is about to be sent) and returns
+// (pool token, slot, sequence number, storage bytes). Empty when the tensor is not such a view, or its
+// batch was received already (a worker's collate sending a batch it kept a second time): the caller then
+// sends the tensor the ordinary way.
+std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor);
+
+// Page-locks (and unlocks) host memory this process mapped, for CUDA copies. CUDA builds only.
+void register_host_memory(void* ptr, size_t bytes, int64_t device);
+void unregister_host_memory(void* ptr);
+
+void bind_shared_slots(pybind11::module_& m);
+
+}  // namespace fastcollate

@@ -454,6 +454,7 @@ SharedSlotStats SharedSlots::stats() const {
   out.capacity = capacity();
   for (int64_t i = 0; i < capacity(); ++i) {
     const uint64_t word = header_->slot(i).word.load(std::memory_order_acquire);
+    out.slots_used += header_->slot(i).high_water.load(std::memory_order_relaxed) > 0 ? 1 : 0;
     switch (state_of(word)) {
       case kFree:
         (writer_holds(word) ? out.lent : out.free) += 1;
@@ -544,6 +545,7 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("writing", &Stats::writing)
       .def_readonly("delivered", &Stats::delivered)
       .def_readonly("lent", &Stats::lent)
+      .def_readonly("slots_used", &Stats::slots_used)
       .def_readonly("bytes_held", &Stats::bytes_held)
       .def_readonly("claims", &Stats::claims)
       .def_readonly("fresh_fallbacks", &Stats::fresh_fallbacks)

@@ -38,7 +38,8 @@ struct SharedSlotStats {
   int64_t writing = 0;        // claimed by a worker, being written
   int64_t delivered = 0;      // written and sent, not yet received
   int64_t lent = 0;           // received: tensors in this process still use it
-  int64_t bytes_held = 0;     // memory the pool's file holds (touched pages)
+  int64_t slots_used = 0;     // slots some batch has been written into
+  int64_t bytes_held = 0;     // memory the pool's file holds (touched pages, the header's included)
   int64_t claims = 0;         // batches written into a slot, by any worker
   int64_t fresh_fallbacks = 0;  // batches that got fresh shared memory because no slot was free
   int64_t reclaimed = 0;      // slots taken back from a writer that died

@@ -26,11 +26,29 @@ __all__ = [
     "FashionLike",
     "ImageNetLike",
     "ManyFields",
+    "PreDecoded",
     "Preset",
     "TokenSequences",
     "cache_dir",
+    "fixed_mmap_threshold",
     "pad_tokens_collate",
 ]
+
+
+def fixed_mmap_threshold(worker_id: int | None = None) -> None:
+    """Fixes glibc's mmap threshold at 32 KiB; a ``worker_init_fn``, and to call in the main process.
+
+    glibc otherwise raises the threshold each time a large block is freed, so whether a 150 KB sample
+    clone is a fresh mmap (a page fault per 4 KiB) or heap memory depends on what ran before: a
+    contender that follows another one gets different memory than it would alone. Fixed, every contender
+    (and every lifetime test) sees the same allocator.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD, below any image sample
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to fix
 
 
 def cache_dir() -> Path:
@@ -213,6 +231,34 @@ class ImageNetLike(Dataset):
         return state
 
 
+class PreDecoded(Dataset):
+    """Images already decoded, as FFCV and DALI keep them: ``{"id", "image": uint8 [3, 224, 224],
+    "target"}``, each image a clone of one of ``bank`` generated ones (its own 150 KB storage, as a
+    decoded image is). The loader's only work is moving bytes: the regime where collate dominates.
+    """
+
+    def __init__(self, size: int = 10_240, seed: int = 0, bank: int = 16) -> None:
+        self.size = size
+        self.seed = seed
+        self.bank_size = bank
+        self._bank: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self._bank is None:
+            rng = np.random.default_rng(self.seed)
+            self._bank = torch.from_numpy(rng.integers(0, 256, (self.bank_size, 3, 224, 224), dtype=np.uint8))
+        image = self._bank[index % self.bank_size].clone()
+        return {"id": int(index), "image": image, "target": int(index * 7919 % 1000)}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_bank"] = None
+        return state
+
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -383,6 +429,10 @@ def _make_imagenet(size: int, seed: int) -> Dataset:
     return ImageNetLike(size=size, seed=seed)
 
 
+def _make_predecoded(size: int, seed: int) -> Dataset:
+    return PreDecoded(size=size, seed=seed)
+
+
 def _make_tokens(size: int, seed: int) -> Dataset:
     return TokenSequences(size=size, seed=seed)
 
@@ -422,6 +472,17 @@ PRESETS: dict[str, Preset] = {
         transforms_note=(
             "crop 224 of 256 + horizontal flip (in the loader); uint8 -> float normalize on the device"
         ),
+    ),
+    "predecoded": Preset(
+        name="predecoded",
+        description="pre-decoded uint8 3x224x224 images (cloned in __getitem__), 1,000 classes",
+        make_dataset=_make_predecoded,
+        size=10_240,
+        batch_size=256,
+        unit="bytes",
+        device_transforms=_imagenet_device_transforms,
+        model="imagenet_cnn",
+        transforms_note="none in the loader (decoded already); uint8 -> float normalize on the device",
     ),
     "tokens": Preset(
         name="tokens",

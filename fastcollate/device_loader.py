@@ -1,8 +1,9 @@
 """DeviceLoader: batches to the GPU as one host-to-device copy each, on a side stream, overlapped with compute.
 
 For every batch: its tensors sit in one pinned staging slot (``assemble`` in the main process writes
-there directly; a batch from a worker's shared memory, or from ``default_collate``, is packed into one
-with a multi-threaded copy), one ``cudaMemcpyAsync`` moves the slot to the device on a dedicated copy
+there directly; a batch ``assemble`` wrote in a worker arrives in a shared slot this process
+page-locked; a batch in fresh shared memory, or from ``default_collate``, is packed into one with a
+multi-threaded copy), one ``cudaMemcpyAsync`` moves the slot to the device on a dedicated copy
 stream, optional transforms run there, and the consumer's stream waits only on that batch's event.
 ``depth`` batches are kept in flight. A slot is reused only after its copy's event has completed and
 no tensor references it; device memory is tied to the consumer stream with ``record_stream``.
@@ -23,10 +24,13 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from ._ext import _C
 from ._native_support import rebuild_mapping
 from .staging import StagingRing, staging_into
 
 __all__ = ["DeviceLoader"]
+
+_PINNED_SHARED_SLOT = 3  # _C.shared_slot_kind: a batch received from a worker, page-locked
 
 
 def _flatten(batch: Any, leaves: list) -> Callable[[list], Any]:
@@ -106,8 +110,8 @@ class DeviceLoader:
         elif self.device.type != "cpu":
             raise ValueError(f"DeviceLoader: device must be 'cuda' or 'cpu', got {self.device}")
         self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0}
-        # Host buffers from outside the ring (it overflowed) that a copy may still read: each is kept
-        # with the event recorded after its copy until that event completes.
+        # Host buffers from outside the ring (it overflowed, or a worker's shared slot) that a copy may
+        # still read: each is kept with the event recorded after its copy until that event completes.
         self._unpooled: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
         self._closed = False
 
@@ -140,7 +144,7 @@ class DeviceLoader:
 
     def stats(self) -> dict[str, int]:
         """batches handed out; host_packs (batches copied into a slot on the host) and
-        direct_from_slot (batches already in a slot); pinned_bytes held and pinned_allocations made."""
+        direct_from_slot (batches already in a pinned slot: this ring's, or a worker's shared one); pinned_bytes held and pinned_allocations made."""
         ring = self._ring.stats() if self._ring is not None else None
         return {
             **self._counts,
@@ -202,8 +206,10 @@ class DeviceLoader:
         into, or one they are packed into now."""
         first = tensors[0]
         storage = first.untyped_storage()
+        # A slot of this ring, or a shared slot a worker wrote and this process page-locked when it
+        # received the batch (kept alive by the caller until the copy's event completes).
         if (
-            self._ring.owns(first)
+            (self._ring.owns(first) or _C.shared_slot_kind(first) == _PINNED_SHARED_SLOT)
             and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors)
         ):
             self._counts["direct_from_slot"] += 1

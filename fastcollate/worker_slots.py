@@ -53,6 +53,7 @@ class SharedSlotStats:
     writing: int
     delivered: int
     lent: int
+    slots_used: int
     bytes_held: int
     claims: int
     fresh_fallbacks: int

@@ -82,19 +82,6 @@ class MalformedAt(_FaultAt):
         pass
 
 
-def fixed_mmap_threshold(worker_id: int | None = None) -> None:
-    """``worker_init_fn`` (and for the main process): glibc's dynamic mmap threshold otherwise moves
-    freed sample-sized blocks onto the heap, whose RSS then creeps up by about a sample per worker and
-    epoch whatever the collate function (default_collate more than assemble); with a fixed threshold
-    both are flat, so a lifetime test sees the loader's own memory."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD, below any sample here
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to fix
-
-
 def child_pids() -> set[int]:
     """The pids of this process's children, every thread's."""
     pids = set()

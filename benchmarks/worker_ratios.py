@@ -1,0 +1,164 @@
+"""Loader-only samples/s with DataLoader workers, side by side in one run: ``default_collate``,
+``assemble`` with shared slots off (fresh shared memory per batch, the path before issue 11) and on, at
+0, 1 and 2 workers; and the issue's targets judged on the ratios.
+
+    python benchmarks/worker_ratios.py [--datasets predecoded fashion fields] [--workers 0 1 2]
+                                       [--rounds 7] [--batches 12] [--json PATH]
+
+Method: one persistent DataLoader per (contender, workers), all made up front (fork, prefetch_factor 2,
+one torch thread in every process). A round runs one epoch of ``--batches`` batches on every loader, in
+a freshly shuffled order (seeded), dropping each batch at once; the first round is a warm-up (kept in the
+JSON, left out of the medians). glibc's mmap threshold is fixed at 32 KiB in the main process and every
+worker, for all contenders alike: left dynamic, whether a 150 KB sample clone is a fresh mmap depends on
+what ran before. Per epoch: samples/s (wall clock, from ``iter()`` to the last batch) and the main
+process's CPU time per batch (``time.process_time``: with workers, what receiving a batch costs it).
+Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+import fastcollate
+from fastcollate.datasets import PRESETS, fixed_mmap_threshold
+
+CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")
+
+
+def collate_for(contender: str, preset) -> object:
+    if contender == "default_collate":
+        return preset.default_collate
+    contract = preset.contract() if preset.contract else None
+    return fastcollate.Assembler(contract, shared_slots=contender.endswith("on"))
+
+
+def epoch(loader: DataLoader) -> tuple[float, float, int, int]:
+    """(wall seconds, main-process CPU seconds, samples, batches) of one epoch."""
+    samples = batches = 0
+    cpu = time.process_time()
+    start = time.perf_counter()
+    for batch in loader:
+        samples += len(batch["id"])
+        batches += 1
+        del batch
+    return time.perf_counter() - start, time.process_time() - cpu, samples, batches
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: int) -> dict:
+    preset = PRESETS[name]
+    dataset = preset.make_dataset(batches * preset.batch_size, seed)
+    loaders = {}
+    for contender in CONTENDERS:
+        for count in workers:
+            loaders[(contender, count)] = DataLoader(
+                dataset, batch_size=preset.batch_size, collate_fn=collate_for(contender, preset), num_workers=count,
+                persistent_workers=count > 0, worker_init_fn=fixed_mmap_threshold if count else None,
+                prefetch_factor=2 if count else None,
+            )
+    order = random.Random(seed)
+    runs = []
+    for round_index in range(rounds + 1):
+        keys = list(loaders)
+        order.shuffle(keys)
+        for contender, count in keys:
+            wall, cpu, samples, done = epoch(loaders[(contender, count)])
+            runs.append({"round": round_index, "warmup": round_index == 0, "contender": contender, "workers": count,
+                         "seconds": wall, "main_cpu_seconds": cpu, "samples": samples, "batches": done,
+                         "samples_per_s": samples / wall, "main_cpu_ms_per_batch": 1e3 * cpu / max(done, 1)})
+        print(f"  {name}: round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
+    slots = {}
+    batch_bytes = preset.batch_size * sum(
+        v.nbytes for v in dataset[0].values() if isinstance(v, torch.Tensor)
+    )
+    for (contender, count), loader in loaders.items():
+        stats = loader.collate_fn.shared_slot_stats() if isinstance(loader.collate_fn, fastcollate.Assembler) else None
+        if stats is not None and contender.endswith("on"):
+            slots[count] = stats.__dict__
+    del loaders
+    return {"dataset": name, "description": preset.description, "batch_size": preset.batch_size,
+            "batch_tensor_bytes": batch_bytes, "runs": runs, "slot_stats": slots}
+
+
+def summarize(result: dict) -> list[str]:
+    runs = [r for r in result["runs"] if not r["warmup"]]
+    by = {}
+    for r in runs:
+        by.setdefault((r["contender"], r["workers"]), {})[r["round"]] = r
+    workers = sorted({w for _, w in by})
+    median = {key: statistics.median(r["samples_per_s"] for r in rounds.values()) for key, rounds in by.items()}
+    cpu = {key: statistics.median(r["main_cpu_ms_per_batch"] for r in rounds.values()) for key, rounds in by.items()}
+
+    def paired(a: tuple, b: tuple) -> str:
+        ratios = [by[a][k]["samples_per_s"] / by[b][k]["samples_per_s"] for k in by[a] if k in by[b]]
+        low, high = quartiles(ratios)
+        return f"{median[a] / median[b]:.2f}x ({low:.2f}-{high:.2f})"
+
+    lines = [f"{result['dataset']}: {result['description']}, batch {result['batch_size']}",
+             "  samples/s (median)   " + "".join(f"{f'workers={w}':>22}" for w in workers)]
+    for contender in CONTENDERS:
+        cells = "".join(f"{median[(contender, w)]:>14,.0f} {cpu[(contender, w)]:5.2f}ms" for w in workers)
+        lines.append(f"  {contender:<21}{cells}")
+    lines.append("  (each cell: samples/s, then the main process's CPU time per batch)")
+    for w in workers:
+        if w == 0:
+            continue
+        lines.append(f"  workers={w}: slots on / default_collate {paired(('assemble, slots on', w), ('default_collate', w))}; "
+                     f"slots on / slots off {paired(('assemble, slots on', w), ('assemble, slots off', w))}; "
+                     f"slots on / assemble at workers=0 {paired(('assemble, slots on', w), ('assemble, slots on', 0))}")
+    for w, stats in sorted(result["slot_stats"].items()):
+        if w == 0 or not stats["slots_used"]:
+            continue
+        held = stats["bytes_held"] / (stats["slots_used"] * result["batch_tensor_bytes"])
+        lines.append(f"  workers={w}: {stats['slots_used']} slots used, bytes held {held:.3f}x slots x batch bytes, "
+                     f"{stats['fresh_fallbacks']} fresh fallbacks, {stats['reclaimed']} reclaimed")
+    result["medians"] = {f"{c} @ workers={w}": v for (c, w), v in median.items()}
+    result["main_cpu_ms_per_batch"] = {f"{c} @ workers={w}": v for (c, w), v in cpu.items()}
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=["predecoded", "fashion", "fields"], choices=sorted(PRESETS))
+    parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", type=int, default=12, help="batches per epoch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    fixed_mmap_threshold()
+    print(f"glibc mmap threshold fixed at 32 KiB in every process; fork; one torch thread; {args.rounds} rounds "
+          f"of {args.batches} batches after one warm-up; medians, spread = p25-p75 of per-round ratios", flush=True)
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "python": platform.python_version(), "torch": torch.__version__, "results": []}
+    lines = []
+    for name in args.datasets:
+        result = run_dataset(name, args.workers, args.rounds, args.batches, args.seed)
+        lines += summarize(result)
+        report["results"].append(result)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,9 +8,10 @@
 Method: one persistent DataLoader per (contender, workers), all made up front (fork, prefetch_factor 2,
 one torch thread in every process). A round runs one epoch of ``--batches`` batches on every loader, in
 a freshly shuffled order (seeded), dropping each batch at once; the first round is a warm-up (kept in the
-JSON, left out of the medians). glibc's mmap threshold is fixed at 32 KiB in the main process and every
-worker, for all contenders alike: left dynamic, whether a 150 KB sample clone is a fresh mmap depends on
-what ran before. Per epoch: samples/s (wall clock, from ``iter()`` to the last batch) and the main
+JSON, left out of the medians). glibc's mmap threshold is fixed at 64 MiB in the main process and every
+worker, for all contenders alike (``samples_on_the_heap``): left dynamic, whether a 150 KB sample clone
+is a fresh mmap depends on what ran before; fixed high, the dataset's clones cost the same everywhere
+and what differs is the loader's path. Per epoch: samples/s (wall clock, from ``iter()`` to the last batch) and the main
 process's CPU time per batch (``time.process_time``: with workers, what receiving a batch costs it).
 Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios.
 """
@@ -31,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import fastcollate
-from fastcollate.datasets import PRESETS, fixed_mmap_threshold
+from fastcollate._ext import _C
+from fastcollate.datasets import PRESETS, samples_on_the_heap
 
 CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")
 
@@ -70,7 +72,7 @@ def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: 
         for count in workers:
             loaders[(contender, count)] = DataLoader(
                 dataset, batch_size=preset.batch_size, collate_fn=collate_for(contender, preset), num_workers=count,
-                persistent_workers=count > 0, worker_init_fn=fixed_mmap_threshold if count else None,
+                persistent_workers=count > 0, worker_init_fn=samples_on_the_heap if count else None,
                 prefetch_factor=2 if count else None,
             )
     order = random.Random(seed)
@@ -85,9 +87,8 @@ def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: 
                          "samples_per_s": samples / wall, "main_cpu_ms_per_batch": 1e3 * cpu / max(done, 1)})
         print(f"  {name}: round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
     slots = {}
-    batch_bytes = preset.batch_size * sum(
-        v.nbytes for v in dataset[0].values() if isinstance(v, torch.Tensor)
-    )
+    # What one slot must hold: the batch's bytes as assemble lays them out (aligned fields).
+    batch_bytes = _C.Collator("id", [], False).plan([dataset[i] for i in range(preset.batch_size)]).nbytes
     for (contender, count), loader in loaders.items():
         stats = loader.collate_fn.shared_slot_stats() if isinstance(loader.collate_fn, fastcollate.Assembler) else None
         if stats is not None and contender.endswith("on"):
@@ -134,6 +135,35 @@ def summarize(result: dict) -> list[str]:
     return lines
 
 
+def receive_cost_ms(name: str, repeats: int = 200) -> dict:
+    """The main process's cost of receiving one batch over a shared slot, alone: unpickling the message a
+    worker sends (``ForkingPickler``, as DataLoader's queue does) into tensors over the slot, then dropping
+    them. The slot is written in this process (as a worker would) before each untimed send."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from fastcollate.worker_slots import SlotPool, install_reducer
+
+    preset = PRESETS[name]
+    dataset = preset.make_dataset(preset.batch_size, 0)
+    samples = [dataset[i] for i in range(preset.batch_size)]
+    collator = _C.Collator("id", [], False)
+    pool = SlotPool.create(4)
+    install_reducer()  # this process now sends slot tensors as a worker does
+    times = []
+    for _ in range(repeats):
+        plan = collator.plan(samples)
+        batch = plan.execute(pool.native.claim(plan.nbytes, 1))
+        message = ForkingPickler.dumps((0, batch))
+        del batch
+        start = time.perf_counter()
+        received = pickle.loads(message)
+        del received
+        times.append(time.perf_counter() - start)
+    return {"dataset": name, "repeats": repeats, "median_ms": 1e3 * statistics.median(times),
+            "p25_p75_ms": [1e3 * q for q in quartiles(times)], "message_bytes": len(message)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=["predecoded", "fashion", "fields"], choices=sorted(PRESETS))
@@ -144,8 +174,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fixed_mmap_threshold()
-    print(f"glibc mmap threshold fixed at 32 KiB in every process; fork; one torch thread; {args.rounds} rounds "
+    samples_on_the_heap()
+    print(f"glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork; one torch thread; {args.rounds} rounds "
           f"of {args.batches} batches after one warm-up; medians, spread = p25-p75 of per-round ratios", flush=True)
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "python": platform.python_version(), "torch": torch.__version__, "results": []}
@@ -157,6 +187,14 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     print("\n".join(lines))
+    for name in args.datasets:
+        cost = receive_cost_ms(name)
+        report.setdefault("receive_cost", []).append(cost)
+        print(f"receiving one {name} batch in the main process (unpickle the {cost['message_bytes']}-byte message "
+              f"into views of its slot, then drop them): median {cost['median_ms']:.3f} ms "
+              f"(p25-p75 {cost['p25_p75_ms'][0]:.3f}-{cost['p25_p75_ms'][1]:.3f}) over {cost['repeats']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

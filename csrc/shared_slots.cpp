@@ -13,6 +13,7 @@
 #include <new>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it and the pages fault in as written
@@ -393,11 +394,21 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
   if (!storage) {
     auto& word = header_->slot(slot).word;
     uint64_t current = word.load(std::memory_order_acquire);
+    // The previous batch of this write may be dying on another thread right now: let its release land.
+    for (int spins = 0; spins < 1000000 && state_of(current) == kLent && seq_of(current) == static_cast<uint32_t>(seq); ++spins) {
+      std::this_thread::yield();
+      current = word.load(std::memory_order_acquire);
+    }
     do {
-      TORCH_CHECK(state_of(current) == kDelivered && seq_of(current) == static_cast<uint32_t>(seq),
+      // Delivered, or sent again by a worker that kept the batch (its view still holds the slot, so no
+      // one can have written over it). Anything else is a second delivery of a write that the slot no
+      // longer holds: raise rather than hand out bytes another batch may be overwriting.
+      const bool delivered = state_of(current) == kDelivered;
+      const bool kept_by_writer = state_of(current) == kFree && writer_holds(current);
+      TORCH_CHECK((delivered || kept_by_writer) && seq_of(current) == static_cast<uint32_t>(seq),
                   "fastcollate: a batch from a DataLoader worker (shared slot ", slot, ", batch #", seq,
                   ") cannot be received: the slot ", describe_word(current),
-                  ". A batch is received at most once, and only while its slot holds it; this one was sent "
+                  ". A write is received at most once, and only while its slot holds it; this one was sent "
                   "twice, or its worker died and the slot was taken back.");
     } while (!word.compare_exchange_weak(current, with_state(current, kLent), std::memory_order_acq_rel));
     std::shared_ptr<Mapping> mapping;

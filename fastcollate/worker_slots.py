@@ -121,7 +121,7 @@ class SlotPool:
             f"process still holds, {s.delivered} sent and not yet received, {s.writing} being written); worker "
             f"pid {os.getpid()} writes batches into fresh shared memory instead (slower). Drop batches sooner, "
             "or raise Assembler(max_shared_slots=...).",
-            ResourceWarning,
+            RuntimeWarning,  # shown by default (a ResourceWarning is not), in the worker's stderr
             stacklevel=4,
         )
 

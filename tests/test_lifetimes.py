@@ -41,8 +41,9 @@ def children() -> set[int]:
     for pid in child_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                if not any(helper in handle.read() for helper in HELPERS):
-                    workers.add(pid)
+                command = handle.read()  # read once: a second read() of the file gives b""
+            if not any(helper in command for helper in HELPERS):
+                workers.add(pid)
         except OSError:
             pass  # already gone
     return workers
@@ -56,6 +57,7 @@ def measure(loader, ring: StagingRing | None, expected_workers: int) -> dict:
         gc.collect()
     kids = children()
     ring_stats = ring.stats() if ring is not None else None
+    slots = loader.collate_fn.shared_slot_stats() if loader.num_workers else None
     return {
         "rss": rss(),
         "workers_rss": sum(rss(pid) for pid in kids) if expected_workers else 0,
@@ -64,6 +66,8 @@ def measure(loader, ring: StagingRing | None, expected_workers: int) -> dict:
         "shm": len(os.listdir("/dev/shm")),
         "ring": (ring_stats.slots, ring_stats.bytes_held, ring_stats.slot_allocations, ring_stats.in_use)
         if ring_stats else None,
+        # Slots used and their memory, and none left held once the epoch's batches are dropped.
+        "slots": (slots.slots_used, slots.bytes_held, slots.lent, slots.writing, slots.delivered) if slots else None,
     }
 
 
@@ -83,7 +87,7 @@ def run_epochs(loader, ring, expected_workers):
 
 def assert_flat(seen: list[dict]) -> None:
     first, later = seen[0], seen[1:]
-    for key in ("fds", "shm", "workers", "ring"):
+    for key in ("fds", "shm", "workers", "ring", "slots"):
         assert all(m[key] == first[key] for m in later), f"{key} after each epoch: {[m[key] for m in seen]}"
     if UNDER_ASAN:
         return
@@ -100,11 +104,12 @@ def assert_flat(seen: list[dict]) -> None:
 def test_memory_and_descriptors_stay_flat_over_epochs_with_workers(context, persistent):
     # Spawning fresh workers each epoch costs an interpreter start apiece: one worker keeps make test short.
     workers = 1 if context == "spawn" and not persistent else 2
-    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=workers, collate_fn=assemble,
+    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=workers, collate_fn=assemble.using(),
                         multiprocessing_context=context, persistent_workers=persistent, timeout=60,
                         worker_init_fn=fixed_mmap_threshold)
     seen = run_epochs(loader, None, workers if persistent else 0)
     assert_flat(seen)
+    assert seen[-1]["slots"][2:] == (0, 0, 0)  # no slot lent, being written or in flight
     if persistent:
         del loader  # the persistent workers go with their loader
         gc.collect()

@@ -33,3 +33,54 @@ class BadFourth(Records):
         if index == 3:
             sample["image"] = sample["image"][:1]
         return sample
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """``n`` samples ``{"id", "x"}``, split between the workers by id."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, me = (info.num_workers, info.id) if info is not None else (1, 0)
+        for index in range(me, self.n, workers):
+            yield {"id": index, "x": torch.full((4, 16), float(index))}
+
+
+class KillsItselfAfterAssembling:
+    """A collate_fn: ``assemble``, then SIGKILL on the batch that holds sample ``bad`` (the slot is
+    claimed and written, not yet sent: a worker dying mid-write, as to the main process it is)."""
+
+    def __init__(self, assembler, bad: int) -> None:
+        self.assembler = assembler
+        self.bad = bad
+
+    def __call__(self, samples):
+        batch = self.assembler(samples)
+        if any(sample["id"] == self.bad for sample in samples):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+class ChangesTheBatch:
+    """A collate_fn wrapping ``assemble`` that changes the batch in the worker: a new tensor, a view of
+    the slot, and the first batch kept and sent again (a cache, say) after the next one."""
+
+    def __init__(self, assembler) -> None:
+        self.assembler = assembler
+        self.kept = None
+        self.calls = 0
+
+    def __call__(self, samples):
+        batch = self.assembler(samples)
+        self.calls += 1
+        if self.calls == 2 and self.kept is not None:
+            return self.kept  # sent a second time: must arrive intact, the ordinary way
+        out = {"id": batch["id"], "doubled": batch["x"] * 2, "first_column": batch["x"][:, :, :1]}
+        if self.kept is None:
+            self.kept = out
+        return out

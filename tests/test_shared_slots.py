@@ -1,0 +1,297 @@
+"""Slots shared with DataLoader workers (fastcollate.worker_slots): the same batches as default_collate
+under every start method, the switch, what is left behind (slots, descriptors, /dev/shm) after faults,
+each write received at most once, and the fallback when every slot is held."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from fastcollate import Assembler, DeviceLoader, assemble
+from fastcollate._ext import _C
+from fastcollate.worker_slots import SlotPool
+from tests.conftest import CUDA
+from tests.fault_datasets import HangsAt, Numbered
+from tests.test_assemble_dropin import assert_same
+from tests.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream
+
+RECEIVED = 2  # _C.shared_slot_kind of a batch received over a slot
+RECEIVED_PINNED = 3
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def settled_stats(collate: Assembler, timeout: float = 20.0):
+    """The pool's stats once no slot is being written or waits to be received (workers exiting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        stats = collate.shared_slot_stats()
+        if (stats.writing == 0 and stats.delivered == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_batches_arrive_over_slots_as_default_collate_makes_them(context, persistent):
+    collate = assemble.using()
+    loader = DataLoader(Records(40), batch_size=8, num_workers=2, collate_fn=collate, multiprocessing_context=context,
+                        persistent_workers=persistent, timeout=60)
+    expected = list(DataLoader(Records(40), batch_size=8, collate_fn=default_collate))
+    got = []
+    for _ in range(2):
+        del got[:]  # the last epoch's batches go: holding them too would fill the default bound of 8
+        got = list(loader)
+        assert len(got) == len(expected)
+        for batch, reference in zip(got, expected):
+            assert_same(batch, reference)
+            assert _C.shared_slot_kind(batch["image"]) == RECEIVED
+            assert _C.shared_slot_kind(batch["meta"]["vec"]) == RECEIVED
+    stats = collate.shared_slot_stats()
+    assert stats.lent == 5 and stats.fresh_fallbacks == 0  # the last epoch's batches, still held in `got`
+    assert stats.claims == stats.receipts == 10
+    assert stats.slots_used <= 2 * 2 + 4
+    del got, batch
+    stats = settled_stats(collate)
+    assert stats.lent == stats.writing == stats.delivered == 0
+
+
+def test_the_pool_is_a_private_memfd_that_leaves_no_name_behind():
+    before = shm_entries()
+    collate = assemble.using()
+    batches = list(DataLoader(Records(16), batch_size=8, num_workers=2, collate_fn=collate))
+    assert all(_C.shared_slot_kind(batch["image"]) == RECEIVED for batch in batches)
+    fd = collate._slots.native.fd
+    assert os.fstat(fd).st_mode & 0o777 == 0o600
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:fastcollate-slots")
+    assert shm_entries() == before
+
+
+def test_the_switch_forces_fresh_shared_memory(monkeypatch):
+    off = list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=assemble.using(shared_slots=False)))
+    assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in off)
+    monkeypatch.setenv("FASTCOLLATE_SHARED_SLOTS", "0")
+    collate = assemble.using()
+    by_env = list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=collate))
+    assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in by_env)
+    assert collate.shared_slot_stats() is None  # no pool was made
+    for a, b in zip(off, by_env):
+        assert_same(a, b)
+
+
+def test_several_loaders_share_one_assembler_at_once():
+    # Each worker bounds the slots by its own loader (2 x workers + 4); two loaders at once need both.
+    collate = assemble.using(max_shared_slots=14)
+    first = DataLoader(Numbered(48), batch_size=8, num_workers=2, collate_fn=collate)
+    second = DataLoader(Numbered(48), batch_size=8, num_workers=1, collate_fn=collate, shuffle=True)
+    ids = []
+    for a, b in zip(first, second):
+        for batch in (a, b):
+            assert torch.equal(batch["x"][:, 0, 0], batch["id"].float())
+            assert _C.shared_slot_kind(batch["x"]) == RECEIVED
+            ids += batch["id"].tolist()
+    assert sorted(ids) == sorted(list(range(48)) * 2)
+
+
+FULL_POOL = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from torch.utils.data import DataLoader
+    from fastcollate import assemble
+    from fastcollate._ext import _C
+    from tests.fault_datasets import Numbered
+    collate = assemble.using(max_shared_slots=2)
+    kept = list(DataLoader(Numbered(80, shape=(64,)), batch_size=8, num_workers=2, collate_fn=collate, timeout=60))
+    assert all(torch.equal(b["x"], b["id"].float()[:, None].expand(8, 64)) for b in kept)
+    in_slots = sum(_C.shared_slot_kind(b["x"]) == 2 for b in kept)
+    print(len(kept), in_slots, collate.shared_slot_stats().fresh_fallbacks)
+""")
+
+
+def test_kept_batches_are_never_overwritten_and_a_full_pool_falls_back_with_one_warning():
+    # Every batch is held: the two slots fill and the rest must not wait for them. In a subprocess, so
+    # that the workers' warnings reach stderr as they would for a user (pytest records them otherwise).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", FULL_POOL.format(root=root)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    kept, in_slots, fallbacks = (int(v) for v in done.stdout.split())
+    assert kept == 10 and 1 <= in_slots <= 2 and fallbacks == kept - in_slots
+    warned = done.stderr.count("fastcollate: all 2 shared slots are held (")
+    assert 1 <= warned <= 2, done.stderr  # once per worker that found them full
+    assert "by batches the main process still holds" in done.stderr and "max_shared_slots" in done.stderr
+
+
+def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():
+    # A fork first: every Assembler alive gets its pool then (one descriptor each, for its lifetime).
+    list(DataLoader(Numbered(8), batch_size=8, num_workers=1))
+    gc.collect()
+    fds, names = open_fds(), shm_entries()
+    collate = assemble.using()
+    loader = DataLoader(Numbered(64), batch_size=8, num_workers=2, timeout=60,
+                        collate_fn=KillsItselfAfterAssembling(collate, bad=37))
+    received = []
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(?s?\)? ?\d+"):
+        for batch in loader:
+            assert torch.equal(batch["x"][:, 0, 0], batch["id"].float())  # never a half-written batch
+            received.append(batch)
+    assert all(37 not in batch["id"].tolist() for batch in received)
+    del loader, batch
+    stats = settled_stats(collate)
+    assert stats.writing == 0 and stats.delivered == 0
+    assert stats.reclaimed >= 1  # the killed worker's claimed slot
+    del received
+    gc.collect()
+    assert settled_stats(collate).lent == 0
+    del collate, stats
+    gc.collect()
+    assert open_fds() == fds and shm_entries() == names
+
+
+def test_each_write_is_received_at_most_once():
+    pool = SlotPool.create(4)
+    native = pool.native
+    buffer = native.claim(64, 4)
+    buffer.fill_(7)
+    token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
+    assert token == native.token
+    first = native.receive(slot, seq, nbytes, torch.uint8, 0, [64], [1], -1)
+    again = native.receive(slot, seq, nbytes, torch.uint8, 0, [8], [1], -1)  # another tensor of the batch
+    assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
+    assert torch.all(first == 7)
+    with pytest.raises(RuntimeError, match="reaches past its batch"):
+        native.receive(slot, seq, nbytes, torch.float32, 0, [64], [1], -1)
+    with pytest.raises(RuntimeError, match="batch #2.*cannot be received"):
+        native.receive(slot, seq + 1, nbytes, torch.uint8, 0, [64], [1], -1)  # a sequence number mismatch
+    del buffer  # the writer drops its view: the slot is the receiver's alone
+    assert _C.deliver_slot_tensor(first) == []  # not a writer's view: sent the ordinary way
+    del first, again
+    with pytest.raises(RuntimeError, match="received at most once"):
+        native.receive(slot, seq, nbytes, torch.uint8, 0, [64], [1], -1)  # the same write delivered twice
+    unsent = native.claim(64, 4)
+    with pytest.raises(RuntimeError, match="being written"):
+        native.receive(0, seq + 1, 64, torch.uint8, 0, [64], [1], -1)
+    del unsent
+    assert native.stats().free == 4
+
+
+def test_a_batch_a_worker_kept_and_sent_again_arrives_intact():
+    collate = assemble.using()
+    loader = DataLoader(Numbered(48, shape=(2, 3)), batch_size=8, num_workers=1, collate_fn=ChangesTheBatch(collate))
+    batches = list(loader)
+    ids = [tuple(batch["id"].tolist()) for batch in batches]
+    assert ids[1] == ids[0]  # the worker's collate sent its first batch twice, as it chose to
+    for batch in batches:
+        assert torch.equal(batch["doubled"], 2 * batch["id"].float()[:, None, None].expand(8, 2, 3))
+        assert torch.equal(batch["first_column"][:, :, 0], batch["id"].float()[:, None].expand(8, 2))
+    assert _C.shared_slot_kind(batches[-1]["first_column"]) == RECEIVED  # a view of the slot, received
+    assert _C.shared_slot_kind(batches[-1]["doubled"]) == 0  # a new tensor, in fresh shared memory
+
+
+def test_an_iterable_dataset_a_timeout_and_a_loader_deleted_mid_epoch_leave_no_slot_held():
+    collate = assemble.using()
+    streamed = list(DataLoader(Stream(48), batch_size=8, num_workers=2, collate_fn=collate))
+    assert sorted(i for b in streamed for i in b["id"].tolist()) == list(range(48))
+    assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in streamed)
+    del streamed
+
+    iterator = iter(DataLoader(Numbered(400), batch_size=8, num_workers=2, collate_fn=collate))
+    partial = [next(iterator) for _ in range(3)]
+    del iterator  # deleted mid-epoch: batches in flight are dropped with the workers
+    assert settled_stats(collate).lent == len(partial)
+    del partial
+    assert settled_stats(collate).lent == 0
+
+    hanging = DataLoader(HangsAt(64, bad=20), batch_size=8, num_workers=2, collate_fn=collate, timeout=3)
+    with pytest.raises(RuntimeError, match="timed out"):
+        list(hanging)
+    del hanging
+    stats = settled_stats(collate)
+    assert stats.writing == stats.delivered == stats.lent == 0
+
+
+MAIN_KILLED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from torch.utils.data import DataLoader
+    from fastcollate import assemble
+    from tests.fault_datasets import Numbered
+    loader = DataLoader(Numbered(10_000, delay=0.01), batch_size=8, num_workers=2, collate_fn=assemble)
+    for step, batch in enumerate(loader):
+        if step == 3:
+            print("ready", flush=True)
+        time.sleep(0.01)
+""")
+
+
+def test_the_main_process_killed_leaves_nothing_in_dev_shm():
+    names = shm_entries()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", MAIN_KILLED.format(root=root)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        while line and line.strip() != "ready":
+            line = child.stdout.readline()
+        assert line.strip() == "ready"
+        workers = [int(pid) for pid in open(f"/proc/{child.pid}/task/{child.pid}/children").read().split()]
+        assert workers
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 30  # a worker notices its parent is gone within a few seconds
+        while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert shm_entries() == names  # the slots were a memfd: gone with the last process holding it
+
+
+@pytest.mark.needs_cuda
+def test_on_a_gpu_batches_from_workers_cross_without_a_host_copy():
+    collate = assemble.using()
+    loader = DataLoader(Records(64), batch_size=8, num_workers=2, collate_fn=collate, persistent_workers=True)
+    device_loader = DeviceLoader(loader, device="cuda")
+    for epoch in range(2):
+        for batch in device_loader:
+            assert batch["image"].is_cuda
+        if epoch == 0:
+            registered = collate.shared_slot_stats().registrations
+    stats = device_loader.stats()
+    assert stats["host_packs"] == 0 and stats["direct_from_slot"] == stats["batches"] == 16
+    slots = collate.shared_slot_stats()
+    assert slots.registrations == registered == slots.mappings  # each mapping registered once, at warm-up
+
+
+@pytest.mark.needs_cuda
+def test_on_a_gpu_pin_memory_true_adds_no_copy():
+    torch.cuda.init()
+    loader = DataLoader(Records(32), batch_size=8, num_workers=2, collate_fn=assemble.using(), pin_memory=True)
+    for batch in loader:
+        assert batch["image"].is_pinned()
+        assert _C.shared_slot_kind(batch["image"]) == RECEIVED_PINNED  # the slot itself, not a pinned copy
+
+
+def test_no_cuda_here_means_slots_are_not_page_locked():
+    if CUDA:
+        pytest.skip("a GPU is visible: the GPU tests cover page-locking")
+    collate = assemble.using()
+    list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=collate))
+    assert collate.shared_slot_stats().registrations == 0

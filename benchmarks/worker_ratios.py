@@ -11,7 +11,8 @@ a freshly shuffled order (seeded), dropping each batch at once; the first round 
 JSON, left out of the medians). glibc's mmap threshold is fixed at 64 MiB in the main process and every
 worker, for all contenders alike (``samples_on_the_heap``): left dynamic, whether a 150 KB sample clone
 is a fresh mmap depends on what ran before; fixed high, the dataset's clones cost the same everywhere
-and what differs is the loader's path. Per epoch: samples/s (wall clock, from ``iter()`` to the last batch) and the main
+and what differs is the loader's path. Per epoch: samples/s (wall clock, from ``iter()`` to the last
+batch) and the main
 process's CPU time per batch (``time.process_time``: with workers, what receiving a batch costs it).
 Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios.
 """
@@ -71,8 +72,12 @@ def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: 
     for contender in CONTENDERS:
         for count in workers:
             loaders[(contender, count)] = DataLoader(
-                dataset, batch_size=preset.batch_size, collate_fn=collate_for(contender, preset), num_workers=count,
-                persistent_workers=count > 0, worker_init_fn=samples_on_the_heap if count else None,
+                dataset,
+                batch_size=preset.batch_size,
+                collate_fn=collate_for(contender, preset),
+                num_workers=count,
+                persistent_workers=count > 0,
+                worker_init_fn=samples_on_the_heap if count else None,
                 prefetch_factor=2 if count else None,
             )
     order = random.Random(seed)
@@ -82,20 +87,41 @@ def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: 
         order.shuffle(keys)
         for contender, count in keys:
             wall, cpu, samples, done = epoch(loaders[(contender, count)])
-            runs.append({"round": round_index, "warmup": round_index == 0, "contender": contender, "workers": count,
-                         "seconds": wall, "main_cpu_seconds": cpu, "samples": samples, "batches": done,
-                         "samples_per_s": samples / wall, "main_cpu_ms_per_batch": 1e3 * cpu / max(done, 1)})
+            runs.append(
+                {
+                    "round": round_index,
+                    "warmup": round_index == 0,
+                    "contender": contender,
+                    "workers": count,
+                    "seconds": wall,
+                    "main_cpu_seconds": cpu,
+                    "samples": samples,
+                    "batches": done,
+                    "samples_per_s": samples / wall,
+                    "main_cpu_ms_per_batch": 1e3 * cpu / max(done, 1),
+                }
+            )
         print(f"  {name}: round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
     slots = {}
     # What one slot must hold: the batch's bytes as assemble lays them out (aligned fields).
     batch_bytes = _C.Collator("id", [], False).plan([dataset[i] for i in range(preset.batch_size)]).nbytes
     for (contender, count), loader in loaders.items():
-        stats = loader.collate_fn.shared_slot_stats() if isinstance(loader.collate_fn, fastcollate.Assembler) else None
+        stats = (
+            loader.collate_fn.shared_slot_stats()
+            if isinstance(loader.collate_fn, fastcollate.Assembler)
+            else None
+        )
         if stats is not None and contender.endswith("on"):
             slots[count] = stats.__dict__
     del loaders
-    return {"dataset": name, "description": preset.description, "batch_size": preset.batch_size,
-            "batch_tensor_bytes": batch_bytes, "runs": runs, "slot_stats": slots}
+    return {
+        "dataset": name,
+        "description": preset.description,
+        "batch_size": preset.batch_size,
+        "batch_tensor_bytes": batch_bytes,
+        "runs": runs,
+        "slot_stats": slots,
+    }
 
 
 def summarize(result: dict) -> list[str]:
@@ -104,16 +130,23 @@ def summarize(result: dict) -> list[str]:
     for r in runs:
         by.setdefault((r["contender"], r["workers"]), {})[r["round"]] = r
     workers = sorted({w for _, w in by})
-    median = {key: statistics.median(r["samples_per_s"] for r in rounds.values()) for key, rounds in by.items()}
-    cpu = {key: statistics.median(r["main_cpu_ms_per_batch"] for r in rounds.values()) for key, rounds in by.items()}
+    median = {
+        key: statistics.median(r["samples_per_s"] for r in rounds.values()) for key, rounds in by.items()
+    }
+    cpu = {
+        key: statistics.median(r["main_cpu_ms_per_batch"] for r in rounds.values())
+        for key, rounds in by.items()
+    }
 
     def paired(a: tuple, b: tuple) -> str:
         ratios = [by[a][k]["samples_per_s"] / by[b][k]["samples_per_s"] for k in by[a] if k in by[b]]
         low, high = quartiles(ratios)
         return f"{median[a] / median[b]:.2f}x ({low:.2f}-{high:.2f})"
 
-    lines = [f"{result['dataset']}: {result['description']}, batch {result['batch_size']}",
-             "  samples/s (median)   " + "".join(f"{f'workers={w}':>22}" for w in workers)]
+    lines = [
+        f"{result['dataset']}: {result['description']}, batch {result['batch_size']}",
+        "  samples/s (median)   " + "".join(f"{f'workers={w}':>22}" for w in workers),
+    ]
     for contender in CONTENDERS:
         cells = "".join(f"{median[(contender, w)]:>14,.0f} {cpu[(contender, w)]:5.2f}ms" for w in workers)
         lines.append(f"  {contender:<21}{cells}")
@@ -121,15 +154,20 @@ def summarize(result: dict) -> list[str]:
     for w in workers:
         if w == 0:
             continue
-        lines.append(f"  workers={w}: slots on / default_collate {paired(('assemble, slots on', w), ('default_collate', w))}; "
-                     f"slots on / slots off {paired(('assemble, slots on', w), ('assemble, slots off', w))}; "
-                     f"slots on / assemble at workers=0 {paired(('assemble, slots on', w), ('assemble, slots on', 0))}")
+        lines.append(
+            f"  workers={w}: slots on / default_collate "
+            f"{paired(('assemble, slots on', w), ('default_collate', w))}; "
+            f"slots on / slots off {paired(('assemble, slots on', w), ('assemble, slots off', w))}; "
+            f"slots on / assemble at workers=0 {paired(('assemble, slots on', w), ('assemble, slots on', 0))}"
+        )
     for w, stats in sorted(result["slot_stats"].items()):
         if w == 0 or not stats["slots_used"]:
             continue
         held = stats["bytes_held"] / (stats["slots_used"] * result["batch_tensor_bytes"])
-        lines.append(f"  workers={w}: {stats['slots_used']} slots used, bytes held {held:.3f}x slots x batch bytes, "
-                     f"{stats['fresh_fallbacks']} fresh fallbacks, {stats['reclaimed']} reclaimed")
+        lines.append(
+            f"  workers={w}: {stats['slots_used']} slots used, bytes held {held:.3f}x slots x batch bytes, "
+            f"{stats['fresh_fallbacks']} fresh fallbacks, {stats['reclaimed']} reclaimed"
+        )
     result["medians"] = {f"{c} @ workers={w}": v for (c, w), v in median.items()}
     result["main_cpu_ms_per_batch"] = {f"{c} @ workers={w}": v for (c, w), v in cpu.items()}
     return lines
@@ -160,13 +198,20 @@ def receive_cost_ms(name: str, repeats: int = 200) -> dict:
         received = pickle.loads(message)
         del received
         times.append(time.perf_counter() - start)
-    return {"dataset": name, "repeats": repeats, "median_ms": 1e3 * statistics.median(times),
-            "p25_p75_ms": [1e3 * q for q in quartiles(times)], "message_bytes": len(message)}
+    return {
+        "dataset": name,
+        "repeats": repeats,
+        "median_ms": 1e3 * statistics.median(times),
+        "p25_p75_ms": [1e3 * q for q in quartiles(times)],
+        "message_bytes": len(message),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--datasets", nargs="+", default=["predecoded", "fashion", "fields"], choices=sorted(PRESETS))
+    parser.add_argument(
+        "--datasets", nargs="+", default=["predecoded", "fashion", "fields"], choices=sorted(PRESETS)
+    )
     parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=12, help="batches per epoch")
@@ -175,10 +220,19 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples_on_the_heap()
-    print(f"glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork; one torch thread; {args.rounds} rounds "
-          f"of {args.batches} batches after one warm-up; medians, spread = p25-p75 of per-round ratios", flush=True)
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "python": platform.python_version(), "torch": torch.__version__, "results": []}
+    print(
+        "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork; "
+        f"one torch thread; {args.rounds} rounds "
+        f"of {args.batches} batches after one warm-up; medians, spread = p25-p75 of per-round ratios",
+        flush=True,
+    )
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "results": [],
+    }
     lines = []
     for name in args.datasets:
         result = run_dataset(name, args.workers, args.rounds, args.batches, args.seed)
@@ -190,9 +244,12 @@ def main() -> int:
     for name in args.datasets:
         cost = receive_cost_ms(name)
         report.setdefault("receive_cost", []).append(cost)
-        print(f"receiving one {name} batch in the main process (unpickle the {cost['message_bytes']}-byte message "
-              f"into views of its slot, then drop them): median {cost['median_ms']:.3f} ms "
-              f"(p25-p75 {cost['p25_p75_ms'][0]:.3f}-{cost['p25_p75_ms'][1]:.3f}) over {cost['repeats']}")
+        print(
+            f"receiving one {name} batch in the main process "
+            f"(unpickle the {cost['message_bytes']}-byte message "
+            f"into views of its slot, then drop them): median {cost['median_ms']:.3f} ms "
+            f"(p25-p75 {cost['p25_p75_ms'][0]:.3f}-{cost['p25_p75_ms'][1]:.3f}) over {cost['repeats']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from . import worker_slots
 from ._ext import _C
 from .contract import Contract
-from . import worker_slots
 from .errors import ContractEmptyError
 from .staging import StagingRing, main_process_ring
 

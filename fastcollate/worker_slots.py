@@ -118,9 +118,9 @@ class SlotPool:
         s = self.native.stats()
         warnings.warn(
             f"fastcollate: all {min(bound, s.capacity)} shared slots are held ({s.lent} by batches the main "
-            f"process still holds, {s.delivered} sent and not yet received, {s.writing} being written); worker "
-            f"pid {os.getpid()} writes batches into fresh shared memory instead (slower). Drop batches sooner, "
-            "or raise Assembler(max_shared_slots=...).",
+            f"process still holds, {s.delivered} sent and not yet received, {s.writing} being written); "
+            f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower). "
+            "Drop batches sooner, or raise Assembler(max_shared_slots=...).",
             RuntimeWarning,  # shown by default (a ResourceWarning is not), in the worker's stderr
             stacklevel=4,
         )
@@ -154,13 +154,15 @@ def _pin_device() -> int:
     return -1
 
 
-def _receive(token: int, slot: int, seq: int, nbytes: int, dtype: torch.dtype, offset: int, shape: tuple,
-             stride: tuple) -> torch.Tensor:
+def _receive(
+    token: int, slot: int, seq: int, nbytes: int, dtype: torch.dtype, offset: int, shape: tuple, stride: tuple
+) -> torch.Tensor:
     pool = _pools.get(token)
     if pool is None:
         raise RuntimeError(
-            "fastcollate: a batch from a DataLoader worker names shared slots this process does not hold: its "
-            "Assembler was deleted while the batch was in flight, or the batch was sent on to another process"
+            "fastcollate: a batch from a DataLoader worker names shared slots this process does not hold: "
+            "its Assembler was deleted while the batch was in flight, or the batch was sent on to another "
+            "process"
         )
     return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device())
 
@@ -191,8 +193,16 @@ def install_reducer() -> bool:
             if not sent:
                 return torch_reduce_tensor(tensor)
             token, slot, seq, nbytes = sent
-            return _receive, (token, slot, seq, nbytes, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
-                              tensor.stride())
+            return _receive, (
+                token,
+                slot,
+                seq,
+                nbytes,
+                tensor.dtype,
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+            )
 
         multiprocessing.reduction.ForkingPickler.register(torch.Tensor, reduce_tensor)
         _reducer_installed_in = os.getpid()
@@ -216,8 +226,11 @@ def _before_fork() -> None:
         try:
             assembler.prepare_shared_slots()
         except Exception as error:  # noqa: BLE001 - a failed pool must not fail the fork: batches fall back
-            warnings.warn(f"fastcollate: shared slots unavailable, batches use fresh shared memory ({error})",
-                          ResourceWarning, stacklevel=2)
+            warnings.warn(
+                f"fastcollate: shared slots unavailable, batches use fresh shared memory ({error})",
+                ResourceWarning,
+                stacklevel=2,
+            )
 
 
 os.register_at_fork(before=_before_fork)

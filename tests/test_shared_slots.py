@@ -51,8 +51,15 @@ def settled_stats(collate: Assembler, timeout: float = 20.0):
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_batches_arrive_over_slots_as_default_collate_makes_them(context, persistent):
     collate = assemble.using()
-    loader = DataLoader(Records(40), batch_size=8, num_workers=2, collate_fn=collate, multiprocessing_context=context,
-                        persistent_workers=persistent, timeout=60)
+    loader = DataLoader(
+        Records(40),
+        batch_size=8,
+        num_workers=2,
+        collate_fn=collate,
+        multiprocessing_context=context,
+        persistent_workers=persistent,
+        timeout=60,
+    )
     expected = list(DataLoader(Records(40), batch_size=8, collate_fn=default_collate))
     got = []
     for _ in range(2):
@@ -84,7 +91,9 @@ def test_the_pool_is_a_private_memfd_that_leaves_no_name_behind():
 
 
 def test_the_switch_forces_fresh_shared_memory(monkeypatch):
-    off = list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=assemble.using(shared_slots=False)))
+    off = list(
+        DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=assemble.using(shared_slots=False))
+    )
     assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in off)
     monkeypatch.setenv("FASTCOLLATE_SHARED_SLOTS", "0")
     collate = assemble.using()
@@ -118,7 +127,9 @@ FULL_POOL = textwrap.dedent("""
     from fastcollate._ext import _C
     from tests.fault_datasets import Numbered
     collate = assemble.using(max_shared_slots=2)
-    kept = list(DataLoader(Numbered(80, shape=(64,)), batch_size=8, num_workers=2, collate_fn=collate, timeout=60))
+    loader = DataLoader(Numbered(80, shape=(64,)), batch_size=8, num_workers=2, collate_fn=collate,
+                        timeout=60)
+    kept = list(loader)
     assert all(torch.equal(b["x"], b["id"].float()[:, None].expand(8, 64)) for b in kept)
     in_slots = sum(_C.shared_slot_kind(b["x"]) == 2 for b in kept)
     print(len(kept), in_slots, collate.shared_slot_stats().fresh_fallbacks)
@@ -129,8 +140,9 @@ def test_kept_batches_are_never_overwritten_and_a_full_pool_falls_back_with_one_
     # Every batch is held: the two slots fill and the rest must not wait for them. In a subprocess, so
     # that the workers' warnings reach stderr as they would for a user (pytest records them otherwise).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", FULL_POOL.format(root=root)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_POOL.format(root=root)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     kept, in_slots, fallbacks = (int(v) for v in done.stdout.split())
     assert kept == 10 and 1 <= in_slots <= 2 and fallbacks == kept - in_slots
@@ -145,8 +157,13 @@ def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():
     gc.collect()
     fds, names = open_fds(), shm_entries()
     collate = assemble.using()
-    loader = DataLoader(Numbered(64), batch_size=8, num_workers=2, timeout=60,
-                        collate_fn=KillsItselfAfterAssembling(collate, bad=37))
+    loader = DataLoader(
+        Numbered(64),
+        batch_size=8,
+        num_workers=2,
+        timeout=60,
+        collate_fn=KillsItselfAfterAssembling(collate, bad=37),
+    )
     received = []
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(?s?\)? ?\d+"):
         for batch in loader:
@@ -194,7 +211,9 @@ def test_each_write_is_received_at_most_once():
 
 def test_a_batch_a_worker_kept_and_sent_again_arrives_intact():
     collate = assemble.using()
-    loader = DataLoader(Numbered(48, shape=(2, 3)), batch_size=8, num_workers=1, collate_fn=ChangesTheBatch(collate))
+    loader = DataLoader(
+        Numbered(48, shape=(2, 3)), batch_size=8, num_workers=1, collate_fn=ChangesTheBatch(collate)
+    )
     batches = list(loader)
     ids = [tuple(batch["id"].tolist()) for batch in batches]
     assert ids[1] == ids[0]  # the worker's collate sent its first batch twice, as it chose to
@@ -244,7 +263,9 @@ MAIN_KILLED = textwrap.dedent("""
 def test_the_main_process_killed_leaves_nothing_in_dev_shm():
     names = shm_entries()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = subprocess.Popen([sys.executable, "-c", MAIN_KILLED.format(root=root)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", MAIN_KILLED.format(root=root)], stdout=subprocess.PIPE, text=True
+    )
     try:
         line = child.stdout.readline()
         while line and line.strip() != "ready":
@@ -283,7 +304,9 @@ def test_on_a_gpu_batches_from_workers_cross_without_a_host_copy():
 @pytest.mark.needs_cuda
 def test_on_a_gpu_pin_memory_true_adds_no_copy():
     torch.cuda.init()
-    loader = DataLoader(Records(32), batch_size=8, num_workers=2, collate_fn=assemble.using(), pin_memory=True)
+    loader = DataLoader(
+        Records(32), batch_size=8, num_workers=2, collate_fn=assemble.using(), pin_memory=True
+    )
     for batch in loader:
         assert batch["image"].is_pinned()
         assert _C.shared_slot_kind(batch["image"]) == RECEIVED_PINNED  # the slot itself, not a pinned copy

@@ -14,7 +14,7 @@ endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
 
 help:
-	@echo "make demo      build, then python -m fastcollate bench on the embedded data set"
+	@echo "make demo      build, then python -m fastcollate bench on the embedded data set, then workers on pre-decoded images"
 	@echo "make test      build, then the test suite"
 	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate); COMPARE=1 compares with the last run"
 	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
@@ -42,8 +42,11 @@ build: .stamp-build
 test: .stamp-build
 	$(PY) -m pytest tests -q
 
+# The FashionMNIST-like bench (bound by its PIL transforms), then pre-decoded images with workers
+# (bound by moving bytes: shared slots on and off).
 demo: .stamp-build
 	$(PY) -m fastcollate bench $(BENCH_ARGS)
+	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds 3
 
 bench: .stamp-build
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \

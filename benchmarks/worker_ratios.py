@@ -47,15 +47,20 @@ def collate_for(contender: str, preset) -> object:
 
 
 def epoch(loader: DataLoader) -> tuple[float, float, int, int]:
-    """(wall seconds, main-process CPU seconds, samples, batches) of one epoch."""
-    samples = batches = 0
+    """(wall seconds, main-process CPU seconds, samples, batches) of one epoch; raises if a sample was
+    lost or duplicated."""
+    ids: list[int] = []
+    batches = 0
     cpu = time.process_time()
     start = time.perf_counter()
     for batch in loader:
-        samples += len(batch["id"])
+        ids += batch["id"].tolist()
         batches += 1
         del batch
-    return time.perf_counter() - start, time.process_time() - cpu, samples, batches
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if sorted(ids) != list(range(len(loader.dataset))):
+        raise AssertionError(f"an epoch delivered {len(ids)} ids, not each of the {len(loader.dataset)} once")
+    return wall, cpu, len(ids), batches
 
 
 def quartiles(values: list[float]) -> tuple[float, float]:

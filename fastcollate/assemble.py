@@ -67,20 +67,13 @@ class Assembler:
         self.max_shared_slots = max_shared_slots
         self._collator = None
         self._slots: worker_slots.SlotPool | None = None
+        self._pin_device: int | None = None
         worker_slots.track(self)
 
-    def using(
-        self,
-        contract: Contract | None = None,
-        *,
-        id_key: str | None = None,
-        ring: StagingRing | None = None,
-        shared_slots: bool = True,
-        max_shared_slots: int | None = None,
-    ) -> Assembler:
-        """A collate function that enforces ``contract`` (and/or reads ids from ``id_key``)."""
-        return Assembler(contract, id_key=id_key, ring=ring, shared_slots=shared_slots,
-                         max_shared_slots=max_shared_slots)
+    def using(self, contract: Contract | None = None, **options: Any) -> Assembler:
+        """A collate function that enforces ``contract``; ``options`` are Assembler's keyword arguments
+        (``id_key``, ``ring``, ``shared_slots``, ``max_shared_slots``)."""
+        return Assembler(contract, **options)
 
     def prepare_shared_slots(self) -> worker_slots.SlotPool | None:
         """Makes (or keeps) the pool of slots this process's workers write into; None when switched off.
@@ -89,7 +82,15 @@ class Assembler:
             return None
         capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
         self._slots = worker_slots.for_workers(self._slots, capacity)
+        self._slots.pin_device = self._pin_device
         return self._slots
+
+    def pin_shared_slots_on(self, device: torch.device) -> None:
+        """Page-locks the shared slots with ``device``'s context (DeviceLoader calls it), so that a
+        process working on ``cuda:1`` makes no context on GPU 0 when it receives a batch."""
+        self._pin_device = device.index
+        if self._slots is not None:
+            self._slots.pin_device = device.index
 
     def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:
         """The state of the slots shared with this process's workers; None before any worker started."""

@@ -77,6 +77,9 @@ class SlotPool:
     def __init__(self, native: Any, handed_over: bool) -> None:
         self.native = native
         self.handed_over = handed_over  # attached from a descriptor its owner sent to this process
+        # The CUDA device whose context page-locks the mappings; None: the current one, where CUDA is
+        # initialised in the receiving thread (DataLoader's pin-memory thread sets its device).
+        self.pin_device: int | None = None
         self._warned = False
         _pools[native.token] = self
 
@@ -148,10 +151,10 @@ def being_spawned() -> bool:
 # The main process: rebuilding a worker's slot tensor.
 
 
-def _pin_device() -> int:
-    if _C.built_with_cuda and torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    return -1
+def _pin_device(pool: SlotPool) -> int:
+    if not _C.built_with_cuda or not torch.cuda.is_initialized():
+        return -1
+    return torch.cuda.current_device() if pool.pin_device is None else pool.pin_device
 
 
 def _receive(
@@ -164,7 +167,7 @@ def _receive(
             "its Assembler was deleted while the batch was in flight, or the batch was sent on to another "
             "process"
         )
-    return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device())
+    return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device(pool))
 
 
 # A worker: sending slot tensors as views.

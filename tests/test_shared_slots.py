@@ -290,15 +290,14 @@ def test_on_a_gpu_batches_from_workers_cross_without_a_host_copy():
     collate = assemble.using()
     loader = DataLoader(Records(64), batch_size=8, num_workers=2, collate_fn=collate, persistent_workers=True)
     device_loader = DeviceLoader(loader, device="cuda")
-    for epoch in range(2):
+    for _ in range(2):
         for batch in device_loader:
             assert batch["image"].is_cuda
-        if epoch == 0:
-            registered = collate.shared_slot_stats().registrations
     stats = device_loader.stats()
     assert stats["host_packs"] == 0 and stats["direct_from_slot"] == stats["batches"] == 16
     slots = collate.shared_slot_stats()
-    assert slots.registrations == registered == slots.mappings  # each mapping registered once, at warm-up
+    # Each slot mapped and page-locked once (same-sized batches: no remap), within the default bound.
+    assert slots.registrations == slots.mappings == slots.slots_used <= 2 * 2 + 4
 
 
 @pytest.mark.needs_cuda

@@ -86,8 +86,9 @@ class Assembler:
         return self._slots
 
     def pin_shared_slots_on(self, device: torch.device) -> None:
-        """Page-locks the shared slots with ``device``'s context (DeviceLoader calls it), so that a
-        process working on ``cuda:1`` makes no context on GPU 0 when it receives a batch."""
+        """Page-locks the shared slots, each once, with ``device``'s context (so a process working on
+        ``cuda:1`` makes no context on GPU 0). DeviceLoader calls it: it holds every batch until its
+        copy has completed, which a slot needs before a worker may write there again."""
         self._pin_device = device.index
         if self._slots is not None:
             self._slots.pin_device = device.index

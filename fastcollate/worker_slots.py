@@ -10,9 +10,12 @@ pinned memory. With them (csrc/shared_slots.cpp):
 - A worker's ``assemble`` claims a free slot (a compare-and-swap in the shared header), writes the
   batch there, and its tensors are pickled as (slot, sequence number, view): a few dozen bytes.
 - The main process maps each slot once and lends the batch a storage over that mapping; when the last
-  tensor over it dies the slot is free again. Where CUDA is initialized in the receiving process the
-  mapping is page-locked once, so the batch arrives pinned (DeviceLoader copies straight from it, and
-  ``pin_memory()`` returns it unchanged).
+  tensor over it dies the slot is free again. Under a DeviceLoader the mapping is page-locked once, so
+  the batch arrives pinned and DeviceLoader copies straight from it, holding the batch until its copy's
+  event has completed. Nothing else page-locks slots: an asynchronous ``.to(non_blocking=True)`` from
+  a page-locked slot could still be reading it when the batch is dropped and a worker writes the next
+  one there (torch's pinned allocator guards only its own blocks that way), so with
+  ``pin_memory=True`` DataLoader pins a copy, as it does for ``default_collate``.
 
 A batch falls back to fresh shared memory, with correct data, when every slot is held (with one warning
 per worker, giving the numbers), when the pool was not handed to the worker, or when it is switched off
@@ -77,8 +80,7 @@ class SlotPool:
     def __init__(self, native: Any, handed_over: bool) -> None:
         self.native = native
         self.handed_over = handed_over  # attached from a descriptor its owner sent to this process
-        # The CUDA device whose context page-locks the mappings; None: the current one, where CUDA is
-        # initialised in the receiving thread (DataLoader's pin-memory thread sets its device).
+        # The CUDA device whose context page-locks the mappings (set by DeviceLoader); None: not pinned.
         self.pin_device: int | None = None
         self._warned = False
         _pools[native.token] = self
@@ -152,9 +154,9 @@ def being_spawned() -> bool:
 
 
 def _pin_device(pool: SlotPool) -> int:
-    if not _C.built_with_cuda or not torch.cuda.is_initialized():
+    if pool.pin_device is None or not _C.built_with_cuda or not torch.cuda.is_initialized():
         return -1
-    return torch.cuda.current_device() if pool.pin_device is None else pool.pin_device
+    return pool.pin_device
 
 
 def _receive(

@@ -21,6 +21,7 @@ from fastcollate._ext import _C
 from fastcollate.worker_slots import SlotPool
 from tests.conftest import CUDA
 from tests.fault_datasets import HangsAt, Numbered
+from tests.test_faults import TORCH_FD_PROBE, fd_targets
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream
 
@@ -31,8 +32,17 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def left_in_dev_shm(before: set[str]) -> set[str]:
+    """Entries made since ``before`` and still there (multiprocessing's semaphores of other tests come
+    and go: an entry that went away is not a leak)."""
+    return shm_entries() - before
+
+
+def new_fds(before: dict[str, str]) -> dict[str, str]:
+    """Descriptors open now that were not before, less the probe file DataLoader's SIGCHLD handler can
+    leave open when it fires during its descriptor probe (torch's, see test_faults)."""
+    return {fd: target for fd, target in fd_targets().items()
+            if before.get(fd) != target and not TORCH_FD_PROBE.fullmatch(target)}
 
 
 def settled_stats(collate: Assembler, timeout: float = 20.0):
@@ -86,7 +96,7 @@ def test_the_pool_is_a_private_memfd_that_leaves_no_name_behind():
     fd = collate._slots.native.fd
     assert os.fstat(fd).st_mode & 0o777 == 0o600
     assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:fastcollate-slots")
-    assert shm_entries() == before
+    assert not left_in_dev_shm(before)
 
 
 def test_the_switch_forces_fresh_shared_memory(monkeypatch):
@@ -154,7 +164,7 @@ def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():
     # A fork first: every Assembler alive gets its pool then (one descriptor each, for its lifetime).
     list(DataLoader(Numbered(8), batch_size=8, num_workers=1))
     gc.collect()
-    fds, names = open_fds(), shm_entries()
+    fds, names = fd_targets(), shm_entries()
     collate = assemble.using()
     loader = DataLoader(
         Numbered(64),
@@ -178,7 +188,7 @@ def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():
     assert settled_stats(collate).lent == 0
     del collate, stats
     gc.collect()
-    assert open_fds() == fds and shm_entries() == names
+    assert not new_fds(fds) and not left_in_dev_shm(names)
 
 
 def test_each_write_is_received_at_most_once():
@@ -281,7 +291,7 @@ def test_the_main_process_killed_leaves_nothing_in_dev_shm():
     finally:
         if child.poll() is None:
             child.kill()
-    assert shm_entries() == names  # the slots were a memfd: gone with the last process holding it
+    assert not left_in_dev_shm(names)  # the slots were a memfd: gone with the last process holding it
 
 
 @pytest.mark.needs_cuda

@@ -132,9 +132,10 @@ struct SharedSlots::Mapping {
   void* base = nullptr;
   size_t length = 0;
   pid_t pid = 0;  // a forked child inherits the mapping but not the CUDA registration
-  bool registered = false;
+  std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
+  bool registration_failed = false;      // tried once: not again on every batch
   ~Mapping() {
-    if (registered && ::getpid() == pid) {
+    if (registered.load() && ::getpid() == pid) {
       unregister_host_memory(base);
     }
     ::munmap(base, length);
@@ -162,6 +163,7 @@ SharedSlots::SharedSlots(int fd, void* header, size_t header_bytes)
   const auto count = static_cast<size_t>(header_->capacity);
   writer_maps_.resize(count);
   reader_maps_.resize(count);
+  pinned_maps_.resize(count);
   received_.resize(count);
   received_seq_.assign(count, -1);
 }
@@ -301,7 +303,7 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound) {
   auto& entry = header_->slot(chosen);
   std::shared_ptr<Mapping> mapping;
   try {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(writer_mutex_);
     mapping = mapping_for(writer_maps_, chosen, need);
   } catch (...) {
     entry.word.store(make_word(kFree, false, 0, seq), std::memory_order_release);
@@ -384,7 +386,7 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
   TORCH_CHECK(offset >= 0 && (offset + extent) * static_cast<int64_t>(c10::elementSize(dtype)) <= nbytes,
               "fastcollate: a view from a worker reaches past its batch in shared slot ", slot);
   const auto index = static_cast<size_t>(slot);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(reader_mutex_);
   at::Storage storage;
   if (received_seq_[index] == seq && received_[index]) {
     if (auto alive = received_[index]->lock()) {
@@ -413,11 +415,17 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
     } while (!word.compare_exchange_weak(current, with_state(current, kLent), std::memory_order_acq_rel));
     std::shared_ptr<Mapping> mapping;
     try {
-      mapping = mapping_for(reader_maps_, slot, static_cast<size_t>(nbytes));
-      if (pin_device >= 0 && !mapping->registered) {
-        register_host_memory(mapping->base, mapping->length, pin_device);
-        mapping->registered = true;
-        ++registrations_;
+      mapping = mapping_for(pin_device >= 0 ? pinned_maps_ : reader_maps_, slot, static_cast<size_t>(nbytes));
+      if (pin_device >= 0 && !mapping->registered.load() && !mapping->registration_failed) {
+        try {
+          register_host_memory(mapping->base, mapping->length, pin_device);
+          mapping->registered.store(true);
+          ++registrations_;
+        } catch (const std::exception&) {
+          // The batch is fine, only not page-locked: DeviceLoader packs it into its pinned ring instead.
+          mapping->registration_failed = true;
+          ++registration_failures_;
+        }
       }
     } catch (...) {
       release_reader(slot, static_cast<uint32_t>(seq));  // the batch is lost loudly, the slot kept
@@ -488,10 +496,10 @@ SharedSlotStats SharedSlots::stats() const {
   out.claims = header_->claims.load(std::memory_order_relaxed);
   out.fresh_fallbacks = header_->fresh_fallbacks.load(std::memory_order_relaxed);
   out.reclaimed = header_->reclaimed.load(std::memory_order_relaxed);
-  std::lock_guard<std::mutex> lock(mutex_);
-  out.receipts = receipts_;
-  out.mappings = mappings_;
-  out.registrations = registrations_;
+  out.receipts = receipts_.load();
+  out.mappings = mappings_.load();
+  out.registrations = registrations_.load();
+  out.registration_failures = registration_failures_.load();
   return out;
 }
 
@@ -536,7 +544,7 @@ int64_t shared_slot_kind(const at::Tensor& tensor) {
   if (received == nullptr) {
     return 0;
   }
-  return received->mapping->registered ? 3 : 2;
+  return received->mapping->registered.load() ? 3 : 2;
 }
 
 std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {
@@ -563,7 +571,8 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("reclaimed", &Stats::reclaimed)
       .def_readonly("receipts", &Stats::receipts)
       .def_readonly("mappings", &Stats::mappings)
-      .def_readonly("registrations", &Stats::registrations);
+      .def_readonly("registrations", &Stats::registrations)
+      .def_readonly("registration_failures", &Stats::registration_failures);
   const py::call_guard<py::gil_scoped_release> release_gil;
   py::class_<SharedSlots, std::shared_ptr<SharedSlots>>(m, "SharedSlots")
       .def_static("create", &SharedSlots::create, py::arg("capacity"))

@@ -46,6 +46,7 @@ struct SharedSlotStats {
   int64_t receipts = 0;       // batches received by this process
   int64_t mappings = 0;       // slot mappings this process made (new slots and grown ones)
   int64_t registrations = 0;  // of those, registered with CUDA (page-locked)
+  int64_t registration_failures = 0;  // mappings left pageable because page-locking them failed
 };
 
 class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
@@ -73,7 +74,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // Reader side (the main process). A tensor of `dtype`, `sizes`, `strides` at element `offset` over
   // the slot's batch `seq` of `nbytes`; the first view of a batch moves the slot from delivered to lent
   // (so a batch is received at most once: any other state or sequence number raises), the others share
-  // its storage. With `pin_device` >= 0 the mapping is registered with CUDA (once per mapping).
+  // its storage. With `pin_device` >= 0 the view is over a page-locked mapping of the slot (registered
+  // once; kept apart from the pageable one, so a batch received outside DeviceLoader is never pinned);
+  // if page-locking fails the view is over the pageable one, and the failure is counted.
   at::Tensor receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
                      at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device);
 
@@ -97,14 +100,20 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   int fd_;
   Header* header_;
   size_t header_bytes_;
-  mutable std::mutex mutex_;  // this process's mappings and receipts (the header is lock-free)
+  // This process's mappings and receipts (the header is lock-free). The writer's side has its own lock,
+  // which the main process never takes: a worker forked while a main-process thread is receiving
+  // inherits `reader_mutex_` locked, and must not need it.
+  std::mutex reader_mutex_;
+  std::mutex writer_mutex_;
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
   std::vector<std::shared_ptr<Mapping>> reader_maps_;
+  std::vector<std::shared_ptr<Mapping>> pinned_maps_;
   std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> received_;  // the live storage of each slot's batch
   std::vector<int64_t> received_seq_;
-  int64_t receipts_ = 0;
-  int64_t mappings_ = 0;
-  int64_t registrations_ = 0;
+  std::atomic<int64_t> receipts_{0};
+  std::atomic<int64_t> mappings_{0};
+  std::atomic<int64_t> registrations_{0};
+  std::atomic<int64_t> registration_failures_{0};
 };
 
 // What a tensor's storage is, by its deleter: 0 not a slot; 1 a worker's view of the slot it is

@@ -67,7 +67,6 @@ class Assembler:
         self.max_shared_slots = max_shared_slots
         self._collator = None
         self._slots: worker_slots.SlotPool | None = None
-        self._pin_device: int | None = None
         worker_slots.track(self)
 
     def using(self, contract: Contract | None = None, **options: Any) -> Assembler:
@@ -82,16 +81,7 @@ class Assembler:
             return None
         capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
         self._slots = worker_slots.for_workers(self._slots, capacity)
-        self._slots.pin_device = self._pin_device
         return self._slots
-
-    def pin_shared_slots_on(self, device: torch.device) -> None:
-        """Page-locks the shared slots, each once, with ``device``'s context (so a process working on
-        ``cuda:1`` makes no context on GPU 0). DeviceLoader calls it: it holds every batch until its
-        copy has completed, which a slot needs before a worker may write there again."""
-        self._pin_device = device.index
-        if self._slots is not None:
-            self._slots.pin_device = device.index
 
     def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:
         """The state of the slots shared with this process's workers; None before any worker started."""

@@ -105,9 +105,6 @@ class DeviceLoader:
             # One slot per batch in flight: a slot frees as soon as its copy ends (the host batch is
             # dropped when staged), and acquire waits for that copy rather than allocate past the bound.
             self._ring = StagingRing(max_slots=depth, pinned=True, device=self.device)
-            collate = getattr(loader, "collate_fn", None)
-            if hasattr(collate, "pin_shared_slots_on"):  # assemble in workers: its slots pin here too
-                collate.pin_shared_slots_on(self.device)
             if record_copy_events:
                 self.copy_events = deque(maxlen=4096)
         elif self.device.type != "cpu":

@@ -19,7 +19,7 @@ import torch
 
 from ._ext import _C
 
-__all__ = ["RingStats", "StagingRing", "main_process_ring", "staging_into"]
+__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_into"]
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -61,8 +61,10 @@ class StagingRing:
         device: torch.device | int | None = None,
     ) -> None:
         index = None if device is None else torch.device(device).index  # an int is a CUDA ordinal
+        self.pinned = pinned
+        self.device_index = -1 if index is None else index  # -1: the current CUDA device
         # Locked natively: two threads may collate at once.
-        self._native = _C.HostRing(max_slots, pinned, -1 if index is None else index)
+        self._native = _C.HostRing(max_slots, pinned, self.device_index)
         self._warned = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -146,6 +148,11 @@ def staging_into(ring: StagingRing) -> Iterator[None]:
         yield
     finally:
         _active.ring = previous
+
+
+def active_ring() -> StagingRing | None:
+    """The ring ``staging_into`` set on this thread (DeviceLoader's while it fetches a batch), if any."""
+    return _active.ring
 
 
 def main_process_ring() -> StagingRing:

@@ -12,10 +12,11 @@ pinned memory. With them (csrc/shared_slots.cpp):
 - The main process maps each slot once and lends the batch a storage over that mapping; when the last
   tensor over it dies the slot is free again. Under a DeviceLoader the mapping is page-locked once, so
   the batch arrives pinned and DeviceLoader copies straight from it, holding the batch until its copy's
-  event has completed. Nothing else page-locks slots: an asynchronous ``.to(non_blocking=True)`` from
-  a page-locked slot could still be reading it when the batch is dropped and a worker writes the next
-  one there (torch's pinned allocator guards only its own blocks that way), so with
-  ``pin_memory=True`` DataLoader pins a copy, as it does for ``default_collate``.
+  event has completed. Nothing else page-locks slots, and a batch received elsewhere (another loader
+  sharing the Assembler) is over a separate, pageable mapping of the slot: an asynchronous
+  ``.to(non_blocking=True)`` from a page-locked slot could still be reading it when the batch is
+  dropped and a worker writes the next one there (torch's pinned allocator guards only its own blocks
+  that way), so with ``pin_memory=True`` DataLoader pins a copy, as it does for ``default_collate``.
 
 A batch falls back to fresh shared memory, with correct data, when every slot is held (with one warning
 per worker, giving the numbers), when the pool was not handed to the worker, or when it is switched off
@@ -37,6 +38,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ._ext import _C
+from .staging import active_ring
 
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
 
@@ -64,6 +66,7 @@ class SharedSlotStats:
     receipts: int
     mappings: int
     registrations: int
+    registration_failures: int
 
 
 def slots_switched_on(requested: bool) -> bool:
@@ -80,8 +83,6 @@ class SlotPool:
     def __init__(self, native: Any, handed_over: bool) -> None:
         self.native = native
         self.handed_over = handed_over  # attached from a descriptor its owner sent to this process
-        # The CUDA device whose context page-locks the mappings (set by DeviceLoader); None: not pinned.
-        self.pin_device: int | None = None
         self._warned = False
         _pools[native.token] = self
 
@@ -153,10 +154,15 @@ def being_spawned() -> bool:
 # The main process: rebuilding a worker's slot tensor.
 
 
-def _pin_device(pool: SlotPool) -> int:
-    if pool.pin_device is None or not _C.built_with_cuda or not torch.cuda.is_initialized():
+def _pin_device() -> int:
+    """The CUDA device to page-lock a received batch's slot with: DeviceLoader's, when it is the one
+    fetching the batch on this thread (it holds the batch until its copy has completed), else none (-1).
+    A batch received anywhere else (another loader, DataLoader's pin-memory thread) is over a separate,
+    pageable mapping, so no copy made from it can outlive its slot."""
+    ring = active_ring()
+    if ring is None or not ring.pinned:
         return -1
-    return pool.pin_device
+    return ring.device_index if ring.device_index >= 0 else torch.cuda.current_device()
 
 
 def _receive(
@@ -169,7 +175,7 @@ def _receive(
             "its Assembler was deleted while the batch was in flight, or the batch was sent on to another "
             "process"
         )
-    return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device(pool))
+    return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device())
 
 
 # A worker: sending slot tensors as views.

@@ -21,8 +21,8 @@ from fastcollate._ext import _C
 from fastcollate.worker_slots import SlotPool
 from tests.conftest import CUDA
 from tests.fault_datasets import HangsAt, Numbered
-from tests.test_faults import TORCH_FD_PROBE, fd_targets
 from tests.test_assemble_dropin import assert_same
+from tests.test_faults import TORCH_FD_PROBE, fd_targets
 from tests.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream
 
 RECEIVED = 2  # _C.shared_slot_kind of a batch received over a slot
@@ -328,3 +328,29 @@ def test_no_cuda_here_means_slots_are_not_page_locked():
     collate = assemble.using()
     list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=collate))
     assert collate.shared_slot_stats().registrations == 0
+
+
+def test_a_slot_that_cannot_be_page_locked_is_received_pageable_on_a_mapping_of_its_own():
+    if CUDA:
+        pytest.skip("a GPU is visible: page-locking succeeds there (the GPU tests cover it)")
+    pool = SlotPool.create(2)
+    native = pool.native
+    for round_index in range(2):
+        buffer = native.claim(4096, 1)
+        buffer.fill_(round_index + 1)
+        token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
+        del buffer
+        # As under DeviceLoader: page-locking asked for. Without a driver it fails; the batch still arrives.
+        got = native.receive(slot, seq, nbytes, torch.uint8, 0, [nbytes], [1], 0)
+        assert torch.all(got == round_index + 1) and _C.shared_slot_kind(got) == RECEIVED
+        del got
+    stats = native.stats()
+    assert stats.registration_failures == 1 and stats.registrations == 0  # tried once, not per batch
+    buffer = native.claim(4096, 1)
+    token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
+    del buffer
+    pageable = native.receive(slot, seq, nbytes, torch.uint8, 0, [nbytes], [1], -1)
+    assert _C.shared_slot_kind(pageable) == RECEIVED
+    # This process wrote the slot too: its writer's mapping, the one page-locking was tried on, and a
+    # pageable one apart from it.
+    assert native.stats().mappings == 3

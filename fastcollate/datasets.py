@@ -44,12 +44,7 @@ def fixed_mmap_threshold(worker_id: int | None = None) -> None:
     contender that follows another one gets different memory than it would alone. Fixed, every contender
     (and every lifetime test) sees the same allocator.
     """
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 1024)  # M_MMAP_THRESHOLD, below any image sample
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to fix
+    _mallopt((_M_MMAP_THRESHOLD, 32 * 1024))  # below any image sample
 
 
 def samples_on_the_heap(worker_id: int | None = None) -> None:
@@ -60,14 +55,23 @@ def samples_on_the_heap(worker_id: int | None = None) -> None:
     allocator costs (no page fault per 4 KiB of every sample), for every contender alike, so what differs
     is the loader's path.
     """
+    # Blocks below 64 MiB come from the heap; freed heap memory stays there for the next sample.
+    _mallopt((_M_MMAP_THRESHOLD, 64 << 20), (_M_TRIM_THRESHOLD, 256 << 20))
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _mallopt(*settings: tuple[int, int]) -> None:
+    """Sets glibc malloc parameters (fixing them also stops glibc adjusting them); nothing elsewhere."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: blocks below 64 MiB come from the heap
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: freed heap memory stays for the next sample
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        pass  # not glibc: nothing to fix
+        return  # not glibc: nothing to fix
+    for parameter, value in settings:
+        mallopt(parameter, value)
 
 
 def cache_dir() -> Path:

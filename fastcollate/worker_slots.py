@@ -191,6 +191,8 @@ def install_reducer() -> bool:
     worker sends every batch the ordinary way (False).
     """
     global _reducer_installed_in
+    if _reducer_installed_in == os.getpid():
+        return True  # the per-batch case: no lock
     with _reducer_lock:
         if _reducer_installed_in == os.getpid():
             return True

@@ -5,37 +5,10 @@ The walk (csrc/batch_plan.cpp) calls these once per field per batch at most, nev
 
 from __future__ import annotations
 
-import copy
-from collections.abc import MutableMapping, MutableSequence
-
 from torch.utils.data import default_collate as _torch_default_collate
 
 from .errors import ContractError, make_error
-
-
-def rebuild_mapping(elem, values: dict):
-    """The output mapping for a Mapping that is not a plain dict, by default_collate's rules."""
-    if isinstance(elem, MutableMapping):
-        clone = copy.copy(elem)
-        clone.update(values)
-        return clone
-    try:
-        return type(elem)(values)
-    except TypeError:  # the mapping type may not accept a dict in __init__
-        return values
-
-
-def rebuild_sequence(elem, values: list):
-    """The output sequence for a Sequence that is not a list, tuple or namedtuple."""
-    try:
-        if isinstance(elem, MutableSequence):
-            clone = copy.copy(elem)
-            for index, value in enumerate(values):
-                clone[index] = value
-            return clone
-        return type(elem)(values)
-    except TypeError:  # the sequence type may not accept an iterable in __init__
-        return values
+from .tree import rebuild_mapping, rebuild_sequence  # noqa: F401  (the walk's callbacks for Mapping and Sequence subclasses)
 
 
 def default_collate(values: list, path: str, batch, id_key: str):

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from . import tree
+
 __all__ = ["Contract", "Field"]
 
 Dim = int | str
@@ -161,8 +163,7 @@ class Contract:
     @classmethod
     def infer(cls, sample: Any, id: str | None = "id") -> Contract:
         """The contract one sample satisfies exactly: every leaf's kind, dtype and shape as they are."""
-        fields: dict[str, Field] = {}
-        _infer_into(sample, "", fields)
+        fields = {path: _infer_field(value, path) for path, value in tree.leaf_paths(sample)}
         if id is not None and id not in fields:
             id = None
         return cls(fields=fields, id=id)
@@ -218,32 +219,18 @@ class Contract:
         return specs
 
 
-def _join(parent: str, key: Any) -> str:
-    return f"{parent}.{key}" if parent else str(key)
-
-
-def _infer_into(value: Any, path: str, fields: dict[str, Field]) -> None:
+def _infer_field(value: Any, path: str) -> Field:
     if isinstance(value, torch.Tensor):
-        fields[path] = Field(dtype=value.dtype, shape=tuple(value.shape))
-    elif isinstance(value, np.ndarray):
-        fields[path] = Field(dtype=torch.from_numpy(np.empty(0, value.dtype)).dtype, shape=value.shape)
-    elif isinstance(value, bool):
-        fields[path] = Field(kind="number", dtype=torch.bool)
-    elif isinstance(value, int):
-        fields[path] = Field(kind="number", dtype=torch.int64)
-    elif isinstance(value, float):
-        fields[path] = Field(kind="number", dtype=torch.float64)
-    elif isinstance(value, (str, bytes)):
-        fields[path] = Field(kind="text")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _infer_into(item, _join(path, key), fields)
-    elif isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        for name, item in zip(type(value)._fields, value):
-            _infer_into(item, _join(path, name), fields)
-    elif isinstance(value, Sequence):
-        for index, item in enumerate(value):
-            _infer_into(item, _join(path, index), fields)
-    else:
-        raise TypeError(f"Contract.infer: field {path or '<sample>'!r} is a {type(value).__name__}, "
-                        "which a batch cannot hold")
+        return Field(dtype=value.dtype, shape=tuple(value.shape))
+    if isinstance(value, np.ndarray):
+        return Field(dtype=torch.from_numpy(np.empty(0, value.dtype)).dtype, shape=value.shape)
+    if isinstance(value, bool):
+        return Field(kind="number", dtype=torch.bool)
+    if isinstance(value, int):
+        return Field(kind="number", dtype=torch.int64)
+    if isinstance(value, float):
+        return Field(kind="number", dtype=torch.float64)
+    if isinstance(value, (str, bytes)):
+        return Field(kind="text")
+    raise TypeError(f"Contract.infer: field {path or '<sample>'!r} is a {type(value).__name__}, "
+                    "which a batch cannot hold")

@@ -25,33 +25,13 @@ import torch
 from torch.profiler import record_function
 
 from ._ext import _C
-from ._native_support import rebuild_mapping
+from . import tree
+from ._torch_compat import loader_workers, waited_worker
 from .staging import StagingRing, staging_into
 
 __all__ = ["DeviceLoader"]
 
 _PINNED_SHARED_SLOT = 3  # _C.shared_slot_kind: a batch received from a worker, page-locked
-
-
-def _flatten(batch: Any, leaves: list) -> Callable[[list], Any]:
-    """Appends batch's leaves to ``leaves``; returns a function that rebuilds the batch from new leaves."""
-    if isinstance(batch, Mapping):
-        keys = list(batch.keys())
-        parts = [_flatten(batch[key], leaves) for key in keys]
-
-        def rebuild_map(values: list) -> Any:
-            items = {key: part(values) for key, part in zip(keys, parts)}
-            return items if type(batch) is dict else rebuild_mapping(batch, items)
-
-        return rebuild_map
-    if isinstance(batch, (list, tuple)):
-        parts = [_flatten(item, leaves) for item in batch]
-        if hasattr(type(batch), "_fields"):  # namedtuple
-            return lambda values: type(batch)(*(part(values) for part in parts))
-        return lambda values: type(batch)(part(values) for part in parts)
-    index = len(leaves)
-    leaves.append(batch)
-    return lambda values: values[index]
 
 
 @dataclass
@@ -166,8 +146,7 @@ class DeviceLoader:
     def _stage(self, batch: Any) -> _Staged:
         if self._copy_stream is None:
             return _Staged(self._apply_transforms(batch))
-        leaves: list = []
-        rebuild = _flatten(batch, leaves)
+        leaves, rebuild = tree.flatten(batch)
         host = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
         stream = self._copy_stream
@@ -232,10 +211,8 @@ class DeviceLoader:
             if outputs is not None:
                 # A transform may return any nesting of tensors, on any device: only CUDA tensors made on
                 # the copy stream need tying to the consumer's stream.
-                leaves: list = []
-                _flatten(values[key], leaves)
-                outputs.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda)
-        return values if type(batch) is dict else rebuild_mapping(batch, values)
+                outputs.extend(leaf for leaf in tree.flatten(values[key])[0] if isinstance(leaf, torch.Tensor) and leaf.is_cuda)
+        return tree.rebuild_mapping(batch, values)
 
     def _hand_over(self, staged: _Staged) -> Any:
         if staged.ready is not None:
@@ -255,10 +232,10 @@ def _name_the_waited_worker(error: BaseException, source: Any) -> None:
     surface as ``ConnectionResetError`` while its last batch's shared memory is fetched)."""
     if not hasattr(error, "add_note"):
         return
-    try:  # DataLoader's private bookkeeping: no note if it ever changes
-        workers = list(source._workers)
-        if str(error).startswith("DataLoader timed out"):
-            worker = source._task_info[source._rcvd_idx][0]
+    try:
+        workers = loader_workers(source)
+        worker = waited_worker(source)
+        if str(error).startswith("DataLoader timed out") and worker is not None:
             error.add_note(f"fastcollate.DeviceLoader: the batch waited for was DataLoader worker {worker}'s "
                            f"(pid {workers[worker].pid})")
             return

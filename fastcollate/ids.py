@@ -8,7 +8,11 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset
 
-__all__ = ["IdentifiedSample", "with_ids"]
+__all__ = ["TARGET_KEYS", "IdentifiedSample", "guess_target_path", "with_ids"]
+
+TARGET_KEYS = ("y", "label", "labels", "target", "targets")
+"""Field names taken as a sample's targets, in order of preference, when none is named (``doctor``
+without ``--targets``, ``bench``)."""
 
 
 class IdentifiedSample(NamedTuple):
@@ -64,3 +68,19 @@ def with_ids(dataset: Dataset, key: str = "id") -> Dataset:
             "stable id (each worker has its own stream). Yield an id field from the iterable itself."
         )
     return _WithIds(dataset, key)
+
+
+def guess_target_path(sample: Any) -> str | None:
+    """The path (as ``tree.lookup`` reads it) of a sample's or a batch's targets, when none is named:
+    the first of ``TARGET_KEYS`` a mapping or namedtuple has, or the last field of an
+    ``IdentifiedSample``'s (input, ..., target) tuple, the torchvision convention. None otherwise."""
+    if isinstance(sample, IdentifiedSample):
+        inner = sample.sample
+        return f"sample.{len(inner) - 1}" if isinstance(inner, (list, tuple)) and len(inner) >= 2 else None
+    if isinstance(sample, Mapping):
+        names = sample.keys()
+    elif isinstance(sample, tuple) and hasattr(type(sample), "_fields"):
+        names = type(sample)._fields
+    else:
+        return None
+    return next((name for name in TARGET_KEYS if name in names), None)

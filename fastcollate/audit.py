@@ -21,6 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from . import tree
+from .ids import TARGET_KEYS  # noqa: F401  (fastcollate.audit.TARGET_KEYS, as before)
+
 __all__ = [
     "MAIN_PROCESS",
     "AuditReport",
@@ -213,26 +216,6 @@ class Epoch:
 # --------------------------------------------------------------------------------------------------
 # Reading ids and targets out of a batch
 
-TARGET_KEYS = ("y", "label", "labels", "target", "targets")
-"""Field names taken as a sample's targets, in order of preference, when none is named (``doctor``
-without ``--targets``, ``bench``)."""
-
-
-def _lookup(batch: Any, path: str) -> Any:
-    """The value at a dotted path: mapping keys, attribute names (namedtuples), sequence indices."""
-    value = batch
-    for part in path.split("."):
-        if isinstance(value, Mapping):
-            if part not in value:
-                raise KeyError(part)
-            value = value[part]
-        elif not part.isdigit() and hasattr(value, part):
-            value = getattr(value, part)
-        elif part.isdigit() and isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            value = value[int(part)]
-        else:
-            raise KeyError(part)
-    return value
 
 
 def string_code(text: str | bytes) -> int:
@@ -309,7 +292,7 @@ def _seed(text: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little"))
 
 
-def _digest_rows(value: Any, n: int) -> np.ndarray:
+def digest_rows(value: Any, n: int) -> np.ndarray:
     """A uint64 digest per sample of a collated field: per batch, vectorised over its rows.
 
     Tensors and arrays are hashed by their bytes (dtype and per-sample shape mixed in); lists of
@@ -333,7 +316,7 @@ def _digest_rows(value: Any, n: int) -> np.ndarray:
     if isinstance(value, Mapping):
         h = np.full(n, _seed("mapping"), np.uint64)
         for key in sorted(value, key=str):
-            h = _combine(h, _mix(_digest_rows(value[key], n) ^ _seed(str(key))))
+            h = _combine(h, _mix(digest_rows(value[key], n) ^ _seed(str(key))))
         return h
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         if len(value) == n and all(isinstance(v, (str, bytes, int, float, bool)) for v in value):
@@ -341,7 +324,7 @@ def _digest_rows(value: Any, n: int) -> np.ndarray:
             return _mix(np.fromiter((string_code(repr(v)) for v in value), np.int64, n).view(np.uint64))
         h = np.full(n, _seed("sequence"), np.uint64)
         for index, item in enumerate(value):
-            h = _combine(h, _mix(_digest_rows(item, n) ^ _seed(str(index))))
+            h = _combine(h, _mix(digest_rows(item, n) ^ _seed(str(index))))
         return h
     raise TypeError(f"cannot digest a {type(value).__name__} per sample")
 
@@ -406,7 +389,7 @@ class Ledger:
         if isinstance(batch, WorkerTagged):
             worker, batch = batch.worker if worker is None else worker, batch.batch
         try:
-            ids = _lookup(batch, self.id_key)
+            ids = tree.lookup(batch, self.id_key)
         except (KeyError, IndexError, TypeError):
             raise KeyError(
                 f"the batch has no ids at {self.id_key!r}. Give samples an id (fastcollate.with_ids(dataset) "
@@ -419,12 +402,12 @@ class Ledger:
             digests = np.full(n, _seed("targets"), np.uint64)
             for key in self.target_keys:
                 try:
-                    value = _lookup(batch, key)
+                    value = tree.lookup(batch, key)
                 except (KeyError, IndexError, TypeError):
                     raise KeyError(
                         f"the batch has no target field {key!r} (Ledger(target_key=...))"
                     ) from None
-                digests = _combine(digests, _digest_rows(value, n))
+                digests = _combine(digests, digest_rows(value, n))
         self.record_ids(ids, digests=digests, worker=worker)
 
     def record_ids(self, ids: Any, digests: np.ndarray | None = None, worker: int | None = None) -> None:

@@ -31,10 +31,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 
 import fastcollate
 
-from . import audit
+from . import audit, tree
 from .datasets import PRESETS
 from .device_loader import DeviceLoader
 from .factory import load_factory
+from .ids import TARGET_KEYS
 from .models import TrainStep
 
 __all__ = ["main"]
@@ -398,16 +399,16 @@ def ids_and_targets(batch: Any, target_key: str | None) -> tuple[torch.Tensor | 
 
 
 def _field(batch: Any, path: str) -> Any:
-    """``audit._lookup``'s value at ``path``, or None where the batch has none."""
+    """``tree.lookup``'s value at ``path``, or None where the batch has none."""
     try:
-        return audit._lookup(batch, path)
+        return tree.lookup(batch, path)
     except (KeyError, IndexError, TypeError):
         return None
 
 
 def find_target_key(sample: Any) -> str | None:
     if isinstance(sample, Mapping):
-        for key in audit.TARGET_KEYS:
+        for key in TARGET_KEYS:
             if key in sample:
                 return key
     return None
@@ -724,7 +725,7 @@ def compare_to_reference(run: Mapping[str, Any], reference: Mapping[str, Any]) -
 def _epoch(ids: np.ndarray, targets: np.ndarray | None, limit: int | None = None) -> audit.Epoch:
     """A run's ids and targets (the first ``limit``) as an audit epoch, targets as their digests."""
     ids = np.asarray(ids[:limit], dtype=np.int64)
-    digests = None if targets is None else audit._digest_rows(targets[:limit], ids.size)
+    digests = None if targets is None else audit.digest_rows(targets[:limit], ids.size)
     return audit.Epoch(ids=ids, digests=digests)
 
 

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from . import audit
+from . import audit, tree
 from .assemble import assemble
 from .contract import Contract
 from .errors import ContractError, sample_id
 from .factory import load_factory
-from .ids import IdentifiedSample, with_ids
+from .ids import TARGET_KEYS, IdentifiedSample, with_ids
 
 __all__ = ["Failure", "main", "run_doctor"]
 
@@ -902,7 +902,7 @@ class Doctor:
             _to_device(batch, device)
             torch.cuda.synchronize(device)
         except Exception as error:
-            ids = audit._lookup(batch, self.id_key)
+            ids = tree.lookup(batch, self.id_key)
             ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
             raise _StageFailed(
                 Failure(
@@ -1057,14 +1057,14 @@ def _top_level_fields(sample: Any, id_key: str) -> list[str]:
 
 def _guess_targets(sample: Any) -> list[str]:
     if isinstance(sample, Mapping):
-        return [name for name in audit.TARGET_KEYS if name in sample][:1]
+        return [name for name in TARGET_KEYS if name in sample][:1]
     if isinstance(sample, IdentifiedSample):
         inner = sample.sample
         if isinstance(inner, (list, tuple)) and len(inner) >= 2:
             return [f"sample.{len(inner) - 1}"]  # (input, target), the torchvision convention
         return []
     if isinstance(sample, tuple) and hasattr(type(sample), "_fields"):
-        return [name for name in audit.TARGET_KEYS if name in type(sample)._fields][:1]
+        return [name for name in TARGET_KEYS if name in type(sample)._fields][:1]
     return []
 
 

@@ -286,8 +286,8 @@ def test_check_distributed_without_a_process_group_checks_this_process():
 
 def test_a_sample_digest_does_not_depend_on_its_batch_neighbours():
     rows = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    whole = audit._digest_rows(rows, 6)
-    halves = np.concatenate([audit._digest_rows(rows[:3], 3), audit._digest_rows(rows[3:], 3)])
+    whole = audit.digest_rows(rows, 6)
+    halves = np.concatenate([audit.digest_rows(rows[:3], 3), audit.digest_rows(rows[3:], 3)])
     assert np.array_equal(whole, halves)
     assert len(set(whole.tolist())) == 6
 
@@ -295,18 +295,18 @@ def test_a_sample_digest_does_not_depend_on_its_batch_neighbours():
 @pytest.mark.parametrize("width", [1, 3, 8, 13, 100])
 def test_any_one_changed_byte_changes_the_digest(width):
     rows = torch.zeros((4, width), dtype=torch.uint8)
-    base = audit._digest_rows(rows, 4)
+    base = audit.digest_rows(rows, 4)
     for column in range(width):
         changed = rows.clone()
         changed[2, column] = 1
-        digest = audit._digest_rows(changed, 4)
+        digest = audit.digest_rows(changed, 4)
         assert digest[2] != base[2] and np.array_equal(np.delete(digest, 2), np.delete(base, 2))
 
 
 def test_the_same_values_in_another_dtype_are_a_change():
     assert (
-        audit._digest_rows(torch.tensor([1, 2]), 2)[0]
-        != audit._digest_rows(torch.tensor([1, 2], dtype=torch.int32), 2)[0]
+        audit.digest_rows(torch.tensor([1, 2]), 2)[0]
+        != audit.digest_rows(torch.tensor([1, 2], dtype=torch.int32), 2)[0]
     )
 
 
@@ -339,7 +339,7 @@ def test_ten_million_ids_fit_in_under_200_mb_and_their_losses_are_found():
     for start in range(0, n, chunk):
         ids = (np.arange(start, min(start + chunk, n), dtype=np.int64) * 7919) % n  # a permutation of 0..n-1
         ledger.record_ids(
-            ids, digests=audit._digest_rows(torch.from_numpy(ids % 1000), ids.size), worker=start % 3
+            ids, digests=audit.digest_rows(torch.from_numpy(ids % 1000), ids.size), worker=start % 3
         )
     epoch = ledger.end_epoch()
     assert epoch.ids.nbytes == 80_000_000

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from ._ext import _C
 from . import tree
+from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
 from .staging import StagingRing, staging_into
+from .transforms import apply_to_fields
 
 __all__ = ["DeviceLoader"]
 
@@ -145,7 +146,7 @@ class DeviceLoader:
 
     def _stage(self, batch: Any) -> _Staged:
         if self._copy_stream is None:
-            return _Staged(self._apply_transforms(batch))
+            return _Staged(apply_to_fields(batch, self.transforms))
         leaves, rebuild = tree.flatten(batch)
         host = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
@@ -174,7 +175,14 @@ class DeviceLoader:
                 staged.device_tensors.append(device_bytes)
             out = rebuild(leaves)
             del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
-            out = self._apply_transforms(out, staged.device_tensors)
+            out = apply_to_fields(out, self.transforms)
+            if self.transforms:
+                # A transform may return any nesting of tensors, on any device: only CUDA tensors made
+                # on the copy stream need tying to the consumer's stream.
+                staged.device_tensors.extend(
+                    leaf for key in self.transforms for leaf in tree.flatten(out[key])[0]
+                    if isinstance(leaf, torch.Tensor) and leaf.is_cuda
+                )
             staged.batch = out
             staged.ready = torch.cuda.Event()
             staged.ready.record(stream)
@@ -196,23 +204,6 @@ class DeviceLoader:
             return slot, [t.storage_offset() * t.element_size() for t in tensors]
         self._counts["host_packs"] += 1
         return self._ring.pack(tensors)
-
-    def _apply_transforms(self, batch: Any, outputs: list[torch.Tensor] | None = None) -> Any:
-        if not self.transforms:
-            return batch
-        if not isinstance(batch, Mapping):
-            raise TypeError(f"DeviceLoader transforms apply to mapping batches (by key), got {type(batch).__name__}")
-        missing = self.transforms.keys() - batch.keys()
-        if missing:
-            raise KeyError(f"DeviceLoader transforms name fields the batch lacks: {sorted(missing)}")
-        values = dict(batch)
-        for key, transform in self.transforms.items():
-            values[key] = transform(values[key])
-            if outputs is not None:
-                # A transform may return any nesting of tensors, on any device: only CUDA tensors made on
-                # the copy stream need tying to the consumer's stream.
-                outputs.extend(leaf for leaf in tree.flatten(values[key])[0] if isinstance(leaf, torch.Tensor) and leaf.is_cuda)
-        return tree.rebuild_mapping(batch, values)
 
     def _hand_over(self, staged: _Staged) -> Any:
         if staged.ready is not None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from . import ops
+from . import ops, tree
 
-__all__ = ["Normalize"]
+__all__ = ["Normalize", "apply_to_fields"]
 
 
 class Normalize:
@@ -49,3 +50,20 @@ class Normalize:
     def __repr__(self) -> str:
         return (f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()}, dtype={self.dtype}, "
                 f"channels_last={self.channels_last})")
+
+
+def apply_to_fields(batch: Any, transforms: Mapping[str, Callable[[Any], Any]]) -> Any:
+    """``batch`` with ``transforms[key]`` applied to each named top-level field (DeviceLoader's
+    ``transforms``); the batch keeps its mapping type. A batch that is not a mapping, or lacks a named
+    field, is refused, naming what is missing."""
+    if not transforms:
+        return batch
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"DeviceLoader transforms apply to mapping batches (by key), got {type(batch).__name__}")
+    missing = transforms.keys() - batch.keys()
+    if missing:
+        raise KeyError(f"DeviceLoader transforms name fields the batch lacks: {sorted(missing)}")
+    values = dict(batch)
+    for key, transform in transforms.items():
+        values[key] = transform(values[key])
+    return tree.rebuild_mapping(batch, values)

@@ -14,8 +14,8 @@ A leaf's path joins mapping keys, namedtuple field names and sequence indices wi
 
 ``torch.utils._pytree`` does the same walk for the types it knows, but treats an unregistered
 ``Mapping`` (``UserDict``, Hugging Face's ``BatchEncoding``) as a leaf, so its tensors would never
-move; and its flatten plus unflatten costs about twice this one on DeviceLoader's batches
-(``benchmarks/test_tree.py`` measures both).
+move; and its flatten plus unflatten took 1.4-1.7x as long as this walk's on DeviceLoader's batches
+(medians, ``pytest benchmarks/test_tree.py``: 4.6 against 7.7 us for an image, label and id dict).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import copy
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
-__all__ = ["flatten", "is_namedtuple", "leaf_paths", "lookup", "map_leaves", "rebuild_mapping", "rebuild_sequence"]
+__all__ = [
+    "children", "flatten", "is_namedtuple", "leaf_paths", "lookup", "map_leaves", "rebuild_mapping",
+    "rebuild_sequence",
+]
 
 
 def is_namedtuple(value: Any) -> bool:

@@ -1,4 +1,5 @@
-"""DeviceLoader: batches to the GPU as one host-to-device copy each, on a side stream, overlapped with compute.
+"""DeviceLoader: batches to the GPU as one host-to-device copy each, on a side stream, overlapped with
+compute.
 
 For every batch: its tensors sit in one pinned staging slot (``assemble`` in the main process writes
 there directly; a batch ``assemble`` wrote in a worker arrives in a shared slot this process
@@ -125,7 +126,8 @@ class DeviceLoader:
 
     def stats(self) -> dict[str, int]:
         """batches handed out; host_packs (batches copied into a slot on the host) and
-        direct_from_slot (batches already in a pinned slot: this ring's, or a worker's shared one); pinned_bytes held and pinned_allocations made."""
+        direct_from_slot (batches already in a pinned slot: this ring's, or a worker's shared one);
+        pinned_bytes held and pinned_allocations made."""
         ring = self._ring.stats() if self._ring is not None else None
         return {
             **self._counts,
@@ -148,7 +150,8 @@ class DeviceLoader:
         if self._copy_stream is None:
             return _Staged(apply_to_fields(batch, self.transforms))
         leaves, rebuild = tree.flatten(batch)
-        host = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
+        host = [i for i, leaf in enumerate(leaves)
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
         stream = self._copy_stream
         while self._unpooled and self._unpooled[0][0].query():
@@ -156,7 +159,7 @@ class DeviceLoader:
         with torch.cuda.stream(stream):
             if host:
                 buffer, offsets = self._into_slot([leaves[i] for i in host])
-                nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets))
+                nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
                 if self.copy_events is not None:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(stream)
@@ -169,7 +172,7 @@ class DeviceLoader:
                     copied = torch.cuda.Event()
                     copied.record(stream)
                     self._unpooled.append((copied, buffer))  # not the ring's: keep it alive until then
-                for i, offset in zip(host, offsets):
+                for i, offset in zip(host, offsets, strict=True):
                     leaf = leaves[i]
                     leaves[i] = device_bytes[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
                 staged.device_tensors.append(device_bytes)
@@ -197,7 +200,8 @@ class DeviceLoader:
         # received the batch (kept alive by the caller until the copy's event completes).
         if (
             (self._ring.owns(first) or _C.shared_slot_kind(first) == _PINNED_SHARED_SLOT)
-            and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors)
+            and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous()
+                    for t in tensors)
         ):
             self._counts["direct_from_slot"] += 1
             slot = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -241,12 +245,13 @@ def _name_the_waited_worker(error: BaseException, source: Any) -> None:
             code = worker.exitcode
             if code and str(worker.pid) not in str(error):
                 how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                error.add_note(f"fastcollate.DeviceLoader: DataLoader worker {index} (pid {worker.pid}) died ({how})")
+                error.add_note(f"fastcollate.DeviceLoader: DataLoader worker {index} (pid {worker.pid}) "
+                               f"died ({how})")
                 named = True
         if lost_connection and not named:
             pids = ", ".join(str(worker.pid) for worker in workers)
-            error.add_note(f"fastcollate.DeviceLoader: the connection to a DataLoader worker failed while a batch "
-                           f"was received; no worker had exited 5 s later (workers: pids {pids})")
+            error.add_note(f"fastcollate.DeviceLoader: the connection to a DataLoader worker failed while "
+                           f"a batch was received; no worker had exited 5 s later (workers: pids {pids})")
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         return
 

@@ -50,7 +50,8 @@ def in_threads(*targets):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_device_loaders_interleaved_in_one_thread(workers):
-    a = DeviceLoader(DataLoader(Numbered(40, shape=(4, 4)), batch_size=8, num_workers=workers, collate_fn=assemble),
+    a = DeviceLoader(DataLoader(Numbered(40, shape=(4, 4)), batch_size=8, num_workers=workers,
+                                collate_fn=assemble),
                      device="cpu", depth=3)
     b = DeviceLoader(DataLoader(Numbered(24, shape=(2, 3, 5)), batch_size=3, num_workers=workers,
                                 collate_fn=assemble), device="cpu", depth=1)
@@ -59,7 +60,7 @@ def test_two_device_loaders_interleaved_in_one_thread(workers):
         iterators = [iter(a), iter(b)]
         done = [False, False]
         while not all(done):
-            for index, (iterator, kept) in enumerate(zip(iterators, (kept_a, kept_b))):
+            for index, (iterator, kept) in enumerate(zip(iterators, (kept_a, kept_b), strict=True)):
                 if not done[index]:
                     try:
                         kept.append(next(iterator))
@@ -75,7 +76,8 @@ def test_two_device_loaders_in_two_threads(workers):
     results = {}
 
     def run(name, n, shape, batch_size):
-        loader = DataLoader(Numbered(n, shape=shape), batch_size=batch_size, num_workers=workers, collate_fn=assemble)
+        loader = DataLoader(Numbered(n, shape=shape), batch_size=batch_size, num_workers=workers,
+                            collate_fn=assemble)
         kept = []
         for _ in range(3):
             for batch in DeviceLoader(loader, device="cpu", depth=2):

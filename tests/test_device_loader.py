@@ -25,7 +25,7 @@ def test_cpu_device_passes_batches_through_unchanged():
     expected = list(loader(collate_fn=default_collate))
     got = list(DeviceLoader(loader(), device="cpu"))
     assert len(got) == len(expected) == 5
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
 
 
@@ -78,7 +78,7 @@ def test_persistent_workers_and_a_second_epoch():
 def test_transforms_run_after_the_copy():
     normalize = Normalize(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), dtype=torch.float16)
     for batch, raw in zip(DeviceLoader(loader(), device="cpu", transforms={"image": normalize}),
-                          loader(collate_fn=default_collate)):
+                          loader(collate_fn=default_collate), strict=True):
         assert batch["image"].dtype == torch.float16
         torch.testing.assert_close(batch["image"].float(), (raw["image"].float() / 255 - 0.5) / 0.25,
                                    atol=2e-3, rtol=2e-3)
@@ -117,10 +117,11 @@ def test_profiler_sees_batch_wait_and_h2d_transfer():
 
 def test_pack_puts_tensors_at_aligned_offsets_in_one_slot():
     ring = StagingRing(max_slots=2)
-    tensors = [torch.arange(5, dtype=torch.int16), torch.randn(3, 4).t(), torch.tensor(2.5, dtype=torch.float64)]
+    tensors = [torch.arange(5, dtype=torch.int16), torch.randn(3, 4).t(),
+               torch.tensor(2.5, dtype=torch.float64)]
     buffer, offsets = ring.pack(tensors)
     assert ring.owns(buffer) and all(offset % 64 == 0 for offset in offsets)
-    for tensor, offset in zip(tensors, offsets):
+    for tensor, offset in zip(tensors, offsets, strict=True):
         view = buffer[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         assert torch.equal(view, tensor)
     assert not ring.owns(torch.zeros(3))
@@ -142,7 +143,7 @@ def test_every_batch_arrives_intact_under_stress(workers):
     source = DataLoader(Records(2048), batch_size=4, num_workers=workers, collate_fn=assemble)
     reference = DataLoader(Records(2048), batch_size=4, collate_fn=default_collate)
     busy = torch.randn(2048, 2048, device="cuda")
-    for batch, host in zip(DeviceLoader(source, depth=3), reference):
+    for batch, host in zip(DeviceLoader(source, depth=3), reference, strict=True):
         busy = busy @ busy  # long kernel on the consumer stream
         busy = busy / busy.norm()
         assert batch["image"].is_cuda and batch["name"] == host["name"]
@@ -202,7 +203,7 @@ def test_copies_overlap_compute():
     device_loader = DeviceLoader(source, depth=2, record_copy_events=True)
     compute = []
     weights = torch.randn(4096, 4096, device="cuda")
-    for batch in device_loader:
+    for _batch in device_loader:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(4):
@@ -221,7 +222,7 @@ def test_copies_overlap_compute():
 def test_default_collate_batches_are_staged_too():
     expected = list(loader(collate_fn=default_collate))
     device_loader = DeviceLoader(loader(collate_fn=default_collate, num_workers=2))
-    for a, b in zip(device_loader, expected):
+    for a, b in zip(device_loader, expected, strict=True):
         assert torch.equal(a["image"].cpu(), b["image"]) and a["name"] == b["name"]
     assert device_loader.stats()["host_packs"] == len(expected)
 
@@ -340,7 +341,8 @@ def test_a_fresh_buffer_past_the_ring_lives_until_its_copy_ran():
 def test_transforms_may_return_cpu_tensors_tuples_and_dicts():
     transforms = {"image": lambda x: (x.float(), x.cpu()),
                   "label": lambda x: {"on_host": x.cpu(), "twice": x * 2}}
-    for batch, host in zip(DeviceLoader(loader(), transforms=transforms), loader(collate_fn=default_collate)):
+    moved = DeviceLoader(loader(), transforms=transforms)
+    for batch, host in zip(moved, loader(collate_fn=default_collate), strict=True):
         image, on_host = batch["image"]
         assert image.is_cuda and not on_host.is_cuda and torch.equal(on_host, host["image"])
         assert not batch["label"]["on_host"].is_cuda

@@ -29,7 +29,7 @@ def test_workers_give_the_same_batches_as_the_main_process_and_as_default_collat
     in_main = batches(assemble, 0)
     in_workers = batches(assemble.using(shared_slots=shared_slots), 2, context)
     assert len(reference) == len(in_main) == len(in_workers) == 5
-    for expected, a, b in zip(reference, in_main, in_workers):
+    for expected, a, b in zip(reference, in_main, in_workers, strict=True):
         assert_same(a, expected)
         assert_same(b, expected)
     if shared_slots:  # received over a slot the worker wrote into

@@ -1,0 +1,74 @@
+"""Did a change move the collate ratios? Runs ``collate_ratios.py`` from two checkouts, alternating
+(before, after, before, after, ...), and sets each target's ratio before against after.
+
+    python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
+                                      [--json PATH] [-- collate_ratios options, e.g. --threads 1]
+
+Each checkout needs its extension built in place (``make build`` there, or a copied ``fastcollate/_C*.so``
+for a change that touched no C++). A ratio is already a side-by-side measurement within one run
+(assemble against default_collate, interleaved); alternating whole runs makes the machine's drift hit
+both checkouts alike. Reported: per target, the median over runs of each checkout's ratio, and after /
+before (1.00 is no change; above 1 is a higher ratio after). Every run's ratios go to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_once(checkout: Path, extra: list[str], scratch: Path, label: str) -> dict[str, float]:
+    """One collate_ratios run from ``checkout``: target name -> ratio."""
+    out = scratch / f"{label}.json"
+    command = [sys.executable, str(checkout / "benchmarks" / "collate_ratios.py"), "--json", str(out), *extra]
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    subprocess.run(command, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
+    targets = json.loads(out.read_text())["targets"]
+    return {f"{t['case']} @{t['threads']}t: {t['rule']}": t["ratio"] for t in targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--before", type=Path, required=True, help="the checkout before the change")
+    parser.add_argument("--after", type=Path, default=HERE.parent, help="the checkout after it (this one)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each checkout, alternating")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's ratios here")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: options for collate_ratios.py")
+    args = parser.parse_args(argv)
+    extra = [a for a in args.extra if a != "--"]
+    checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for index in range(args.runs):
+            for label, checkout in checkouts.items():
+                print(f"run {index + 1}/{args.runs}: {label} ({checkout})", flush=True)
+                runs[label].append(run_once(checkout, extra, Path(scratch), f"{label}-{index}"))
+    rows = []
+    print(f"\n{'target':<78} {'before':>7} {'after':>7} {'after/before':>13}")
+    for target in runs["before"][0]:
+        before = statistics.median(run[target] for run in runs["before"])
+        after = statistics.median(run[target] for run in runs["after"] if target in run)
+        rows.append({"target": target, "before_median": before, "after_median": after,
+                     "after_over_before": after / before})
+        print(f"{target:<78} {before:7.2f} {after:7.2f} {after / before:13.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        command = " ".join([os.path.basename(sys.executable), *sys.argv])
+        payload = {"benchmark": "before_after", "command": command,
+                   "checkouts": {k: str(v) for k, v in checkouts.items()}, "runs": runs, "summary": rows}
+        args.json.write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,8 +28,8 @@ except ImportError:  # run from a checkout without an install: the package sits 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fastcollate
 
-from fastcollate.bench import apply_transforms, to_device
-from fastcollate.datasets import PRESETS
+from fastcollate.bench.command import apply_transforms, to_device
+from fastcollate.bench.datasets import PRESETS
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 WORKERS = [w for w in (0, 1, 2, 4) if w <= max(CPUS, 1)]

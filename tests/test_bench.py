@@ -17,8 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate import bench
-from fastcollate.datasets import PRESETS, FashionLike, ImageNetLike, ManyFields, TokenSequences, cache_dir
+from fastcollate.bench import command as bench
+from fastcollate.bench.datasets import (
+    PRESETS,
+    FashionLike,
+    ImageNetLike,
+    ManyFields,
+    TokenSequences,
+    cache_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "bench_datasets.py"

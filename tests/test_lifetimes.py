@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastcollate import DeviceLoader, StagingRing, assemble
-from fastcollate.datasets import fixed_mmap_threshold
+from fastcollate.bench.datasets import fixed_mmap_threshold
 from tests.fault_datasets import Numbered, child_pids
 
 EPOCHS = max(3, int(os.environ.get("FASTCOLLATE_EPOCHS", "3")))
@@ -52,7 +52,8 @@ def children() -> set[int]:
 def measure(loader, ring: StagingRing | None, expected_workers: int) -> dict:
     gc.collect()
     deadline = time.monotonic() + 20
-    while len(children()) > expected_workers and time.monotonic() < deadline:  # workers of the last epoch exiting
+    # The workers of the last epoch may still be exiting.
+    while len(children()) > expected_workers and time.monotonic() < deadline:
         time.sleep(0.05)
         gc.collect()
     kids = children()
@@ -67,14 +68,15 @@ def measure(loader, ring: StagingRing | None, expected_workers: int) -> dict:
         "ring": (ring_stats.slots, ring_stats.bytes_held, ring_stats.slot_allocations, ring_stats.in_use)
         if ring_stats else None,
         # Slots used and their memory, and none left held once the epoch's batches are dropped.
-        "slots": (slots.slots_used, slots.bytes_held, slots.lent, slots.writing, slots.delivered) if slots else None,
+        "slots": (slots.slots_used, slots.bytes_held, slots.lent, slots.writing, slots.delivered)
+        if slots else None,
     }
 
 
 def run_epochs(loader, ring, expected_workers):
     device_loader = DeviceLoader(loader, device="cpu", depth=2)
     seen = []
-    for epoch in range(EPOCHS):
+    for _epoch in range(EPOCHS):
         ids = []
         for batch in device_loader:
             assert torch.equal(batch["x"][:, 0, 0, 0], batch["id"].to(torch.float32))
@@ -104,7 +106,8 @@ def assert_flat(seen: list[dict]) -> None:
 def test_memory_and_descriptors_stay_flat_over_epochs_with_workers(context, persistent):
     # Spawning fresh workers each epoch costs an interpreter start apiece: one worker keeps make test short.
     workers = 1 if context == "spawn" and not persistent else 2
-    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=workers, collate_fn=assemble.using(),
+    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=workers,
+                        collate_fn=assemble.using(),
                         multiprocessing_context=context, persistent_workers=persistent, timeout=60,
                         worker_init_fn=fixed_mmap_threshold)
     seen = run_epochs(loader, None, workers if persistent else 0)
@@ -123,7 +126,8 @@ def test_memory_and_descriptors_stay_flat_over_epochs_with_workers(context, pers
 def test_memory_and_ring_stay_flat_over_epochs_in_the_main_process():
     fixed_mmap_threshold()
     ring = StagingRing(max_slots=4)
-    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=0, collate_fn=assemble.using(ring=ring))
+    loader = DataLoader(Numbered(32, shape=SAMPLE), batch_size=8, num_workers=0,
+                        collate_fn=assemble.using(ring=ring))
     seen = run_epochs(loader, ring, 0)
     assert_flat(seen)
     slots, bytes_held, allocations, in_use = seen[-1]["ring"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastcollate import profiling
+from fastcollate.bench import profile as profiling
 from tests.test_bench import assert_valid_png
 
 TINY = [

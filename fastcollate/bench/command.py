@@ -31,11 +31,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 
 import fastcollate
 
-from . import audit, tree
+from .. import audit, tree
+from ..device_loader import DeviceLoader
+from ..ids import TARGET_KEYS
 from .datasets import PRESETS
-from .device_loader import DeviceLoader
 from .factory import load_factory
-from .ids import TARGET_KEYS
 from .models import TrainStep
 
 __all__ = ["main"]

@@ -25,9 +25,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, Subset
 
-from . import bench
+from ..device_loader import DeviceLoader
+from . import command as bench
 from .datasets import PRESETS
-from .device_loader import DeviceLoader
 
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import command as bench
+from fastcollate.bench import command, configs
+from fastcollate.bench.correctness import Delivered, compare_to_reference
 from fastcollate.bench.datasets import (
     PRESETS,
     FashionLike,
@@ -147,7 +148,7 @@ def test_chart_is_a_valid_png(tiny_run):
 
 
 def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_path, capsys):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             "tests.bench_datasets:drops_one_in_workers",
@@ -185,7 +186,7 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
 
 
 def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_and_duplicated(tmp_path):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             "tests.bench_datasets:wrong_id_in_workers",
@@ -218,7 +219,7 @@ def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_a
 
 
 def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             f"{HELPERS}:tiny",
@@ -244,7 +245,7 @@ def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
 
 def test_tokens_preset_reports_tokens_per_second_from_real_lengths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    status = bench.main(
+    status = command.main(
         [
             "--preset",
             "tokens",
@@ -300,21 +301,21 @@ def _args(**overrides) -> argparse.Namespace:
 
 def test_default_workers_are_capped_by_the_cpu_count_and_it_says_so(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = bench.resolve(_args())
+    setup = configs.resolve(_args())
     assert setup.workers == [0, 1, 2]
     assert any("workers [4] skipped" in note and "2 usable CPUs" in note for note in setup.notes)
 
 
 def test_explicit_workers_run_as_asked_even_past_the_cpu_count(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    setup = bench.resolve(_args(workers=[0, 4]))
+    setup = configs.resolve(_args(workers=[0, 4]))
     assert setup.workers == [0, 4]
     assert any("exceed" in note for note in setup.notes)
 
 
 def test_quick_takes_few_steps_and_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = bench.resolve(_args(quick=True, size=1000))
+    setup = configs.resolve(_args(quick=True, size=1000))
     assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 1, 3, [0, 2])
     assert setup.tail == 2 * 2 + 2, "the deepest pipeline: 2 workers x prefetch 2, + DeviceLoader depth 2"
     assert setup.indices is not None and len(setup.indices) == (4 + 1 + setup.tail) * 32
@@ -363,28 +364,28 @@ def test_other_presets_give_dict_samples_with_an_int_id_and_are_deterministic():
 
 
 def test_compare_to_reference_counts_lost_duplicated_and_changed_targets():
-    ref = {"_ids": np.arange(6), "_targets": np.arange(6) % 2}
-    run = {"_ids": np.array([0, 1, 2, 2, 4, 5]), "_targets": np.array([0, 1, 0, 0, 0, 0])}  # id 5 changed
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.arange(6), targets=np.arange(6) % 2)
+    run = Delivered(ids=np.array([0, 1, 2, 2, 4, 5]), targets=np.array([0, 1, 0, 0, 0, 0]))  # id 5 changed
+    check = compare_to_reference(run, ref)
     assert (check["lost"], check["duplicated"], check["targets_mismatched"]) == (1, 1, 1)
     assert check["lost_ids"] == [3] and check["duplicated_ids"] == [2] and not check["match"]
-    shuffled = {"_ids": ref["_ids"][::-1].copy(), "_targets": ref["_targets"][::-1].copy()}
-    check = bench.compare_to_reference(shuffled, ref)
+    shuffled = Delivered(ids=ref.ids[::-1].copy(), targets=ref.targets[::-1].copy())
+    check = compare_to_reference(shuffled, ref)
     assert check["match"] and not check["order_matches"]
 
 
 def test_compare_to_reference_counts_ids_never_in_the_reference_as_unexpected_not_duplicated():
-    ref = {"_ids": np.array([0, 1, 2]), "_targets": None}
-    run = {"_ids": np.array([0, 1, 2, 99]), "_targets": None}
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.array([0, 1, 2]), targets=None)
+    run = Delivered(ids=np.array([0, 1, 2, 99]), targets=None)
+    check = compare_to_reference(run, ref)
     assert (check["lost"], check["duplicated"], check["unexpected"]) == (0, 0, 1)
     assert check["duplicated_ids"] == [] and check["unexpected_ids"] == [99] and not check["match"]
 
 
 def test_compare_to_reference_compares_targets_by_value_across_dtypes():
-    ref = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 3], np.int64)}
-    run = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 5], np.int32)}
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.arange(4), targets=np.array([0, 1, 2, 3], np.int64))
+    run = Delivered(ids=np.arange(4), targets=np.array([0, 1, 2, 5], np.int32))
+    check = compare_to_reference(run, ref)
     assert check["targets_mismatched"] == 1 and not check["match"]
-    run["_targets"] = np.array([0.0, 1.0, 2.0, 3.0], np.float32)
-    assert bench.compare_to_reference(run, ref)["match"]
+    run.targets = np.array([0.0, 1.0, 2.0, 3.0], np.float32)
+    assert compare_to_reference(run, ref)["match"]

@@ -8,7 +8,8 @@ Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 25
   with shared slots (a worker's batch arrives in a slot this process page-locked once: no host copy);
   and, with workers, the same with shared slots off (fresh shared memory, packed into a pinned slot);
 - host copies per batch (DeviceLoader's host_packs) and slot registrations after warm-up;
-- DeviceLoader's host-to-device GB/s (its copy events) against a bare pinned copy_ of the same bytes;
+- DeviceLoader's host-to-device GB/s (its copy events) against a bare pinned copy_ of the same bytes
+  (``fastcollate.bench.pinned_copy``: the measurement ``python -m fastcollate bench`` reports too);
 - the pipelined step time against max(copy time, compute time);
 - pinned bytes held against depth x batch bytes, and pinned allocations after warm-up;
 - the time of DeviceLoader's Normalize on one batch, beside the copy's (both on the copy stream).
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import fastcollate
 from fastcollate import DeviceLoader, Normalize
+from fastcollate.bench.pinned_copy import pinned_copy_gbps
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -57,7 +59,8 @@ class Images(Dataset):
 
 def light_model() -> nn.Module:
     """Little compute per byte: the loop is bound by getting the batch onto the device."""
-    return nn.Sequential(nn.Conv2d(3, 8, 8, stride=8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(nn.Conv2d(3, 8, 8, stride=8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10))
 
 
 def heavy_model() -> nn.Module:
@@ -115,7 +118,7 @@ class StepClock:
 
     def step_ms(self) -> list[float]:
         """Consecutive intervals between marks (call after synchronising)."""
-        pairs = zip(self.marks, self.marks[1:])
+        pairs = zip(self.marks, self.marks[1:], strict=False)  # n marks, n - 1 intervals
         if self.cuda:
             return [a.elapsed_time(b) for a, b in pairs]
         return [(b - a) * 1e3 for a, b in pairs]
@@ -184,14 +187,6 @@ def gpu_ms(work, device: torch.device, repeat: int = 10, warmup: int = 2) -> lis
     return times[warmup:]
 
 
-def bare_pinned_copy_gbps(nbytes: int, device: torch.device, repeat: int = 20) -> list[float]:
-    """GB/s of one plain pinned-to-device copy_ of ``nbytes``: the ceiling DeviceLoader's copies meet."""
-    source = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = gpu_ms(lambda: target.copy_(source, non_blocking=True), device, repeat=repeat, warmup=3)
-    return [nbytes / (ms / 1e3) / 1e9 for ms in times]
-
-
 def compute_ms(model, batch_size, size, device) -> list[float]:
     images = torch.randn(batch_size, 3, size, size, device=device)
     return gpu_ms(lambda: model(images), device)
@@ -217,11 +212,13 @@ def summarize(runs: list[dict], bare: list[float], compute: dict, normalize: lis
         return [r[key] for r in ok if r["loop"] == loop and r["workers"] == w]
 
     speedup = {str(w): median([o / d for o, d in zip(pick("transfer_bound", w, "samples_per_s"),
-                                                        pick("transfer_bound", w, "default_samples_per_s"))])
+                                                        pick("transfer_bound", w, "default_samples_per_s"),
+                                                        strict=False)])
                for w in workers}
     with_workers = [w for w in workers if w > 0]
     over_fresh = {str(w): median([o / f for o, f in zip(pick("transfer_bound", w, "samples_per_s"),
-                                                       pick("transfer_bound", w, "fresh_shm_samples_per_s"))])
+                                                       pick("transfer_bound", w, "fresh_shm_samples_per_s"),
+                                                       strict=False)])
                   for w in with_workers}
     copy_ms = [c for r in ok for c in r["copy_ms"]]
     loader_gbps = [batch_bytes / (c / 1e3) / 1e9 for c in copy_ms if c > 0]
@@ -233,9 +230,11 @@ def summarize(runs: list[dict], bare: list[float], compute: dict, normalize: lis
         "speedup_vs_default": speedup,
         "speedup_of_shared_slots_vs_fresh_shm": over_fresh,
         "host_packs_per_batch_with_shared_slots": max((r["host_packs_per_batch"] for r in ok), default=None),
-        "slot_registrations_after_warmup": max((r["slot_registrations_after_warmup"] for r in ok), default=None),
+        "slot_registrations_after_warmup": max((r["slot_registrations_after_warmup"] for r in ok),
+                                               default=None),
         "h2d_efficiency": (median(loader_gbps) / median(bare)) if gpu and loader_gbps and bare else None,
-        "h2d_gbps": {"device_loader": median(loader_gbps), "bare_pinned_copy": median(bare)} if gpu else None,
+        "h2d_gbps": {"device_loader": median(loader_gbps), "bare_pinned_copy": median(bare)}
+        if gpu else None,
         "step_over_max_copy_compute": (step_ms / max(copy_median, compute_median))
         if gpu and step_ms and copy_median and compute_median else None,
         "step_ms": {"pipelined": step_ms, "copy": copy_median, "normalize": median(normalize),
@@ -250,14 +249,16 @@ def summarize(runs: list[dict], bare: list[float], compute: dict, normalize: lis
 
 TARGETS = {"speedup_vs_default": ">= 1.5 at each worker count",
            "speedup_of_shared_slots_vs_fresh_shm": "> 1 at each worker count",
-           "host_packs_per_batch_with_shared_slots": "== 0 (on a GPU)", "slot_registrations_after_warmup": "== 0",
+           "host_packs_per_batch_with_shared_slots": "== 0 (on a GPU)",
+           "slot_registrations_after_warmup": "== 0",
            "h2d_efficiency": ">= 0.9",
            "step_over_max_copy_compute": "<= 1.1", "pinned_bytes_over_depth_batch": "<= 1.1",
            "pinned_allocs_after_warmup": "== 0", "failed_configurations": "== 0"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script end to end")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     skipped: list[dict] = []
     print(f"device: {device_name if gpu else 'cpu (no GPU: tiny sizes, GPU figures null)'}")
-    print(f"batch {batch_size} x uint8 3x{size}x{size}; {steps} timed steps after {warmup} warm-up; {repeat} repetitions")
+    print(f"batch {batch_size} x uint8 3x{size}x{size}; {steps} timed steps after {warmup} warm-up; "
+          f"{repeat} repetitions")
 
     reference_errors: dict[str, str] = {}
 
@@ -307,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         # The references first: cheap, and the ratios need them whatever happens later.
         bare = []
         if gpu:
-            bare = reference("bare_pinned_copy", lambda: bare_pinned_copy_gbps(batch_bytes, device), [])
-        compute = {loop: reference(f"compute_{loop}", lambda m=model: compute_ms(m, batch_size, size, device), [])
+            # The ceiling DeviceLoader's copies meet: the same measurement as the bench's raw pinned copy.
+            bare = reference("bare_pinned_copy", lambda: pinned_copy_gbps(batch_bytes, device), [])
+        compute = {loop: reference(f"compute_{loop}",
+                                   lambda m=model: compute_ms(m, batch_size, size, device), [])
                    for loop, model in models.items()}
         normalize = reference("normalize", lambda: normalize_ms(batch_size, size, device), [])
 
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "fresh_shm_samples_per_s": fresh["samples_per_s"],
                                  "fresh_shm_host_packs_per_batch": fresh["host_packs_per_batch"]})
                     print(f"  rep {repetition} {loop:<14} workers={w}: default {default_rate:9.0f}/s  "
-                          f"DeviceLoader {ours['samples_per_s']:9.0f}/s (slots off {fresh['samples_per_s']:9.0f}/s)  "
+                          f"DeviceLoader {ours['samples_per_s']:9.0f}/s "
+                          f"(slots off {fresh['samples_per_s']:9.0f}/s)  "
                           f"ratio {ours['samples_per_s'] / default_rate:5.2f}  "
                           f"host copies/batch {ours['host_packs_per_batch']:.2f}")
                     write()

@@ -28,8 +28,10 @@ except ImportError:  # run from a checkout without an install: the package sits 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fastcollate
 
-from fastcollate.bench import apply_transforms, to_device
-from fastcollate.datasets import PRESETS
+from fastcollate.bench.batches import to_device
+from fastcollate.bench.datasets import PRESETS
+from fastcollate.bench.loaders import close_loader
+from fastcollate.transforms import apply_to_fields
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 WORKERS = [w for w in (0, 1, 2, 4) if w <= max(CPUS, 1)]
@@ -56,7 +58,7 @@ def _epoch(source, transforms: dict | None, moved_by_loader: bool) -> int:
     samples = 0
     for batch in source:
         if not moved_by_loader:
-            batch = apply_transforms(to_device(batch, DEVICE, non_blocking=True), transforms or {})
+            batch = apply_to_fields(to_device(batch, DEVICE, non_blocking=True), transforms or {})
         samples += int(batch["id"].shape[0])
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
@@ -107,11 +109,7 @@ def test_loader_epoch(benchmark, preset: str, workers: int, variant: str) -> Non
                 _epoch, args=(source, transforms, device_loader), rounds=ROUNDS, iterations=1
             )
         finally:
-            if device_loader:
-                source.close()
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+            close_loader(loader, source)  # the DeviceLoader, if any, and the persistent workers
     assert delivered == count
     if benchmark.stats is not None:  # None under --benchmark-disable
         benchmark.extra_info["samples_per_s_median"] = count / benchmark.stats.stats.median

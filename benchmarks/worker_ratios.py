@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate._ext import _C
-from fastcollate.datasets import PRESETS, samples_on_the_heap
+from fastcollate.bench.datasets import PRESETS, samples_on_the_heap
 
 CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")
 

@@ -61,3 +61,20 @@ class WrongIdInWorkers(Tiny):
 
 def wrong_id_in_workers() -> WrongIdInWorkers:
     return WrongIdInWorkers(24)
+
+
+class RaisesAt(Tiny):
+    """Map-style, but sample ``bad`` raises: the bench records the configuration's error and goes on."""
+
+    def __init__(self, size: int = 96, bad: int = 40) -> None:
+        super().__init__(size)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> dict:
+        if index == self.bad:
+            raise ValueError(f"sample {index} is unreadable")
+        return _sample(index)
+
+
+def raises_in_the_third_batch() -> dict:
+    return {"dataset": RaisesAt(96, bad=40), "batch_size": 16}

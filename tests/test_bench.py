@@ -1,5 +1,5 @@
 """``python -m fastcollate bench``: the JSON it keeps, the flag on a configuration that loses a sample,
-the chart, and the embedded data sets it measures."""
+the chart, the embedded data sets it measures, and the parts of the ``fastcollate.bench`` package."""
 
 from __future__ import annotations
 
@@ -17,8 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate import bench
-from fastcollate.datasets import PRESETS, FashionLike, ImageNetLike, ManyFields, TokenSequences, cache_dir
+from fastcollate.bench import command, configs
+from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
+from fastcollate.bench.correctness import Delivered, compare_to_reference
+from fastcollate.bench.datasets import (
+    PRESETS,
+    FashionLike,
+    ImageNetLike,
+    ManyFields,
+    TokenSequences,
+    cache_dir,
+)
+from fastcollate.bench.epoch import run_epoch
+from fastcollate.bench.pinned_copy import pinned_copy_gbps
+from fastcollate.ids import IdentifiedSample, guess_target_path
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "bench_datasets.py"
@@ -140,7 +152,7 @@ def test_chart_is_a_valid_png(tiny_run):
 
 
 def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_path, capsys):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             "tests.bench_datasets:drops_one_in_workers",
@@ -178,7 +190,7 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
 
 
 def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_and_duplicated(tmp_path):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             "tests.bench_datasets:wrong_id_in_workers",
@@ -211,7 +223,7 @@ def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_a
 
 
 def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
-    status = bench.main(
+    status = command.main(
         [
             "--dataset",
             f"{HELPERS}:tiny",
@@ -237,7 +249,7 @@ def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
 
 def test_tokens_preset_reports_tokens_per_second_from_real_lengths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    status = bench.main(
+    status = command.main(
         [
             "--preset",
             "tokens",
@@ -293,21 +305,21 @@ def _args(**overrides) -> argparse.Namespace:
 
 def test_default_workers_are_capped_by_the_cpu_count_and_it_says_so(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = bench.resolve(_args())
+    setup = configs.resolve(_args())
     assert setup.workers == [0, 1, 2]
     assert any("workers [4] skipped" in note and "2 usable CPUs" in note for note in setup.notes)
 
 
 def test_explicit_workers_run_as_asked_even_past_the_cpu_count(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    setup = bench.resolve(_args(workers=[0, 4]))
+    setup = configs.resolve(_args(workers=[0, 4]))
     assert setup.workers == [0, 4]
     assert any("exceed" in note for note in setup.notes)
 
 
 def test_quick_takes_few_steps_and_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = bench.resolve(_args(quick=True, size=1000))
+    setup = configs.resolve(_args(quick=True, size=1000))
     assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 1, 3, [0, 2])
     assert setup.tail == 2 * 2 + 2, "the deepest pipeline: 2 workers x prefetch 2, + DeviceLoader depth 2"
     assert setup.indices is not None and len(setup.indices) == (4 + 1 + setup.tail) * 32
@@ -356,28 +368,152 @@ def test_other_presets_give_dict_samples_with_an_int_id_and_are_deterministic():
 
 
 def test_compare_to_reference_counts_lost_duplicated_and_changed_targets():
-    ref = {"_ids": np.arange(6), "_targets": np.arange(6) % 2}
-    run = {"_ids": np.array([0, 1, 2, 2, 4, 5]), "_targets": np.array([0, 1, 0, 0, 0, 0])}  # id 5 changed
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.arange(6), targets=np.arange(6) % 2)
+    run = Delivered(ids=np.array([0, 1, 2, 2, 4, 5]), targets=np.array([0, 1, 0, 0, 0, 0]))  # id 5 changed
+    check = compare_to_reference(run, ref)
     assert (check["lost"], check["duplicated"], check["targets_mismatched"]) == (1, 1, 1)
     assert check["lost_ids"] == [3] and check["duplicated_ids"] == [2] and not check["match"]
-    shuffled = {"_ids": ref["_ids"][::-1].copy(), "_targets": ref["_targets"][::-1].copy()}
-    check = bench.compare_to_reference(shuffled, ref)
+    shuffled = Delivered(ids=ref.ids[::-1].copy(), targets=ref.targets[::-1].copy())
+    check = compare_to_reference(shuffled, ref)
     assert check["match"] and not check["order_matches"]
 
 
 def test_compare_to_reference_counts_ids_never_in_the_reference_as_unexpected_not_duplicated():
-    ref = {"_ids": np.array([0, 1, 2]), "_targets": None}
-    run = {"_ids": np.array([0, 1, 2, 99]), "_targets": None}
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.array([0, 1, 2]), targets=None)
+    run = Delivered(ids=np.array([0, 1, 2, 99]), targets=None)
+    check = compare_to_reference(run, ref)
     assert (check["lost"], check["duplicated"], check["unexpected"]) == (0, 0, 1)
     assert check["duplicated_ids"] == [] and check["unexpected_ids"] == [99] and not check["match"]
 
 
 def test_compare_to_reference_compares_targets_by_value_across_dtypes():
-    ref = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 3], np.int64)}
-    run = {"_ids": np.arange(4), "_targets": np.array([0, 1, 2, 5], np.int32)}
-    check = bench.compare_to_reference(run, ref)
+    ref = Delivered(ids=np.arange(4), targets=np.array([0, 1, 2, 3], np.int64))
+    run = Delivered(ids=np.arange(4), targets=np.array([0, 1, 2, 5], np.int32))
+    check = compare_to_reference(run, ref)
     assert check["targets_mismatched"] == 1 and not check["match"]
-    run["_targets"] = np.array([0.0, 1.0, 2.0, 3.0], np.float32)
-    assert bench.compare_to_reference(run, ref)["match"]
+    run.targets = np.array([0.0, 1.0, 2.0, 3.0], np.float32)
+    assert compare_to_reference(run, ref)["match"]
+
+
+def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
+    code = (
+        "import sys, fastcollate.bench, fastcollate.bench.factory; "
+        "print(sorted(m for m in sys.modules if m == 'matplotlib' "
+        "or (m.startswith('fastcollate.bench.') and m != 'fastcollate.bench.factory')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_fastcollate_bench_main_is_still_the_bench_command(capsys):
+    import fastcollate.bench
+
+    with pytest.raises(SystemExit) as exited:
+        fastcollate.bench.main(["--help"])
+    assert exited.value.code == 0
+    assert "python -m fastcollate bench" in capsys.readouterr().out
+
+
+class _Encoding(dict):
+    """A dict subclass that carries attributes of its own, as Hugging Face's BatchEncoding does."""
+
+
+def test_to_device_keeps_every_container_type_and_a_mappings_own_attributes():
+    point = IdentifiedSample(id=torch.tensor([1, 2]), sample=[torch.ones(2), (torch.zeros(1), "label")])
+    encoding = _Encoding(ids=torch.arange(3))
+    encoding.source = "tokenizer"  # set on this instance: calling the type again would lose it
+    batch = {"point": point, "encoding": encoding, "name": "b0"}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["point"], IdentifiedSample) and isinstance(moved["point"].sample, list)
+    assert isinstance(moved["point"].sample[1], tuple) and moved["point"].sample[1][1] == "label"
+    assert type(moved["encoding"]) is _Encoding and moved["encoding"].source == "tokenizer"
+    assert torch.equal(moved["encoding"]["ids"], torch.arange(3)) and moved["name"] == "b0"
+
+
+def test_tensor_bytes_counts_every_nested_tensor_and_nothing_else():
+    batch = {"x": torch.zeros(4, 3, dtype=torch.float32), "meta": [torch.zeros(5, dtype=torch.uint8), 7, "s"]}
+    assert tensor_bytes(batch) == 4 * 3 * 4 + 5
+    assert tensor_bytes("no tensors") == 0
+
+
+def test_batch_len_is_the_first_dimension_of_the_first_leaf():
+    assert batch_len({"meta": {"x": torch.zeros(6, 2)}, "y": torch.zeros(9)}) == 6
+    assert batch_len([torch.tensor(3.0)]) == 1, "a 0-dimensional tensor is one sample"
+    assert batch_len({"n": 5}) == 0
+
+
+def test_ids_and_targets_take_an_identified_samples_last_field_as_targets_and_copy_both():
+    ids, targets = torch.tensor([3, 4]), torch.tensor([1, 0])
+    batch = IdentifiedSample(id=ids, sample=[torch.zeros(2, 5), targets])
+    path = guess_target_path(batch)
+    assert path == "sample.1"
+    got_ids, got_targets = ids_and_targets(batch, path)
+    assert torch.equal(got_ids, ids) and torch.equal(got_targets, targets)
+    assert got_ids.data_ptr() != ids.data_ptr() and got_targets.data_ptr() != targets.data_ptr()
+    assert ids_and_targets({"x": torch.zeros(2)}, "target") == (None, None)
+
+
+RUN_KEYS = [
+    "error",
+    "epoch_s",
+    "asked_samples",
+    "batches",
+    "measured_steps",
+    "samples",
+    "seconds",
+    "samples_per_s",
+    "bytes",
+    "bytes_per_s",
+    "wait_ms",
+    "wait_ms_p50",
+    "wait_ms_p95",
+    "h2d_ms_p50",
+    "h2d_call_ms_p50",
+    "startup_s",
+    "peak_rss_main_bytes",
+    "peak_rss_workers_bytes",
+    "pss_bytes",
+    "shm_bytes",
+    "shm_growth_system_bytes",
+    "pinned_bytes",
+    "pinned_allocations",
+    "device_loader_stats",
+]
+
+
+def test_run_epoch_records_the_measured_steps_and_the_subsets_ids_in_a_record():
+    setup = configs.resolve(_args(workers=[0], steps=2, warmup=1, repeat=1, observation="loader"))
+    assemble_variant = next(v for v in configs.VARIANTS if v.key == "assemble")
+    run = run_epoch(setup, assemble_variant, 0, "loader")
+    assert run.error is None
+    assert run.asked_samples == (1 + 2) * 32, "no tail: 0 workers and no DeviceLoader hold nothing ahead"
+    assert (run.batches, run.measured_steps, run.samples) == (3, 2, 64)
+    assert run.delivered.ids.tolist() == setup.indices[: run.asked_samples]
+    assert run.delivered.targets is not None and run.delivered.targets.size == run.asked_samples
+    assert setup.target_path == "target", "found in the first batch, kept for the runs after it"
+    assert list(run.to_json()) == RUN_KEYS, "results.json's run keys, in their order, none private"
+
+
+def test_a_configuration_that_raises_comes_back_with_its_error_instead_of_raising():
+    setup = configs.resolve(
+        _args(preset=None, dataset="tests.bench_datasets:raises_in_the_third_batch", size=None,
+              batch_size=None, workers=[0], steps=4, warmup=1, observation="loader")
+    )
+    run = run_epoch(setup, configs.VARIANTS[0], 0, "loader", full=True)
+    assert run.error is not None and run.error.startswith("ValueError") and "unreadable" in run.error
+    assert run.batches < len(setup.indices) // setup.batch_size
+    assert run.to_json()["error"] == run.error
+
+
+def test_the_pinned_copy_is_measured_to_a_cuda_device_only():
+    with pytest.raises(ValueError, match="CUDA device"):
+        pinned_copy_gbps(1 << 20, torch.device("cpu"))
+
+
+@pytest.mark.needs_cuda
+def test_the_pinned_copy_returns_every_timed_run_in_gb_per_s():
+    runs = pinned_copy_gbps(8 << 20, torch.device("cuda"), repeats=5, warmup=1)
+    assert len(runs) == 5 and all(0 < gbps < 10_000 for gbps in runs)
+    with pytest.raises(ValueError, match="at least one byte"):
+        pinned_copy_gbps(0, torch.device("cuda"))

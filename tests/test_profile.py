@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastcollate import profiling
+from fastcollate.bench import profile
 from tests.test_bench import assert_valid_png
 
 TINY = [
@@ -31,7 +31,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
-    assert profiling.main([*TINY, "--out", str(out)]) == 0
+    assert profile.main([*TINY, "--out", str(out)]) == 0
     return out
 
 
@@ -60,7 +60,7 @@ def test_timeline_is_a_valid_png(profiled):
 
 
 def test_output_and_json_say_profiled_step_times_are_not_throughput(tmp_path, capsys):
-    assert profiling.main([*TINY, "--paths", "default", "--no-model", "--out", str(tmp_path)]) == 0
+    assert profile.main([*TINY, "--paths", "default", "--no-model", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "not throughput figures" in out
     assert "not throughput figures" in json.loads((tmp_path / "profile.json").read_text())["note"]
@@ -126,15 +126,15 @@ def _synthetic_gpu_trace(path: Path) -> None:
 def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
     trace_path = tmp_path / "trace.json"
     _synthetic_gpu_trace(trace_path)
-    trace = profiling.read_trace(trace_path)
+    trace = profile.read_trace(trace_path)
     assert set(trace["gpu"]) == {"13", "7"}
     assert {kind for kind, _, _ in trace["gpu"]["13"]} == {"copy"}
     assert {kind for kind, _, _ in trace["gpu"]["7"]} == {"kernel"}
     assert trace["cpu"]["5"][0] == ("batch_wait", 0.0, 1.0)
-    summary = profiling.range_summary(trace)
+    summary = profile.range_summary(trace)
     assert summary["compute"]["median_ms"] == pytest.approx(8.0) and summary["compute"]["count"] == 3
     assert (
-        profiling.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t")
+        profile.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t")
         is None
     )
     assert_valid_png(tmp_path / "t.png")

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .contract import Contract, Field
-from .transforms import Normalize
+from ..contract import Contract, Field
+from ..transforms import Normalize
 
 __all__ = [
     "PRESETS",
@@ -427,7 +427,7 @@ class Preset:
         default_collate: the baseline collate function (``default_collate`` unless shapes vary).
         contract: what ``assemble`` enforces (None: drop-in).
         device_transforms: ``{field: callable}`` run on the device batch by every configuration.
-        model: the model's name in :mod:`fastcollate.models` for the integrated observation.
+        model: the model's name in :mod:`fastcollate.bench.models` for the integrated observation.
         transforms_note: what the samples go through, for the record.
     """
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import statistics
 import sys
 import time
@@ -23,11 +22,15 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
 
-from . import bench
+from ..transforms import apply_to_fields
+from .batches import to_device
+from .configs import Setup, Variant, resolve
 from .datasets import PRESETS
-from .device_loader import DeviceLoader
+from .loaders import close_loader, open_loader, sync
+from .machine import machine_info, usable_cpus, versions
+from .report import jsonable
 
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 
@@ -49,37 +52,16 @@ PATHS = {
 }
 
 
-def _loader(setup: bench.Setup, variant: bench.Variant, workers: int) -> DataLoader:
-    dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
-    collate = setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn
-    extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
-    return DataLoader(
-        dataset,
-        batch_size=setup.batch_size,
-        shuffle=False,
-        num_workers=workers,
-        collate_fn=collate,
-        pin_memory=setup.pin_memory and variant.transfer != "DeviceLoader",
-        **extra,
-    )
-
-
-def profile_path(
-    setup: bench.Setup, variant: bench.Variant, workers: int, trace_path: Path
-) -> dict[str, Any]:
+def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path) -> dict[str, Any]:
     """Runs ``setup.warmup`` unprofiled steps, then ``setup.steps`` profiled ones; exports the trace.
 
     The default path is wrapped in all three ranges here. DeviceLoader emits ``batch_wait`` and
     ``h2d_transfer`` itself (its copy is issued inside ``next()``), so only ``compute`` is added.
     """
     device = setup.device
-    loader = _loader(setup, variant, workers)
+    dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
+    loader, source = open_loader(setup, variant, workers, dataset, setup.device_transforms)
     device_loader = variant.transfer == "DeviceLoader"
-    source: Any = loader
-    if device_loader:
-        source = DeviceLoader(
-            loader, device=device, depth=bench.DEVICE_LOADER_DEPTH, transforms=setup.device_transforms or None
-        )
     step = setup.make_step() if setup.make_step is not None else None
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -94,7 +76,7 @@ def profile_path(
             if step is not None:
                 step(batch)
             done += 1
-        bench._sync(device)
+        sync(device)
         with profile(activities=activities) as prof:
             for _ in range(setup.steps):
                 batch = _next_batch(iterator, setup, device, device_loader)
@@ -106,14 +88,14 @@ def profile_path(
                 del batch
                 prof.step()
                 done += 1
-            bench._sync(device)
+            sync(device)
         prof.export_chrome_trace(str(trace_path))
     finally:
-        bench._shutdown(loader, source)
+        close_loader(loader, source)
     return {"steps_run": done}
 
 
-def _next_batch(iterator: Any, setup: bench.Setup, device: torch.device, device_loader: bool) -> Any:
+def _next_batch(iterator: Any, setup: Setup, device: torch.device, device_loader: bool) -> Any:
     if device_loader:
         try:
             return next(iterator)  # DeviceLoader records batch_wait and h2d_transfer itself
@@ -126,8 +108,8 @@ def _next_batch(iterator: Any, setup: bench.Setup, device: torch.device, device_
             return None
     with record_function("h2d_transfer"):
         if device.type != "cpu":
-            batch = bench.to_device(batch, device, non_blocking=True)
-        batch = bench.apply_transforms(batch, setup.device_transforms)
+            batch = to_device(batch, device, non_blocking=True)
+        batch = apply_to_fields(batch, setup.device_transforms)
     return batch
 
 
@@ -283,10 +265,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = args.workers if args.workers is not None else min(2, cpus)
-    bench_args = argparse.Namespace(
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    workers = args.workers if args.workers is not None else min(2, usable_cpus())
+    setup = resolve(bench_arguments(args, workers))
+    out = args.out or Path(f"bench-out-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    print_plan(setup, workers)
+    panels, summary = profile_paths(setup, args.paths, workers, out)
+    title = (
+        f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
+        f"device {setup.device}, {setup.steps} profiled steps"
+    )
+    problem = draw_timeline(panels, out / "timeline.png", title) if panels else "nothing profiled"
+    record = {
+        "command": "python -m fastcollate profile " + " ".join(argv),
+        "note": NOT_THROUGHPUT,
+        "machine": machine_info(),
+        "versions": versions(),
+        "config": {
+            "data": setup.name,
+            "batch_size": setup.batch_size,
+            "workers": workers,
+            "device": str(setup.device),
+            "warmup_steps": setup.warmup,
+            "profiled_steps": setup.steps,
+            "compute": setup.model_note if setup.make_step is not None else None,
+        },
+        "paths": summary,
+    }
+    (out / "profile.json").write_text(json.dumps(jsonable(record), indent=1))
+    print(
+        f"wrote {out / 'profile.json'}"
+        + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})")
+    )
+    print(f"  reminder: {NOT_THROUGHPUT}.")
+    return 0
+
+
+def bench_arguments(args: argparse.Namespace, workers: int) -> argparse.Namespace:
+    """The profile's options as ``configs.resolve`` reads the bench's: one worker count, one run."""
+    return argparse.Namespace(
         preset=args.preset,
         dataset=args.dataset,
         size=args.size,
@@ -302,11 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_width=args.model_width,
         seed=args.seed,
     )
-    setup = bench.resolve(bench_args)
-    out = args.out or Path(f"bench-out-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    variants = {v.key: v for v in setup.variants}
 
+
+def print_plan(setup: Setup, workers: int) -> None:
     print(
         f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
         f"device {setup.device}"
@@ -321,11 +338,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  note: {note}")
     print(f"  NOTE: {NOT_THROUGHPUT}.")
 
+
+def profile_paths(
+    setup: Setup, paths: Sequence[str], workers: int, out: Path
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any]]:
+    """Each asked path profiled in turn: the timeline's panels, and each path's summary for the JSON."""
+    variants = {v.key: v for v in setup.variants}
     panels = []
     summary: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
-        for key in args.paths:
+        for key in paths:
             label, variant_key = PATHS[key]
             if variant_key not in variants:
                 print(f"  skipped {label}: not available in this build")
@@ -347,42 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items()
             )
             print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
-
-    title = (
-        f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
-        f"device {setup.device}, {setup.steps} profiled steps"
-    )
-    problem = draw_timeline(panels, out / "timeline.png", title) if panels else "nothing profiled"
-    (out / "profile.json").write_text(
-        json.dumps(
-            bench._jsonable(
-                {
-                    "command": "python -m fastcollate profile "
-                    + " ".join(sys.argv[1:] if argv is None else argv),
-                    "note": NOT_THROUGHPUT,
-                    "machine": bench.machine_info(),
-                    "versions": bench.versions(),
-                    "config": {
-                        "data": setup.name,
-                        "batch_size": setup.batch_size,
-                        "workers": workers,
-                        "device": str(setup.device),
-                        "warmup_steps": setup.warmup,
-                        "profiled_steps": setup.steps,
-                        "compute": setup.model_note if setup.make_step is not None else None,
-                    },
-                    "paths": summary,
-                }
-            ),
-            indent=1,
-        )
-    )
-    print(
-        f"wrote {out / 'profile.json'}"
-        + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})")
-    )
-    print(f"  reminder: {NOT_THROUGHPUT}.")
-    return 0
+    return panels, summary
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""The bench's chart: samples/s by worker count for each configuration, and the next(loader) wait.
+matplotlib is imported when a chart is drawn, not before (it is an optional dependency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .configs import Setup, Variant
+
+__all__ = ["write_chart"]
+
+COLORS = {"default": "tab:gray", "assemble": "tab:blue", "device_loader": "tab:green"}
+
+
+def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str | None:
+    """Throughput by workers per configuration, and next(loader) wait; returns why not, if not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install matplotlib)"
+    observations = [o for o in setup.observations if any(e["observation"] == o for e in entries)]
+    fig, axes = plt.subplots(len(observations), 2, figsize=(12, 4.2 * len(observations)), squeeze=False)
+    for row, observation in enumerate(observations):
+        ax_rate, ax_wait = axes[row]
+        for variant in setup.variants:
+            block = sorted(
+                (e for e in entries if e["observation"] == observation and e["variant"] == variant.key),
+                key=lambda e: e["workers"],
+            )
+            if block:
+                _plot_variant(ax_rate, ax_wait, variant, block)
+        _label_axes(ax_rate, ax_wait, observation, setup.workers)
+    fig.suptitle(
+        f"fastcollate bench: {setup.name}, batch {setup.batch_size}, {setup.steps} steps x "
+        f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _plot_variant(ax_rate: Any, ax_wait: Any, variant: Variant, block: list[dict[str, Any]]) -> None:
+    """One variant's line on both axes: median samples/s with min-max bars (flagged points crossed),
+    and its p50 / p95 waits."""
+    color = COLORS.get(variant.key)
+    xs = [e["workers"] for e in block]
+    ys = [e["samples_per_s"] or 0 for e in block]
+    lo = [max(0.0, y - (e["samples_per_s_min"] or y)) for y, e in zip(ys, block, strict=True)]
+    hi = [max(0.0, (e["samples_per_s_max"] or y) - y) for y, e in zip(ys, block, strict=True)]
+    ax_rate.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=variant.label, color=color)
+    for x, y, e in zip(xs, ys, block, strict=True):
+        if not e["ranked"]:
+            ax_rate.annotate("FLAGGED", (x, y), color="red", fontsize=8, ha="center", va="bottom")
+            ax_rate.plot([x], [y], marker="x", color="red", markersize=10)
+    p50 = [e["wait_ms_p50"] or 0 for e in block]
+    p95 = [e["wait_ms_p95"] or 0 for e in block]
+    ax_wait.plot(xs, p50, marker="o", color=color, label=f"{variant.label} p50")
+    ax_wait.plot(xs, p95, marker="^", linestyle="--", color=color, label=f"{variant.label} p95")
+
+
+def _label_axes(ax_rate: Any, ax_wait: Any, observation: str, workers: list[int]) -> None:
+    ax_rate.set_title(f"{observation}: samples/s (median, bars: min-max over runs)")
+    ax_rate.set_xlabel("DataLoader workers")
+    ax_rate.set_ylabel("samples/s")
+    ax_rate.set_xticks(workers)
+    ax_rate.set_ylim(bottom=0)
+    ax_rate.legend(fontsize=8)
+    ax_wait.set_title(f"{observation}: next(loader) wait, ms (median of per-run p50 / p95)")
+    ax_wait.set_xlabel("DataLoader workers")
+    ax_wait.set_ylabel("ms")
+    ax_wait.set_xticks(workers)
+    ax_wait.set_ylim(bottom=0)
+    ax_wait.legend(fontsize=7)

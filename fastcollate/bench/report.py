@@ -1,0 +1,255 @@
+"""What a bench run reports: one entry per configuration (medians over its runs, never the best run, and
+every run kept), the terminal table, and the JSON-safe form of it all."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .configs import VARIANTS, Setup, tail_batches
+
+if TYPE_CHECKING:  # epoch.py imports this module for jsonable
+    from .epoch import EpochRun
+
+__all__ = ["fmt_bytes", "fmt_ms", "fmt_rate", "format_table", "jsonable", "summarize"]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with everything json.dumps refuses turned into what it takes (numbers, or their text)."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(statistics.median(kept)) if kept else None
+
+
+def _max(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return max(kept) if kept else None
+
+
+def summarize(setup: Setup, key: tuple[str, str, int], runs: list[EpochRun]) -> dict[str, Any]:
+    """One configuration's entry: medians over its runs (never the best), every run kept."""
+    observation, variant_key, workers = key
+    variant = next(v for v in setup.variants if v.key == variant_key)
+    rates = [r.samples_per_s for r in runs if r.samples_per_s]
+    errors = [r.error for r in runs if r.error]
+    checks = [r.check for r in runs if r.check is not None]
+    ok = not errors and all(c["match"] for c in checks)
+    median_rate = _median(rates)
+    memory = [r.memory for r in runs]
+    entry: dict[str, Any] = {
+        "observation": observation,
+        "variant": variant.key,
+        "label": variant.label,
+        "collate": variant.collate,
+        "transfer": variant.transfer,
+        "workers": workers,
+        "device": setup.device.type,
+        "samples_per_s": median_rate,
+        "samples_per_s_min": min(rates) if rates else None,
+        "samples_per_s_max": max(rates) if rates else None,
+        "samples_per_s_rel_spread": ((max(rates) - min(rates)) / median_rate)
+        if rates and median_rate
+        else None,
+        "bytes_per_s": _median(r.bytes_per_s for r in runs),
+        "wait_ms_p50": _median(r.wait_ms_p50 for r in runs),
+        "wait_ms_p95": _median(r.wait_ms_p95 for r in runs),
+        "h2d_ms_p50": _median(r.h2d_ms_p50 for r in runs),
+        "h2d_call_ms_p50": _median(r.h2d_call_ms_p50 for r in runs),
+        "startup_s": _median(r.startup_s for r in runs),
+        "peak_rss_bytes": _max((m.peak_rss_main_bytes or 0) + sum(m.peak_rss_workers_bytes) for m in memory),
+        "peak_rss_main_bytes": _max(m.peak_rss_main_bytes for m in memory),
+        "peak_rss_workers_bytes": max((m.peak_rss_workers_bytes for m in memory), key=sum, default=[]),
+        "pss_bytes": _max(m.pss_bytes for m in memory),
+        "shm_bytes": _max(m.shm_bytes for m in memory),
+        "shm_growth_system_bytes": _max(m.shm_growth_system_bytes for m in memory),
+        "pinned_bytes": _max(m.pinned_bytes for m in memory),
+        "pinned_allocations": _max(m.pinned_allocations for m in memory),
+        "ids_match_reference": ok,
+        **{name: max((c[name] for c in checks), default=0) for name in _PROBLEMS},
+        "errors": errors,
+        "ranked": ok,
+        "tail_batches": tail_batches(variant, workers),
+    }
+    for unit in ("pixels", "tokens"):
+        values = [r.second_unit.get(f"{unit}_per_s") for r in runs]
+        if any(v is not None for v in values):
+            entry[f"{unit}_per_s"] = _median(values)
+    entry["runs"] = [r.to_json() for r in runs]
+    return entry
+
+
+_PROBLEMS = ("lost", "duplicated", "unexpected", "targets_mismatched")  # a check's counts, worst run kept
+
+
+def fmt_rate(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.2f}{suffix}"
+    return f"{value:.0f}"
+
+
+def fmt_bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:.1f} {suffix}"
+    return f"{value:.0f} B"
+
+
+def fmt_ms(value: float | None) -> str:
+    return "-" if value is None else (f"{value:.2f}" if value < 10 else f"{value:.1f}")
+
+
+_HEADER = (
+    "workers",
+    "config",
+    "samples/s",
+    "spread",
+    "{unit}/s",
+    "x default",
+    "wait p50 ms",
+    "wait p95 ms",
+    "h2d ms",
+    "start-up s",
+    "peak RSS main+workers",
+    "PSS",
+    "shm",
+    "pinned",
+    "check",
+)
+
+
+def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
+    """The terminal table: one block per observation, medians over runs, flagged configs marked."""
+    lines = []
+    titles = {
+        "loader": "loader-only: batches prepared (and moved) per second, no model",
+        "integrated": f"integrated: the model ({setup.model_note}) consuming every batch",
+    }
+    for observation in setup.observations:
+        block = [e for e in entries if e["observation"] == observation]
+        if not block:
+            continue
+        lines.append("")
+        lines.append(titles[observation])
+        rows = [[h.format(unit=setup.unit) for h in _HEADER]]
+        baseline = {
+            e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]
+        }
+        order = [v.key for v in VARIANTS]
+        for e in sorted(block, key=lambda e: (e["workers"], order.index(e["variant"]))):
+            rows.append(_row(setup, e, baseline.get(e["workers"])))
+        lines += _aligned(rows)
+        lines += _verdicts(block)
+    return "\n".join(lines)
+
+
+def _row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[str]:
+    """One configuration's cells, in ``_HEADER``'s order."""
+    speedup = "-"
+    if baseline_rate and e["samples_per_s"] and e["ranked"]:
+        speedup = f"{e['samples_per_s'] / baseline_rate:.2f}"
+    spread = e["samples_per_s_rel_spread"]
+    if setup.device.type != "cuda":
+        h2d = "no GPU"
+    elif e["transfer"] == "DeviceLoader":
+        h2d = f"{fmt_ms(e['h2d_ms_p50'])} (copy stream)"
+    else:
+        h2d = fmt_ms(e["h2d_ms_p50"])
+    workers_rss = e["peak_rss_workers_bytes"]
+    rss = fmt_bytes(e["peak_rss_main_bytes"])
+    if workers_rss:
+        rss += f" + {len(workers_rss)}x{fmt_bytes(max(workers_rss))}"
+    return [
+        str(e["workers"]),
+        e["label"],
+        fmt_rate(e["samples_per_s"]),
+        "-" if spread is None else f"±{spread * 50:.0f}%",
+        fmt_rate(e.get(f"{setup.unit}_per_s")),
+        speedup,
+        fmt_ms(e["wait_ms_p50"]),
+        fmt_ms(e["wait_ms_p95"]),
+        h2d,
+        "-" if e["startup_s"] is None else f"{e['startup_s']:.2f}",
+        rss,
+        fmt_bytes(e["pss_bytes"]),
+        fmt_bytes(e["shm_bytes"]),
+        fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda" else "no GPU",
+        _check_cell(e),
+    ]
+
+
+def _check_cell(e: dict[str, Any]) -> str:
+    if e["ids_match_reference"]:
+        return "ids ok"
+    if e["errors"]:
+        return "ERROR (not ranked)"
+    names = {
+        "lost": "LOST",
+        "duplicated": "DUPLICATED",
+        "unexpected": "UNEXPECTED",
+        "targets_mismatched": "TARGETS",
+    }
+    parts = [f"{names[problem]} {e[problem]}" for problem in _PROBLEMS if e[problem]]
+    return "/".join(parts) + " (not ranked)"
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """The rows as text columns: the two name columns and the check left-aligned, numbers right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _verdicts(block: list[dict[str, Any]]) -> list[str]:
+    """The fastest correct configuration of a block, then each flagged one with why."""
+    lines = []
+    ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
+    if ranked:
+        best = max(ranked, key=lambda e: e["samples_per_s"])
+        lines.append(
+            f"fastest correct: {best['label']}, {best['workers']} workers: "
+            f"{fmt_rate(best['samples_per_s'])} samples/s (median)"
+        )
+    for e in block:
+        if e["ranked"]:
+            continue
+        why = (
+            "; ".join(e["errors"])
+            if e["errors"]
+            else (
+                f"lost {e['lost']}, duplicated {e['duplicated']}, unexpected {e['unexpected']}, "
+                f"targets mismatched {e['targets_mismatched']}"
+            )
+        )
+        lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
+    return lines

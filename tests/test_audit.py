@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from torch.utils.data import DataLoader, RandomSampler, default_collate
 import fastcollate
 from fastcollate import audit
 from tests import audit_datasets as data
+
+Pair = namedtuple("Pair", "left right")
 
 
 def loader(dataset, workers=0, batch_size=4, collate_fn=fastcollate.assemble, **options) -> DataLoader:
@@ -308,6 +311,35 @@ def test_the_same_values_in_another_dtype_are_a_change():
         audit.digest_rows(torch.tensor([1, 2]), 2)[0]
         != audit.digest_rows(torch.tensor([1, 2], dtype=torch.int32), 2)[0]
     )
+
+
+def nested_batch() -> dict:
+    """A batch of three samples nesting every kind of field digest_rows takes."""
+    return {
+        "y": torch.tensor([3, 1, 4]),
+        "boxes": [torch.arange(6, dtype=torch.float32).reshape(3, 2), ("a", "bb", "ccc")],
+        "meta": {
+            "lengths": np.array([5, 6, 7], dtype=np.int32),
+            "pair": Pair(torch.ones(3, 1), [1.5, 2.5, 3.5]),
+        },
+    }
+
+
+def test_the_digest_of_a_nested_batch_stays_the_value_other_processes_and_ranks_compute():
+    # Ledgers made by other processes, ranks or saved runs compare these values: they must not drift.
+    assert audit.digest_rows(nested_batch(), 3).tolist() == [
+        10098722629439523234,
+        5588060118754624885,
+        10001083900609329366,
+    ]
+    assert audit.digest_rows(torch.tensor([1, 2]), 2).tolist() == [12723126774915341492, 12699252372561423264]
+    ledger = audit.Ledger(target_key=("y", "meta"))
+    ledger.record({**nested_batch(), "id": torch.tensor([0, 1, 2])})
+    assert ledger.end_epoch().digests.tolist() == [
+        8770118770034685849,
+        15218446514977939919,
+        9969461329737981088,
+    ]
 
 
 # --- storage ---------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from . import audit, tree
 from .assemble import assemble
+from .audit.report import abbreviated
 from .contract import Contract
 from .errors import ContractError, sample_id
 from .factory import load_factory
@@ -1034,7 +1035,7 @@ def _summary(report: audit.AuditReport) -> str:
         ("with changed targets", report.changed_targets),
     ):
         if ids:
-            parts.append(f"{len(ids)} {name} (id{'s' if len(ids) > 1 else ''} {audit._few(ids, 3)})")
+            parts.append(f"{len(ids)} {name} (id{'s' if len(ids) > 1 else ''} {abbreviated(ids, 3)})")
     if report.order == "same" and report.order_differs:
         parts.append("order differs")
     return ", ".join(parts)

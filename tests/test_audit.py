@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, RandomSampler, default_collate
 
 import fastcollate
 from fastcollate import audit
+from fastcollate.audit.column import GrowingColumn
+from fastcollate.audit.differences import dense_span
 from tests import audit_datasets as data
 
 Pair = namedtuple("Pair", "left right")
@@ -209,8 +211,8 @@ def test_dense_and_sparse_ids_give_the_same_differences(seed):
         audit.Epoch(ids=delivered * spread, digests=digests),
         order="any",
     )
-    assert audit._dense_span(reference, delivered) is not None
-    assert audit._dense_span(reference * spread, delivered * spread) is None
+    assert dense_span(reference, delivered) is not None
+    assert dense_span(reference * spread, delivered * spread) is None
 
     def rename(values):
         return sorted(int(v) * int(spread) % 2**64 for v in values)
@@ -346,7 +348,7 @@ def test_the_digest_of_a_nested_batch_stays_the_value_other_processes_and_ranks_
 
 
 def test_the_column_keeps_every_value_across_block_boundaries():
-    column = audit._Column(np.int64)
+    column = GrowingColumn(np.int64)
     expected = []
     for size in (1, 4095, 2, 10_000, 0, 7):
         values = np.arange(len(expected), len(expected) + size)

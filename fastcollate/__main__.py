@@ -8,7 +8,10 @@ import sys
 COMMANDS = {
     "bench": ("fastcollate.bench", "compare default_collate, assemble and DeviceLoader side by side"),
     "profile": ("fastcollate.profiling", "trace batch_wait / h2d_transfer / compute and draw the timeline"),
-    "doctor": ("fastcollate.doctor", "check that a dataset's loader delivers every sample, once, unchanged"),
+    "doctor": (
+        "fastcollate.audit.doctor",
+        "check that a dataset's loader delivers every sample, once, unchanged",
+    ),
 }
 
 

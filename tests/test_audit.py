@@ -286,6 +286,28 @@ def test_check_distributed_without_a_process_group_checks_this_process():
     assert report.ok and any("not initialized" in note for note in report.notes)
 
 
+def test_the_names_bench_and_profiling_use_stay_importable_from_fastcollate_audit():
+    from fastcollate.audit import (  # noqa: F401
+        MAIN_PROCESS,
+        TARGET_KEYS,
+        AuditReport,
+        Epoch,
+        Ledger,
+        Order,
+        TagWorker,
+        WorkerTagged,
+        check,
+        check_distributed,
+        compare,
+        compare_loaders,
+        digest_rows,
+    )
+
+    assert TARGET_KEYS[0] == "y" and MAIN_PROCESS == -1
+    assert fastcollate.AuditReport is AuditReport and fastcollate.Ledger is Ledger
+    assert callable(compare) and callable(check)  # the functions, not the modules holding them
+
+
 # --- digests ---------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ One concept a module: ``workers`` (which worker collated a batch), ``epoch`` (wh
 delivered), ``column`` (its storage), ``digests`` (stable per-sample digests), ``ledger`` (recording),
 ``differences`` (the vectorised set arithmetic), ``checks`` (check, compare, compare_loaders),
 ``report`` (AuditReport), ``distributed`` (check_distributed). ``python -m fastcollate doctor`` is
-``fastcollate.audit.doctor``, imported only when it runs (it brings argparse and the checklist).
+``fastcollate.audit.doctor`` (its ``checklist``, ``tracing``, ``failures``, ``setting_run`` and
+``record_sheet``), imported only when it runs: ``import fastcollate`` does not load the doctor.
 """
 
 from __future__ import annotations

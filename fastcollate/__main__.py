@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {
-    "bench": ("fastcollate.bench.command", "compare default_collate, assemble and DeviceLoader side by side"),
-    "profile": (
-        "fastcollate.bench.profile",
-        "trace batch_wait / h2d_transfer / compute and draw the timeline",
-    ),
-    "doctor": ("fastcollate.doctor", "check that a dataset's loader delivers every sample, once, unchanged"),
+COMMANDS = {  # name: (module with main(argv), one-line summary)
+    "bench": ("fastcollate.bench.command",
+              "compare default_collate, assemble and DeviceLoader side by side"),
+    "profile": ("fastcollate.bench.profile",
+                "trace batch_wait / h2d_transfer / compute and draw the timeline"),
+    "doctor": ("fastcollate.audit.doctor",
+               "check that a dataset's loader delivers every sample, once, unchanged"),
 }
 
 

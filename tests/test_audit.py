@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -13,7 +14,11 @@ from torch.utils.data import DataLoader, RandomSampler, default_collate
 
 import fastcollate
 from fastcollate import audit
+from fastcollate.audit.column import GrowingColumn
+from fastcollate.audit.differences import dense_span
 from tests import audit_datasets as data
+
+Pair = namedtuple("Pair", "left right")
 
 
 def loader(dataset, workers=0, batch_size=4, collate_fn=fastcollate.assemble, **options) -> DataLoader:
@@ -206,8 +211,8 @@ def test_dense_and_sparse_ids_give_the_same_differences(seed):
         audit.Epoch(ids=delivered * spread, digests=digests),
         order="any",
     )
-    assert audit._dense_span(reference, delivered) is not None
-    assert audit._dense_span(reference * spread, delivered * spread) is None
+    assert dense_span(reference, delivered) is not None
+    assert dense_span(reference * spread, delivered * spread) is None
 
     def rename(values):
         return sorted(int(v) * int(spread) % 2**64 for v in values)
@@ -281,6 +286,28 @@ def test_check_distributed_without_a_process_group_checks_this_process():
     assert report.ok and any("not initialized" in note for note in report.notes)
 
 
+def test_the_names_bench_and_profiling_use_stay_importable_from_fastcollate_audit():
+    from fastcollate.audit import (  # noqa: F401
+        MAIN_PROCESS,
+        TARGET_KEYS,
+        AuditReport,
+        Epoch,
+        Ledger,
+        Order,
+        TagWorker,
+        WorkerTagged,
+        check,
+        check_distributed,
+        compare,
+        compare_loaders,
+        digest_rows,
+    )
+
+    assert TARGET_KEYS[0] == "y" and MAIN_PROCESS == -1
+    assert fastcollate.AuditReport is AuditReport and fastcollate.Ledger is Ledger
+    assert callable(compare) and callable(check)  # the functions, not the modules holding them
+
+
 # --- digests ---------------------------------------------------------------------------------------
 
 
@@ -310,11 +337,40 @@ def test_the_same_values_in_another_dtype_are_a_change():
     )
 
 
+def nested_batch() -> dict:
+    """A batch of three samples nesting every kind of field digest_rows takes."""
+    return {
+        "y": torch.tensor([3, 1, 4]),
+        "boxes": [torch.arange(6, dtype=torch.float32).reshape(3, 2), ("a", "bb", "ccc")],
+        "meta": {
+            "lengths": np.array([5, 6, 7], dtype=np.int32),
+            "pair": Pair(torch.ones(3, 1), [1.5, 2.5, 3.5]),
+        },
+    }
+
+
+def test_the_digest_of_a_nested_batch_stays_the_value_other_processes_and_ranks_compute():
+    # Ledgers made by other processes, ranks or saved runs compare these values: they must not drift.
+    assert audit.digest_rows(nested_batch(), 3).tolist() == [
+        10098722629439523234,
+        5588060118754624885,
+        10001083900609329366,
+    ]
+    assert audit.digest_rows(torch.tensor([1, 2]), 2).tolist() == [12723126774915341492, 12699252372561423264]
+    ledger = audit.Ledger(target_key=("y", "meta"))
+    ledger.record({**nested_batch(), "id": torch.tensor([0, 1, 2])})
+    assert ledger.end_epoch().digests.tolist() == [
+        8770118770034685849,
+        15218446514977939919,
+        9969461329737981088,
+    ]
+
+
 # --- storage ---------------------------------------------------------------------------------------
 
 
 def test_the_column_keeps_every_value_across_block_boundaries():
-    column = audit._Column(np.int64)
+    column = GrowingColumn(np.int64)
     expected = []
     for size in (1, 4095, 2, 10_000, 0, 7):
         values = np.arange(len(expected), len(expected) + size)

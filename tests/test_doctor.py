@@ -7,10 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from collections import UserDict, namedtuple
 
 import pytest
+import torch
 
-from fastcollate import doctor
+from fastcollate.audit import doctor
+from fastcollate.audit.setting_run import batch_signature, copy_to_device
 
 DATASETS = "tests.audit_datasets"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,8 +69,6 @@ def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):
 
 
 def test_transfer_is_skipped_without_a_gpu(capsys, tmp_path):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the transfer stage runs")
     _, _, report = run(capsys, tmp_path, "clean")
@@ -236,3 +237,38 @@ def test_the_command_runs_from_python_dash_m(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "collate failed at id 3, field 'x'" in result.stdout
     assert json.loads(path.read_text())["failure"]["sample_id"] == 3
+
+
+# --- the transfer step and the batch signature walk the batch as fastcollate.tree does ---------------
+
+
+class Batch(UserDict):
+    """A Mapping that is not a dict, as Hugging Face's BatchEncoding is."""
+
+
+Boxes = namedtuple("Boxes", "xyxy labels")
+
+
+def test_the_transfer_step_keeps_a_mapping_subclass_and_a_namedtuple_batch_their_types():
+    batch = Batch(x=torch.zeros(2, 3), boxes=Boxes(torch.ones(2, 4), [torch.arange(2)]), name=["a", "b"])
+    moved = copy_to_device(batch, torch.device("meta"))  # a device every machine has, unlike a GPU
+    assert type(moved) is Batch and type(moved["boxes"]) is Boxes and type(moved["boxes"].labels) is list
+    assert moved["x"].device.type == "meta" and moved["boxes"].labels[0].device.type == "meta"
+    assert moved["boxes"].xyxy.shape == (2, 4) and moved["name"] == ["a", "b"]
+    assert batch["x"].device.type == "cpu"  # the batch itself is left as it was
+
+
+def test_the_batch_signature_names_each_tensor_by_its_dotted_path():
+    batch = Batch(x=torch.zeros(2, 3, dtype=torch.uint8), boxes=Boxes(torch.ones(2, 4), ["a", "b"]))
+    assert batch_signature(batch) == {"x": "torch.uint8 [3]", "boxes.xyxy": "torch.float32 [4]"}
+    assert batch_signature(torch.zeros(5, 2)) == {"<batch>": "torch.float32 [2]"}
+
+
+def test_import_fastcollate_leaves_the_doctor_unimported():
+    code = "import sys, fastcollate; print([m for m in sys.modules if m.startswith('fastcollate.audit')])"
+    command = [sys.executable, "-c", code]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.strip()
+    assert "fastcollate.audit.ledger" in loaded  # the audit itself is there
+    assert "doctor" not in loaded and "tracing" not in loaded and "setting_run" not in loaded

@@ -1,0 +1,185 @@
+"""The doctor's record sheet: one row per setting checked, the figures it shows, and the verdict with
+the exit status that follows from what the checklist found."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .epoch import Epoch
+from .failures import Failure
+from .report import AuditReport, abbreviated
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_PROBLEM",
+    "EXIT_UNVERIFIED",
+    "TIMEOUT_ADVICE",
+    "Findings",
+    "Row",
+    "conclusion",
+    "duration",
+    "epoch_time",
+    "problem_summary",
+    "samples_per_second",
+    "speed_against",
+    "startup_comparison",
+    "table_lines",
+    "verdict",
+]
+
+EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED = 0, 1, 2
+TIMEOUT_ADVICE = (
+    "a timeout makes a wait visible; it repairs nothing (an unavailable source or a stuck worker stays "
+    "so). Keep the last step above, and reduce the inputs (that sample alone, --workers 1) rather than "
+    "raising --timeout."
+)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the record sheet."""
+
+    setting: str
+    checked: str
+    time: str
+    conclusion: str
+    ok: bool | None  # None: not run, or nothing to conclude
+
+
+_HEADER = Row("setting", "checked", "observed time", "conclusion", None)
+
+
+@dataclasses.dataclass
+class Findings:
+    """What the checklist found, from which the verdict follows.
+
+    Attributes:
+        failure: the stage that failed, which ends the checklist.
+        data_problems: settings that lost, duplicated or changed data, with their first ids.
+        unverified: why the data could not be verified (no ids, an empty dataset).
+        shapes_vary: batch shapes or dtypes varied within a setting (a warning, not a failure).
+    """
+
+    failure: Failure | None = None
+    data_problems: list[str] = dataclasses.field(default_factory=list)
+    unverified: str | None = None
+    shapes_vary: bool = False
+
+
+def verdict(findings: Findings, workers: int, targets: list[str] | None) -> tuple[str, int]:
+    """The verdict line and the exit status."""
+    failure = findings.failure
+    if failure is not None:
+        return _failure_verdict(failure), EXIT_PROBLEM
+    if findings.data_problems:
+        return (
+            "FAIL: data lost, duplicated or changed: "
+            + "; ".join(findings.data_problems)
+            + ". Do not adopt this setting.",
+            EXIT_PROBLEM,
+        )
+    if findings.unverified:
+        return f"NOT VERIFIED: {findings.unverified}", EXIT_UNVERIFIED
+    return (
+        f"OK: workers={workers} delivers the same samples"
+        + (" and targets" if targets else "")
+        + " as workers=0, in both epochs"
+        + ("; but shapes vary from batch to batch (see the notes)" if findings.shapes_vary else ""),
+        EXIT_OK,
+    )
+
+
+def _failure_verdict(failure: Failure) -> str:
+    text = f"FAIL: {failure.stage} failed at {failure.sample}"
+    if failure.stage == "timeout":
+        text = f"FAIL: stuck at {failure.sample} ({failure.error})"
+    if failure.field:
+        text += f", field {failure.field!r}"
+    if failure.stage == "timeout":
+        text += f". {TIMEOUT_ADVICE}"
+    elif failure.worker is not None and failure.worker >= 0:
+        text += (
+            ". It happens only with workers: look at what the workers receive (open files, "
+            "connections, locks, per-process state) and the start method"
+        )
+    else:
+        text += ". Fix it with workers=0 first: the traceback is readable there."
+    return text
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    """The rows as an aligned table under its header (the conclusion column is left ragged)."""
+    widths = [max(len(getattr(r, f)) for r in rows + [_HEADER]) for f in ("setting", "checked", "time")]
+    lines = []
+    for row in [_HEADER] + rows:
+        cells = [row.setting.ljust(widths[0]), row.checked.ljust(widths[1]), row.time.ljust(widths[2])]
+        lines.append(" | ".join(cells + [row.conclusion]))
+        if row is _HEADER:
+            lines.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * 10)
+    return lines
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def epoch_time(epoch: Epoch) -> str:
+    """The wait on the loader, with the first batch (start-up) and the rate after it apart."""
+    text = duration(epoch.wait_seconds)
+    if epoch.first_batch_seconds is not None:
+        text += f" (first batch {duration(epoch.first_batch_seconds)}"
+        rate = epoch.steady_samples_per_second
+        text += f", then {rate:,.0f} samples/s)" if rate else ")"
+    return text
+
+
+def samples_per_second(epoch: Epoch) -> float | None:
+    """After start-up where there were batches enough to tell, else over the whole wait."""
+    rate = epoch.steady_samples_per_second
+    if rate is None and epoch.wait_seconds > 0:
+        rate = len(epoch) / epoch.wait_seconds
+    return rate
+
+
+def speed_against(epoch: Epoch, reference_rate: float | None) -> str:
+    rate = samples_per_second(epoch)
+    if not rate or not reference_rate:
+        return ""
+    ratio = rate / reference_rate
+    gain = "a real gain" if ratio >= 1.1 else "an overhead" if ratio < 0.9 else "no gain"
+    return f"x{ratio:.2f} the reference's samples/s after start-up: {gain}"
+
+
+def startup_comparison(first: Epoch, second: Epoch, persistent: bool) -> str:
+    if first.first_batch_seconds is None or second.first_batch_seconds is None:
+        return ""
+    text = (
+        f"first batch {duration(second.first_batch_seconds)} "
+        f"(epoch 1: {duration(first.first_batch_seconds)})"
+    )
+    rate1, rate2 = first.steady_samples_per_second, second.steady_samples_per_second
+    if rate1 and rate2:
+        text += f", then {rate2:,.0f} samples/s (epoch 1: {rate1:,.0f})"
+    text += "; workers kept" if persistent else "; workers restarted"
+    return text
+
+
+def problem_summary(report: AuditReport) -> str:
+    """``1 missing (id 7), 1 duplicated (id 6)``: the problems with their first ids."""
+    parts = []
+    for name, ids in (
+        ("missing", report.missing),
+        ("duplicated", list(report.duplicated)),
+        ("unexpected", report.unexpected),
+        ("with changed targets", report.changed_targets),
+    ):
+        if ids:
+            parts.append(f"{len(ids)} {name} (id{'s' if len(ids) > 1 else ''} {abbreviated(ids, 3)})")
+    if report.order == "same" and report.order_differs:
+        parts.append("order differs")
+    return ", ".join(parts)
+
+
+def conclusion(report: AuditReport, detail: str) -> str:
+    head = "same data" if report.ok else "DATA DIFFERS: " + ", ".join(report.problems())
+    return head + (f"; {detail}" if detail else "")

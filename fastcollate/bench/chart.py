@@ -65,15 +65,13 @@ def _plot_variant(ax_rate: Any, ax_wait: Any, variant: Variant, block: list[dict
 
 
 def _label_axes(ax_rate: Any, ax_wait: Any, observation: str, workers: list[int]) -> None:
-    ax_rate.set_title(f"{observation}: samples/s (median, bars: min-max over runs)")
-    ax_rate.set_xlabel("DataLoader workers")
-    ax_rate.set_ylabel("samples/s")
-    ax_rate.set_xticks(workers)
-    ax_rate.set_ylim(bottom=0)
-    ax_rate.legend(fontsize=8)
-    ax_wait.set_title(f"{observation}: next(loader) wait, ms (median of per-run p50 / p95)")
-    ax_wait.set_xlabel("DataLoader workers")
-    ax_wait.set_ylabel("ms")
-    ax_wait.set_xticks(workers)
-    ax_wait.set_ylim(bottom=0)
-    ax_wait.legend(fontsize=7)
+    for ax, title, unit, legend_size in (
+        (ax_rate, "samples/s (median, bars: min-max over runs)", "samples/s", 8),
+        (ax_wait, "next(loader) wait, ms (median of per-run p50 / p95)", "ms", 7),
+    ):
+        ax.set_title(f"{observation}: {title}")
+        ax.set_xlabel("DataLoader workers")
+        ax.set_ylabel(unit)
+        ax.set_xticks(workers)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=legend_size)

@@ -83,14 +83,10 @@ class DataChoice:
 
 
 @dataclasses.dataclass
-class Setup:
-    """Everything a run needs, resolved from the command line."""
+class Setup(DataChoice):
+    """Everything a run needs, resolved from the command line: the data choice and how it is run."""
 
-    name: str
-    description: str
-    dataset: Dataset
     indices: list[int] | None
-    batch_size: int
     steps: int
     warmup: int
     repeat: int
@@ -98,13 +94,6 @@ class Setup:
     device: torch.device
     observations: list[str]
     variants: list[Variant]
-    baseline_collate: Callable
-    assemble_fn: Callable
-    device_transforms: dict[str, Callable]
-    make_step: Callable[[], Callable[[Any], Any]] | None
-    model_note: str
-    unit: str
-    transforms_note: str
     seed: int
     notes: list[str]
     pin_memory: bool
@@ -140,12 +129,11 @@ def resolve(args: argparse.Namespace) -> Setup:
     if not isinstance(data.dataset, IterableDataset):
         tail = max(tail_batches(v, w) for v in variants for w in workers)
     indices = _fixed_subset(data.dataset, (warmup + steps + tail) * data.batch_size, args.seed, notes)
+    chosen = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+    chosen["make_step"] = data.make_step if "integrated" in observations else None
     return Setup(
-        name=data.name,
-        description=data.description,
-        dataset=data.dataset,
+        **chosen,
         indices=indices,
-        batch_size=data.batch_size,
         steps=steps,
         warmup=warmup,
         repeat=repeat,
@@ -153,13 +141,6 @@ def resolve(args: argparse.Namespace) -> Setup:
         device=device,
         observations=observations,
         variants=variants,
-        baseline_collate=data.baseline_collate,
-        assemble_fn=data.assemble_fn,
-        device_transforms=data.device_transforms,
-        make_step=data.make_step if "integrated" in observations else None,
-        model_note=data.model_note,
-        unit=data.unit,
-        transforms_note=data.transforms_note,
         seed=args.seed,
         notes=notes,
         pin_memory=device.type == "cuda",

@@ -160,7 +160,7 @@ def summarize(case: Case, times: dict[str, list[float]], threads: int) -> dict:
     for target in case.targets:
         subject, baseline = times[target.subject], times[target.baseline]
         ratio = target.ratio(statistics.median(subject), statistics.median(baseline))
-        paired = [target.ratio(s, b) for s, b in zip(subject, baseline)]
+        paired = [target.ratio(s, b) for s, b in zip(subject, baseline, strict=True)]
         # The speed-up of a collate that did nothing but copy the bytes (with ordinary stores).
         plain_copy = (statistics.median(baseline) / statistics.median(times[FLOOR])
                       if target.kind == "faster" and FLOOR in times else None)

@@ -9,7 +9,7 @@ that are allowed. Anything undeclared is an error: nothing is converted or dropp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -94,7 +94,8 @@ class Field:
             raise ValueError(f"expand_from shapes are sizes >= 0, got {accepted}")
         named = any(isinstance(d, str) for d in self.shape)
         if named and len(accepted) != len(self.shape):
-            raise ValueError(f"expand_from {accepted} must have as many dims as shape {self.shape} (it has named dims)")
+            raise ValueError(f"expand_from {accepted} must have as many dims as shape {self.shape} "
+                             "(it has named dims)")
         offset = len(self.shape) - len(accepted)
         if offset < 0:
             raise ValueError(f"expand_from {accepted} has more dims than shape {self.shape}")
@@ -137,7 +138,8 @@ class Contract:
         object.__setattr__(self, "fields", dict(self.fields))
         for path, field in self.fields.items():
             if not isinstance(field, Field):
-                raise TypeError(f"Contract field {path!r} must be a fastcollate.Field, got {type(field).__name__}")
+                raise TypeError(f"Contract field {path!r} must be a fastcollate.Field, "
+                                f"got {type(field).__name__}")
         keys = set(self.fields)
         for path, field in self.fields.items():
             if field.pad is None:

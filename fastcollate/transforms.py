@@ -30,7 +30,8 @@ class Normalize:
         channels_last: bool = False,
     ) -> None:
         if len(mean) != len(std):
-            raise ValueError(f"Normalize: mean has {len(mean)} values and std {len(std)}; give one per channel")
+            raise ValueError(f"Normalize: mean has {len(mean)} values and std {len(std)}; "
+                             "give one per channel")
         if any(s <= 0 for s in std):
             raise ValueError("Normalize: every std must be > 0")
         self.mean = torch.tensor(mean, dtype=torch.float32)
@@ -41,7 +42,8 @@ class Normalize:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8 or images.dim() != 4:
-            raise TypeError(f"Normalize expects uint8 [N, C, H, W] images, got {images.dtype} {list(images.shape)}")
+            raise TypeError(f"Normalize expects uint8 [N, C, H, W] images, "
+                            f"got {images.dtype} {list(images.shape)}")
         if images.device not in self._on_device:
             self._on_device[images.device] = (self.mean.to(images.device), self.std.to(images.device))
         mean, std = self._on_device[images.device]
@@ -59,7 +61,8 @@ def apply_to_fields(batch: Any, transforms: Mapping[str, Callable[[Any], Any]]) 
     if not transforms:
         return batch
     if not isinstance(batch, Mapping):
-        raise TypeError(f"DeviceLoader transforms apply to mapping batches (by key), got {type(batch).__name__}")
+        raise TypeError(f"DeviceLoader transforms apply to mapping batches (by key), "
+                        f"got {type(batch).__name__}")
     missing = transforms.keys() - batch.keys()
     if missing:
         raise KeyError(f"DeviceLoader transforms name fields the batch lacks: {sorted(missing)}")

@@ -123,7 +123,7 @@ if sanitize:
     link_flags += ["-fsanitize=address,undefined"]
 say(f"optimisation: {'debug' if debug else 'release'}; sanitizers: {'address,undefined' if sanitize else 'none'}")
 
-sources = sorted(glob.glob("csrc/*.cpp"))
+sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
 define_macros = []
 include_dirs = [os.path.abspath("csrc")]
 extra = {"cxx": cxx_flags}

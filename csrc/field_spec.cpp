@@ -1,6 +1,7 @@
 #include "field_spec.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace fastcollate {
 
@@ -8,21 +9,25 @@ namespace py = pybind11;
 
 namespace {
 
+// The names fastcollate.contract.Field.kind takes.
+constexpr std::pair<FieldKind, const char*> kKindNames[] = {
+    {FieldKind::Tensor, "tensor"},
+    {FieldKind::Number, "number"},
+    {FieldKind::Text, "text"},
+};
+
 const char* kind_name(FieldKind kind) {
-  switch (kind) {
-    case FieldKind::Tensor:
-      return "tensor";
-    case FieldKind::Number:
-      return "number";
-    case FieldKind::Text:
-      return "text";
+  for (const auto& [each, name] : kKindNames) {
+    if (each == kind) {
+      return name;
+    }
   }
   return "tensor";
 }
 
 FieldKind kind_from_name(const std::string& name) {
-  for (FieldKind kind : {FieldKind::Tensor, FieldKind::Number, FieldKind::Text}) {
-    if (name == kind_name(kind)) {
+  for (const auto& [kind, each] : kKindNames) {
+    if (name == each) {
       return kind;
     }
   }

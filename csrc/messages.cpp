@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <sstream>
+#include <utility>
 
 namespace fastcollate {
 
@@ -28,31 +29,24 @@ std::string python_tuple(at::IntArrayRef sizes) {
 }
 
 std::string dtype_string(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kByte:
-      return "torch.uint8";
-    case at::kChar:
-      return "torch.int8";
-    case at::kShort:
-      return "torch.int16";
-    case at::kInt:
-      return "torch.int32";
-    case at::kLong:
-      return "torch.int64";
-    case at::kHalf:
-      return "torch.float16";
-    case at::kFloat:
-      return "torch.float32";
-    case at::kDouble:
-      return "torch.float64";
-    case at::kComplexHalf:
-      return "torch.complex32";
-    case at::kComplexFloat:
-      return "torch.complex64";
-    case at::kComplexDouble:
-      return "torch.complex128";
-    default:
-      break;
+  // Where c10's name is not Python's (Byte, Char, Half, ComplexFloat, ...).
+  static constexpr std::pair<at::ScalarType, const char*> kPythonNames[] = {
+      {at::kByte, "torch.uint8"},
+      {at::kChar, "torch.int8"},
+      {at::kShort, "torch.int16"},
+      {at::kInt, "torch.int32"},
+      {at::kLong, "torch.int64"},
+      {at::kHalf, "torch.float16"},
+      {at::kFloat, "torch.float32"},
+      {at::kDouble, "torch.float64"},
+      {at::kComplexHalf, "torch.complex32"},
+      {at::kComplexFloat, "torch.complex64"},
+      {at::kComplexDouble, "torch.complex128"},
+  };
+  for (const auto& [type, name] : kPythonNames) {
+    if (type == dtype) {
+      return name;
+    }
   }
   std::string text = std::string("torch.") + c10::toString(dtype);
   for (auto& c : text) {

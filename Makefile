@@ -11,7 +11,7 @@ PY := .venv/bin/python
 DEPS := .venv/.stamp-deps
 endif
 
-SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
 
 help:
 	@echo "make demo      build, then python -m fastcollate bench on the embedded data set, then workers on pre-decoded images"

@@ -121,9 +121,12 @@ link_flags = ["-fopenmp"]
 if sanitize:
     cxx_flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
     link_flags += ["-fsanitize=address,undefined"]
-say(f"optimisation: {'debug' if debug else 'release'}; sanitizers: {'address,undefined' if sanitize else 'none'}")
+say(
+    f"optimisation: {'debug' if debug else 'release'}; "
+    f"sanitizers: {'address,undefined' if sanitize else 'none'}"
+)
 
-sources = sorted(glob.glob("csrc/*.cpp"))
+sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
 define_macros = []
 include_dirs = [os.path.abspath("csrc")]
 extra = {"cxx": cxx_flags}

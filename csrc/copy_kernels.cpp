@@ -1,7 +1,6 @@
 // Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
 #include "copy_kernels.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -163,7 +162,8 @@ void CopyJobs::run() const {
         copy_bytes(memcpys[begin].dst, memcpys[begin].src, memcpys[begin].bytes, streaming);
       }
       // The rows job holding unit `begin`, then on through the following ones.
-      size_t j = static_cast<size_t>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin());
+      size_t j =
+          static_cast<size_t>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin());
       for (; begin < end; ++j) {
         const size_t job_end = std::min(end, first_unit[j]);
         const size_t pieces = pieces_per_row(rows[j - 1]);
@@ -185,33 +185,6 @@ uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype) {
   TORCH_CHECK(one.element_size() <= 8, "fastcollate: padding dtype ", dtype, " has elements over 8 bytes");
   std::memcpy(&pattern, one.data_ptr(), one.element_size());
   return pattern;
-}
-
-void stack_into_cpu(const std::vector<at::Tensor>& samples, const at::Tensor& out) {
-  TORCH_CHECK(out.device().is_cpu(), "stack_into: out must be a CPU tensor, got ", out.device());
-  TORCH_CHECK(out.is_contiguous(), "stack_into: out must be contiguous");
-  TORCH_CHECK(out.dim() >= 1 && out.size(0) == static_cast<int64_t>(samples.size()),
-              "stack_into: out must have one row per sample: ", samples.size(), " samples, out has shape ",
-              out.sizes());
-  const auto row_shape = out.sizes().slice(1);
-  CopyJobs jobs;
-  for (size_t i = 0; i < samples.size(); ++i) {
-    const at::Tensor& sample = samples[i];
-    TORCH_CHECK(sample.sizes() == row_shape, "stack_into: sample ", i, " has shape ", sample.sizes(),
-                ", expected ", row_shape);
-    TORCH_CHECK(sample.scalar_type() == out.scalar_type(), "stack_into: sample ", i, " has dtype ",
-                sample.scalar_type(), ", expected ", out.scalar_type());
-    TORCH_CHECK(sample.device().is_cpu(), "stack_into: sample ", i, " is on ", sample.device(),
-                ", expected cpu");
-    at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
-    at::Tensor row = out.select(0, static_cast<int64_t>(i));
-    if (sample.is_contiguous() && !sample.is_conj() && !sample.is_neg()) {
-      jobs.add_memcpy(sample.const_data_ptr(), row.data_ptr(), sample.nbytes());
-    } else {
-      jobs.tensor_copies.push_back({sample, row});
-    }
-  }
-  jobs.run();
 }
 
 }  // namespace fastcollate

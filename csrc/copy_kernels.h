@@ -1,4 +1,4 @@
-// Byte-moving kernels shared by the dispatcher ops and the batch assembler: plain jobs that run with the
+// Byte-moving kernels shared by the dispatcher ops (csrc/cpu/) and the batch assembler: plain jobs that run with the
 // GIL released, split across torch's intra-op threads when the batch is large enough to pay for it.
 #pragma once
 
@@ -16,6 +16,12 @@ constexpr size_t kFieldAlignment = 64;
 
 inline size_t align_up(size_t n) {
   return (n + kFieldAlignment - 1) / kFieldAlignment * kFieldAlignment;
+}
+
+// Whether a tensor's bytes are its values in row-major order, so that a memcpy copies it: contiguous, and
+// no lazy conjugate or negative bit that a copy would have to apply.
+inline bool copyable_as_is(const at::Tensor& tensor) {
+  return tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg();
 }
 
 // One contiguous source range to one contiguous destination range.
@@ -67,9 +73,5 @@ struct CopyJobs {
 
 // The bytes of `value` converted to `dtype`, for FillJob::pattern.
 uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype);
-
-// Checks that every sample has the same sizes and dtype as out's rows, then copies sample i into
-// out[i]. Used by the `stack_into` op; the assembler builds its jobs directly.
-void stack_into_cpu(const std::vector<at::Tensor>& samples, const at::Tensor& out);
 
 }  // namespace fastcollate

@@ -1,98 +1,14 @@
-// The dispatcher operators: every schema in one TORCH_LIBRARY block, with their CPU kernels. They are
-// usable from torch.compile and checked by torch.library.opcheck; CUDA kernels live in csrc/cuda/.
-#include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
+// The dispatcher operators' schemas, every one in this TORCH_LIBRARY block: they are usable from
+// torch.compile and checked by torch.library.opcheck. The kernels are csrc/cpu/'s and csrc/cuda/'s.
 #include <torch/library.h>
 
-#include "copy_kernels.h"
-
 namespace fastcollate {
-
-namespace {
-
-void stack_into_op(at::TensorList samples, const at::Tensor& out) {
-  stack_into_cpu(samples.vec(), out);
-}
-
-// Pads variable-length samples along their first dim to out's length (right side, `value`), marks the
-// real positions in `mask` and writes each length into `lengths`.
-void pad_into_op(at::TensorList samples, const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
-                 const at::Tensor& lengths) {
-  const int64_t batch = static_cast<int64_t>(samples.size());
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "pad_into: out must be a contiguous CPU tensor");
-  TORCH_CHECK(out.dim() >= 2 && out.size(0) == batch, "pad_into: out must have shape [", batch,
-              ", max_length, ...], got ", out.sizes());
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() &&
-                  mask.sizes() == at::IntArrayRef({batch, out.size(1)}),
-              "pad_into: mask must be a contiguous bool tensor of shape [", batch, ", ", out.size(1), "], got ",
-              mask.sizes(), " ", mask.scalar_type());
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
-                  lengths.sizes() == at::IntArrayRef({batch}),
-              "pad_into: lengths must be a contiguous int64 tensor of shape [", batch, "]");
-  at::assert_no_overlap(out, mask);
-  at::assert_no_overlap(out, lengths);
-  at::assert_no_overlap(mask, lengths);
-  const int64_t max_length = out.size(1);
-  const auto inner_shape = out.sizes().slice(2);
-  const size_t element_size = out.element_size();
-  const size_t row_elements = static_cast<size_t>(out.numel() / std::max<int64_t>(batch, 1));
-  const size_t step_elements = static_cast<size_t>(row_elements / std::max<int64_t>(max_length, 1));
-  const uint64_t pattern = element_pattern(value, out.scalar_type());
-  auto* out_bytes = static_cast<unsigned char*>(out.data_ptr());
-  auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
-  auto* length_values = lengths.data_ptr<int64_t>();
-
-  CopyJobs jobs;
-  std::vector<at::Tensor> contiguous_samples;  // keeps copies of strided samples alive until jobs.run()
-  contiguous_samples.reserve(samples.size());
-  for (int64_t i = 0; i < batch; ++i) {
-    const at::Tensor& sample = samples[i];
-    TORCH_CHECK(sample.dim() == out.dim() - 1 && sample.sizes().slice(1) == inner_shape, "pad_into: sample ", i,
-                " has shape ", sample.sizes(), ", expected [length <= ", max_length, ", ", inner_shape, "]");
-    TORCH_CHECK(sample.size(0) <= max_length, "pad_into: sample ", i, " has length ", sample.size(0),
-                ", longer than out's ", max_length);
-    TORCH_CHECK(sample.scalar_type() == out.scalar_type() && sample.device().is_cpu(), "pad_into: sample ", i,
-                " is ", sample.scalar_type(), " on ", sample.device(), ", expected ", out.scalar_type(), " on cpu");
-    at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
-    const size_t length = static_cast<size_t>(sample.size(0));
-    unsigned char* row = out_bytes + static_cast<size_t>(i) * row_elements * element_size;
-    const at::Tensor& contiguous = contiguous_samples.emplace_back(sample.contiguous());
-    jobs.add_memcpy(contiguous.const_data_ptr(), row, length * step_elements * element_size);
-    jobs.fills.push_back({row + length * step_elements * element_size,
-                          (static_cast<size_t>(max_length) - length) * step_elements, element_size, pattern});
-    std::memset(mask_bytes + i * max_length, 1, length);
-    std::memset(mask_bytes + i * max_length + length, 0, static_cast<size_t>(max_length) - length);
-    length_values[i] = static_cast<int64_t>(length);
-  }
-  jobs.run();
-}
-
-at::Tensor normalize_images_cpu(const at::Tensor& images, const at::Tensor& mean, const at::Tensor& std,
-                               at::ScalarType dtype, bool channels_last) {
-  TORCH_CHECK(images.dim() == 4, "normalize_images: images must be [N, C, H, W], got shape ", images.sizes());
-  const int64_t channels = images.size(1);
-  TORCH_CHECK(mean.numel() == channels && std.numel() == channels, "normalize_images: mean and std need ",
-              channels, " values (one per channel), got ", mean.numel(), " and ", std.numel());
-  auto float_options = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor scale = (std.to(float_options) * 255.0).reciprocal().view({1, channels, 1, 1});
-  at::Tensor shift = (mean.to(float_options) / std.to(float_options)).view({1, channels, 1, 1});
-  at::Tensor out = (images.to(at::kFloat) * scale - shift).to(dtype);
-  return channels_last ? out.contiguous(at::MemoryFormat::ChannelsLast) : out.contiguous();
-}
-
-}  // namespace
 
 TORCH_LIBRARY(fastcollate, m) {
   m.def("stack_into(Tensor[] samples, Tensor(a!) out) -> ()");
   m.def("pad_into(Tensor[] samples, Scalar value, Tensor(a!) out, Tensor(b!) mask, Tensor(c!) lengths) -> ()");
   // uint8 images [N, C, H, W] to `dtype`, (x / 255 - mean) / std per channel, optionally channels-last.
   m.def("normalize_images(Tensor images, Tensor mean, Tensor std, ScalarType dtype, bool channels_last) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(fastcollate, CPU, m) {
-  m.impl("stack_into", &stack_into_op);
-  m.impl("pad_into", &pad_into_op);
-  m.impl("normalize_images", &normalize_images_cpu);
 }
 
 }  // namespace fastcollate

@@ -120,9 +120,7 @@ struct SharedSlots::Header {
     std::atomic<uint64_t> word;        // see shared_slots.h
     std::atomic<uint64_t> high_water;  // the largest batch written (page-rounded): the memory it holds
   };
-  Slot& slot(int64_t index) {
-    return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + kSlotsOffset)[index];
-  }
+  Slot& slot(int64_t index) { return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + kSlotsOffset)[index]; }
 };
 static_assert(sizeof(SharedSlots::Header) <= kSlotsOffset, "the slot table starts after the header");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are shared between processes");
@@ -131,9 +129,9 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are share
 struct SharedSlots::Mapping {
   void* base = nullptr;
   size_t length = 0;
-  pid_t pid = 0;  // a forked child inherits the mapping but not the CUDA registration
+  pid_t pid = 0;                        // a forked child inherits the mapping but not the CUDA registration
   std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
-  bool registration_failed = false;      // tried once: not again on every batch
+  bool registration_failed = false;     // tried once: not again on every batch
   ~Mapping() {
     if (registered.load() && ::getpid() == pid) {
       unregister_host_memory(base);
@@ -397,7 +395,8 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
     auto& word = header_->slot(slot).word;
     uint64_t current = word.load(std::memory_order_acquire);
     // The previous batch of this write may be dying on another thread right now: let its release land.
-    for (int spins = 0; spins < 1000000 && state_of(current) == kLent && seq_of(current) == static_cast<uint32_t>(seq); ++spins) {
+    for (int spins = 0; spins < 1000000 && state_of(current) == kLent && seq_of(current) == static_cast<uint32_t>(seq);
+         ++spins) {
       std::this_thread::yield();
       current = word.load(std::memory_order_acquire);
     }
@@ -489,7 +488,7 @@ SharedSlotStats SharedSlots::stats() const {
         break;
     }
   }
-  struct stat info {};
+  struct stat info{};
   if (::fstat(fd_, &info) == 0) {
     out.bytes_held = static_cast<int64_t>(info.st_blocks) * 512;
   }
@@ -596,9 +595,8 @@ void bind_shared_slots(py::module_& m) {
       .def(
           "receive",
           [](SharedSlots& pool, int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
-             const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides, int64_t pin_device) {
-            return pool.receive(slot, seq, nbytes, dtype, offset, sizes, strides, pin_device);
-          },
+             const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+             int64_t pin_device) { return pool.receive(slot, seq, nbytes, dtype, offset, sizes, strides, pin_device); },
           py::arg("slot"), py::arg("seq"), py::arg("nbytes"), py::arg("dtype"), py::arg("offset"), py::arg("sizes"),
           py::arg("strides"), py::arg("pin_device"), release_gil)
       .def("reclaim_dead_writers", &SharedSlots::reclaim_dead_writers, release_gil)

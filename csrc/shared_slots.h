@@ -33,19 +33,19 @@
 namespace fastcollate {
 
 struct SharedSlotStats {
-  int64_t capacity = 0;       // slots the pool's header has room for
-  int64_t free = 0;           // free, and no worker holds its own view
-  int64_t writing = 0;        // claimed by a worker, being written
-  int64_t delivered = 0;      // written and sent, not yet received
-  int64_t lent = 0;           // received: tensors in this process still use it
-  int64_t slots_used = 0;     // slots some batch has been written into
-  int64_t bytes_held = 0;     // memory the pool's file holds (touched pages, the header's included)
-  int64_t claims = 0;         // batches written into a slot, by any worker
-  int64_t fresh_fallbacks = 0;  // batches that got fresh shared memory because no slot was free
-  int64_t reclaimed = 0;      // slots taken back from a writer that died
-  int64_t receipts = 0;       // batches received by this process
-  int64_t mappings = 0;       // slot mappings this process made (new slots and grown ones)
-  int64_t registrations = 0;  // of those, registered with CUDA (page-locked)
+  int64_t capacity = 0;               // slots the pool's header has room for
+  int64_t free = 0;                   // free, and no worker holds its own view
+  int64_t writing = 0;                // claimed by a worker, being written
+  int64_t delivered = 0;              // written and sent, not yet received
+  int64_t lent = 0;                   // received: tensors in this process still use it
+  int64_t slots_used = 0;             // slots some batch has been written into
+  int64_t bytes_held = 0;             // memory the pool's file holds (touched pages, the header's included)
+  int64_t claims = 0;                 // batches written into a slot, by any worker
+  int64_t fresh_fallbacks = 0;        // batches that got fresh shared memory because no slot was free
+  int64_t reclaimed = 0;              // slots taken back from a writer that died
+  int64_t receipts = 0;               // batches received by this process
+  int64_t mappings = 0;               // slot mappings this process made (new slots and grown ones)
+  int64_t registrations = 0;          // of those, registered with CUDA (page-locked)
   int64_t registration_failures = 0;  // mappings left pageable because page-locking them failed
 };
 
@@ -60,8 +60,8 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   SharedSlots& operator=(const SharedSlots&) = delete;
 
   int fd() const { return fd_; }
-  uint64_t token() const;       // the pool's random identity, the same in every process
-  int64_t owner_pid() const;    // the process that made it
+  uint64_t token() const;     // the pool's random identity, the same in every process
+  int64_t owner_pid() const;  // the process that made it
   int64_t capacity() const;
 
   // Writer side (a worker). A 1-D uint8 tensor of `nbytes` over the lowest free slot below `bound`
@@ -86,9 +86,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::string describe_slot(int64_t slot) const;
 
   // State changes made by the storages lent over slots (see the state word above).
-  bool mark_delivered(int64_t slot, uint32_t seq);     // writer: its batch is being sent
-  void release_writer(int64_t slot, uint32_t seq);     // writer: its own view died
-  void release_reader(int64_t slot, uint32_t seq);     // reader: the received batch died
+  bool mark_delivered(int64_t slot, uint32_t seq);  // writer: its batch is being sent
+  void release_writer(int64_t slot, uint32_t seq);  // writer: its own view died
+  void release_reader(int64_t slot, uint32_t seq);  // reader: the received batch died
 
   struct Header;
   struct Mapping;
@@ -108,7 +108,8 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
   std::vector<std::shared_ptr<Mapping>> reader_maps_;
   std::vector<std::shared_ptr<Mapping>> pinned_maps_;
-  std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> received_;  // the live storage of each slot's batch
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>>
+      received_;  // the live storage of each slot's batch
   std::vector<int64_t> received_seq_;
   std::atomic<int64_t> receipts_{0};
   std::atomic<int64_t> mappings_{0};

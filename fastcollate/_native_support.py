@@ -1,14 +1,15 @@
-"""Python callbacks for the native batch walk: the rare cases it hands back, and error construction.
+"""The native walk's Python callback for the leaves it hands back to ``default_collate``.
 
-The walk (csrc/batch_plan.cpp) calls these once per field per batch at most, never per sample.
+The walk (csrc/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
+callbacks are public elsewhere: ``fastcollate.errors`` (make_error, kind_of) and ``fastcollate.tree``
+(rebuild_mapping, rebuild_sequence).
 """
 
 from __future__ import annotations
 
 from torch.utils.data import default_collate as _torch_default_collate
 
-from .errors import ContractError, make_error
-from .tree import rebuild_mapping, rebuild_sequence  # noqa: F401  (the walk's callbacks for Mapping and Sequence subclasses)
+from .errors import BUILTIN_ERRORS, ContractError, kind_of, make_error
 
 
 def default_collate(values: list, path: str, batch, id_key: str):
@@ -20,18 +21,15 @@ def default_collate(values: list, path: str, batch, id_key: str):
     """
     try:
         return _torch_default_collate(values)
-    except (TypeError, RuntimeError, ValueError, KeyError, IndexError) as error:
+    except BUILTIN_ERRORS as error:
         if isinstance(error, ContractError):
             raise
-        kind = next(kind for cls, kind in _KIND_OF if isinstance(error, cls))
         text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         raise make_error(
-            kind, batch, _first_refused(values), path or "<sample>", "a value default_collate takes (like sample 0)",
-            text[:200], "convert the field in the dataset, or pass a collate_fn that handles it", id_key,
+            kind_of(error), batch, _first_refused(values), path or "<sample>",
+            "a value default_collate takes (like sample 0)", text[:200],
+            "convert the field in the dataset, or pass a collate_fn that handles it", id_key,
         ) from error
-
-
-_KIND_OF = ((TypeError, "type"), (KeyError, "key"), (IndexError, "empty"), (ValueError, "value"), (RuntimeError, "size"))
 
 
 def _first_refused(values: list) -> int:

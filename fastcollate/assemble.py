@@ -17,6 +17,7 @@ from torch.utils.data import get_worker_info
 
 from . import worker_slots
 from ._ext import _C
+from ._torch_compat import new_shared_storage
 from .contract import Contract
 from .errors import ContractEmptyError
 from .staging import StagingRing, main_process_ring
@@ -25,7 +26,7 @@ __all__ = ["Assembler", "assemble"]
 
 
 def _shared_memory_buffer(nbytes: int) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    storage = new_shared_storage(max(nbytes, 1))
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
@@ -101,10 +102,7 @@ class Assembler:
             plan = self._collator.plan(batch)
             return plan.execute(self._worker_buffer(plan.nbytes))
         ring = self.ring or main_process_ring()  # DeviceLoader's, if active
-        out, overflowed = self._collator.assemble_into(batch, ring._native)
-        if overflowed:
-            ring.warn_overflow()
-        return out
+        return ring.assemble(self._collator, batch)
 
     def _worker_buffer(self, nbytes: int) -> torch.Tensor:
         slots = self._slots

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ContractError", "sample_id"]
+__all__ = ["ERROR_KINDS", "ContractError", "kind_of", "make_error", "sample_id"]
 
 
 class ContractError(Exception):
@@ -85,16 +85,15 @@ class ContractError(Exception):
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self):  # picklable across DataLoader workers, whatever class it is mixed into
-        return (
-            _rebuild,
-            (type(self).__name__, self.sample_id, self.position, self.field, self.expected, self.got, self.hint),
-        )
+        fields = (self.sample_id, self.position, self.field, self.expected, self.got, self.hint)
+        return (_rebuild, (type(self).__name__, *fields))
 
 
 _MESSAGE = re.compile(
     r"sample (?:id=(?P<id>.+?) \(batch position (?P<position>\d+)\)|at batch position (?P<position2>\d+)"
     r"(?: \(samples carry no .*?; wrap the dataset in fastcollate\.with_ids to name them\))?)"
-    r", field (?P<field>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"): expected (?P<expected>.*?), got (?P<got>.*?)"
+    r", field (?P<field>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")"
+    r": expected (?P<expected>.*?), got (?P<got>.*?)"
     r"(?:\. [A-Z]|$)",
     re.MULTILINE,
 )
@@ -120,14 +119,26 @@ class ContractEmptyError(ContractError, IndexError):
     """An empty batch without a contract to give it a structure (``default_collate`` raised IndexError)."""
 
 
-_KINDS = {
-    "size": ContractSizeError,
+# The one table of error kinds. The native walk raises by kind name (make_error) and asks kind_of for the
+# kind of a Python error torch raised; _native_support does the same for default_collate's refusals.
+# Each class is also its built-in counterpart, so the kind of a built-in error is the kind whose class
+# shares it; the first match wins, and RuntimeError's "size" takes whatever matches none.
+ERROR_KINDS: dict[str, type[ContractError]] = {
     "type": ContractTypeError,
     "key": ContractKeyError,
-    "value": ContractValueError,
     "empty": ContractEmptyError,
+    "value": ContractValueError,
+    "size": ContractSizeError,
 }
-_BY_NAME = {cls.__name__: cls for cls in _KINDS.values()} | {"ContractError": ContractError}
+_BUILTIN_OF = {kind: cls.__bases__[1] for kind, cls in ERROR_KINDS.items()}  # (ContractError, <built-in>)
+BUILTIN_ERRORS: tuple[type[Exception], ...] = tuple(_BUILTIN_OF.values())
+"""The built-in error classes the kinds stand for (``default_collate`` raises these)."""
+_BY_NAME = {cls.__name__: cls for cls in ERROR_KINDS.values()} | {"ContractError": ContractError}
+
+
+def kind_of(error: BaseException) -> str:
+    """The kind whose ContractError class shares ``error``'s built-in class (a TypeError is ``"type"``)."""
+    return next((kind for kind, builtin in _BUILTIN_OF.items() if isinstance(error, builtin)), "size")
 
 
 def _rebuild(name, sample_id, position, field, expected, got, hint):
@@ -152,7 +163,7 @@ def sample_id(sample: Any, id_key: str) -> Any:
 
 def make_error(kind: str, batch, position: int, field: str, expected: str, got: str, hint: str, id_key: str):
     """Builds the ContractError for sample ``batch[position]``: the class for ``kind``, its id looked up."""
-    return _KINDS[kind](
+    return ERROR_KINDS[kind](
         sample_id=sample_id(batch[position], id_key) if batch is not None else None,
         position=position,
         field=field or "<sample>",

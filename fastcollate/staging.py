@@ -13,31 +13,31 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import make_dataclass
+from typing import Any
 
 import torch
 
 from ._ext import _C
 
-__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_into"]
+__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_in", "staging_into"]
 
 DEFAULT_MAX_SLOTS = 8
 
 
-@dataclass(frozen=True)
-class RingStats:
-    """Counters of a ring. ``slot_allocations`` stops growing once the ring is warm."""
+_FIELD_TYPES = {"int64_t": int, "bool": bool}
 
-    slots: int
-    max_slots: int
-    bytes_held: int
-    slot_allocations: int
-    regrowths: int
-    reuses: int
-    overflow_allocations: int
-    waits_for_copies: int
-    in_use: int
-    pinned: bool
+# The fields are the C++ RingStats' (csrc/staging_ring.h lists them once); this is their Python face.
+RingStats = make_dataclass(
+    "RingStats",
+    [(name, _FIELD_TYPES[ctype]) for name, ctype, _ in _C.RingStats.fields],
+    frozen=True,
+)
+RingStats.__module__ = __name__  # make_dataclass's own `module=` is Python 3.12's
+RingStats.__doc__ = (
+    "Counters of a ring. ``slot_allocations`` stops growing once the ring is warm.\n\nAttributes:\n"
+    + "".join(f"    {name}: {what}.\n" for name, _, what in _C.RingStats.fields)
+)
 
 
 class StagingRing:
@@ -64,7 +64,7 @@ class StagingRing:
         self.pinned = pinned
         self.device_index = -1 if index is None else index  # -1: the current CUDA device
         # Locked natively: two threads may collate at once.
-        self._native = _C.HostRing(max_slots, pinned, self.device_index)
+        self._native = _C.StagingRing(max_slots, pinned, self.device_index)
         self._warned = False
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -74,15 +74,24 @@ class StagingRing:
             self.warn_overflow()
         return buffer
 
-    def warn_overflow(self) -> None:
-        """Says once per ring that a batch got a fresh buffer because every slot was busy."""
+    def assemble(self, collator: _C.Collator, batch: Sequence) -> Any:
+        """Collates ``batch`` with ``collator`` (an Assembler's compiled one) into a slot of this ring: the
+        walk and checks, a slot, then the copy with the GIL released, in one native call."""
+        out, overflowed = collator.assemble_in_ring(batch, self._native)
+        if overflowed:
+            self.warn_overflow(stacklevel=4)  # the caller of assemble (this, then Assembler.__call__)
+        return out
+
+    def warn_overflow(self, stacklevel: int = 3) -> None:
+        """Says once per ring that a batch got a fresh buffer because every slot was busy. ``stacklevel``
+        is warnings.warn's, counted from here (3: the caller of this method's caller)."""
         if not self._warned:
             self._warned = True
             warnings.warn(
                 f"fastcollate: all {self.stats().max_slots} staging slots are held by batches still in use; "
                 "using fresh buffers (slower). Drop batches sooner or raise max_slots.",
                 ResourceWarning,
-                stacklevel=3,  # the caller of assemble (or of acquire)
+                stacklevel=stacklevel,
             )
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -101,29 +110,20 @@ class StagingRing:
         reading the slot) has finished. False for a buffer outside the ring."""
         return self._native.hold_until_stream_done(buffer, stream.cuda_stream, stream.device_index)
 
-    def hold_until_flag(self, buffer: torch.Tensor, flag: _C.CompletionFlag) -> bool:
+    def hold_until_flag_set(self, buffer: torch.Tensor, flag: _C.CompletionFlag) -> bool:
         """Keeps the slot under ``buffer`` from reuse until ``flag.set()``: a copy made by other means
         than a CUDA stream (the tests' stand-in for one). False for a buffer outside the ring."""
-        return self._native.hold_until_flag(buffer, flag)
+        return self._native.hold_until_flag_set(buffer, flag)
+
+    hold_until_flag = hold_until_flag_set  # the name before hold_until_stream_done's pairing
 
     def trim(self) -> int:
         """Frees every slot nothing references; returns the bytes freed."""
         return self._native.trim()
 
     def stats(self) -> RingStats:
-        s = self._native.stats()
-        return RingStats(
-            slots=s.slots,
-            max_slots=s.max_slots,
-            bytes_held=s.bytes_held,
-            slot_allocations=s.slot_allocations,
-            regrowths=s.regrowths,
-            reuses=s.reuses,
-            overflow_allocations=s.overflow_allocations,
-            waits_for_copies=s.waits_for_copies,
-            in_use=s.in_use,
-            pinned=s.pinned,
-        )
+        native = self._native.stats()
+        return RingStats(**{name: getattr(native, name) for name, _, _ in _C.RingStats.fields})
 
 
 class _ActiveRing(threading.local):
@@ -136,7 +136,7 @@ _active = _ActiveRing()
 
 
 @contextlib.contextmanager
-def staging_into(ring: StagingRing) -> Iterator[None]:
+def staging_in(ring: StagingRing) -> Iterator[None]:
     """Within this block, on this thread, ``assemble`` in the main process writes batches into ``ring``.
 
     DeviceLoader uses it so that a batch collated in the main process lands straight in its pinned
@@ -150,13 +150,17 @@ def staging_into(ring: StagingRing) -> Iterator[None]:
         _active.ring = previous
 
 
+# The name before `_into` came to mean "writes into memory the caller passes" (stack_into, pad_into).
+staging_into = staging_in
+
+
 def active_ring() -> StagingRing | None:
-    """The ring ``staging_into`` set on this thread (DeviceLoader's while it fetches a batch), if any."""
+    """The ring ``staging_in`` set on this thread (DeviceLoader's while it fetches a batch), if any."""
     return _active.ring
 
 
 def main_process_ring() -> StagingRing:
-    """The ring ``assemble`` writes to here: the one ``staging_into`` set on this thread, else this
+    """The ring ``assemble`` writes to here: the one ``staging_in`` set on this thread, else this
     process's default (pageable) ring. A forked child gets its own, never its parent's."""
     active = _active.ring
     if active is not None:

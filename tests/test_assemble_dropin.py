@@ -30,7 +30,7 @@ def assert_same(ours, theirs, path="batch"):
             assert_same(ours[key], theirs[key], f"{path}.{key}")
     elif isinstance(theirs, Sequence) and not isinstance(theirs, (str, bytes)):
         assert len(ours) == len(theirs), f"{path}: lengths differ"
-        for index, (a, b) in enumerate(zip(ours, theirs)):
+        for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             assert_same(a, b, f"{path}[{index}]")
     else:
         assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
@@ -107,6 +107,26 @@ def test_strings_and_bytes_stay_lists():
     assert check([b"a", b"b"]) == [b"a", b"b"]
 
 
+def test_a_list_of_strings_comes_back_as_the_same_list_object():
+    batch = ["a", "b"]
+    expected = default_collate(batch)
+    ours = assemble(batch)
+    assert expected is batch  # torch's rule: collate_str_fn returns the batch itself
+    assert ours is batch and type(ours) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [np.array(["a", "b", "c"]), np.array([b"a", b"b"]), np.array(["a", "b"], dtype=object)],
+    ids=["str", "bytes", "object"],
+)
+def test_a_numpy_array_of_strings_comes_back_as_the_same_array_object(batch):
+    expected = default_collate(batch)
+    ours = assemble(batch)
+    assert expected is batch
+    assert ours is batch and type(ours) is type(expected) is np.ndarray
+
+
 def test_nested_dicts_lists_tuples_and_namedtuples():
     batch = [
         {
@@ -176,7 +196,8 @@ def test_multi_threaded_copy_of_many_fields_and_huge_rows(threads):
         images = [torch.rand(3, 64, 64, generator=g) for _ in range(3)]
         images[1] = images[1].transpose(1, 2)  # this row goes through ATen
         batch = [
-            {"huge": huge[i], "image": images[i], "small": torch.full((3,), float(i)), "id": i} for i in range(3)
+            {"huge": huge[i], "image": images[i], "small": torch.full((3,), float(i)), "id": i}
+            for i in range(3)
         ]
         check(batch)
         check([torch.rand(300, 1000, generator=g) for _ in range(8)])  # 1.2 MB rows: one piece each
@@ -341,5 +362,35 @@ def test_contract_error_pickles_with_its_attributes():
         assemble(batch)
     clone = pickle.loads(pickle.dumps(caught.value))
     assert type(clone) is type(caught.value)
-    assert (clone.sample_id, clone.field, clone.expected, clone.got) == (8, "x", caught.value.expected, caught.value.got)
+    original = caught.value
+    assert (clone.sample_id, clone.field) == (8, "x")
+    assert (clone.expected, clone.got) == (original.expected, original.got)
     assert str(clone) == str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind"),
+    [
+        (TypeError, "type"), (KeyError, "key"), (IndexError, "empty"), (ValueError, "value"),
+        (RuntimeError, "size"), (NotImplementedError, "size"), (OverflowError, "size"),
+    ],
+)
+def test_one_table_gives_each_builtin_error_its_kind_and_class(raised, kind):
+    from fastcollate.errors import ERROR_KINDS, kind_of, make_error
+
+    assert kind_of(raised("boom")) == kind
+    error = make_error(kind, [{"id": 7}], 0, "x", "this", "that", "", "id")
+    assert type(error) is ERROR_KINDS[kind] and isinstance(error, ContractError)
+    if kind != "size":  # the fallback kind stands for RuntimeError, not for whatever matched nothing
+        assert isinstance(error, raised)
+    assert error.sample_id == 7 and error.field == "x"
+
+
+@pytest.mark.parametrize(("later", "raised"), [("x", TypeError), (None, RuntimeError)])
+def test_a_torch_refusal_in_the_native_walk_keeps_its_builtin_class(later, raised):
+    # After sample 0's numpy array each sample goes through torch.as_tensor, which refuses "x" with a
+    # TypeError and None with a RuntimeError: the walk asks fastcollate.errors for the kind.
+    with pytest.raises(ContractError) as caught:
+        assemble([np.zeros(2), later])
+    assert isinstance(caught.value, raised) and caught.value.position == 1
+    assert raised.__name__ in caught.value.got

@@ -39,7 +39,10 @@ def test_fourth_record_with_one_channel_is_named_before_stacking():
 
 def test_declared_one_to_three_channel_conversion_keeps_all_four_ids():
     contract = Contract(
-        fields={**RECORDS_CONTRACT.fields, "x": Field(dtype=torch.float32, shape=(3, 16, 16), expand_from=((1, 16, 16),))}
+        fields={
+            **RECORDS_CONTRACT.fields,
+            "x": Field(dtype=torch.float32, shape=(3, 16, 16), expand_from=((1, 16, 16),)),
+        }
     )
     records = seed_records()
     batch = assemble.using(contract)(records)
@@ -60,7 +63,9 @@ def test_a_correctly_shaped_record_with_an_out_of_range_label_is_rejected_by_id(
 
 
 def test_tensor_targets_are_range_checked_and_nan_is_out_of_range():
-    contract = Contract(fields={"id": Field(kind="number"), "t": Field(dtype=torch.float32, shape=(2,), range=(0, 1))})
+    contract = Contract(
+        fields={"id": Field(kind="number"), "t": Field(dtype=torch.float32, shape=(2,), range=(0, 1))}
+    )
     good = [{"id": i, "t": torch.tensor([0.0, 0.5])} for i in range(3)]
     assert assemble.using(contract)(good)["t"].shape == (3, 2)
     bad = [dict(s) for s in good]
@@ -78,7 +83,10 @@ def test_mixed_dtypes_are_an_error_under_a_contract_unless_a_cast_is_declared():
         assemble.using(strict)(records)
     assert caught.value.sample_id == 1 and "cast_from" in str(caught.value)
     lenient = Contract(
-        fields={"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(2,), cast_from=(torch.float64,))}
+        fields={
+            "id": Field(kind="number"),
+            "x": Field(dtype=torch.float32, shape=(2,), cast_from=(torch.float64,)),
+        }
     )
     assert assemble.using(lenient)(records)["x"].dtype == torch.float32
 
@@ -119,10 +127,13 @@ def test_padding_boxes_with_fixed_trailing_dims_and_a_shared_named_dim():
         }
     )
     counts = [2, 0, 3]
-    records = [{"id": i, "boxes": torch.rand(n, 4), "labels": torch.arange(n) % 5} for i, n in enumerate(counts)]
+    records = [
+        {"id": i, "boxes": torch.rand(n, 4), "labels": torch.arange(n) % 5} for i, n in enumerate(counts)
+    ]
     batch = assemble.using(contract)(records)
     assert batch["boxes"].shape == (3, 3, 4) and batch["labels"].shape == (3, 3)
-    assert "boxes_lengths" not in batch and batch["box_mask"].tolist() == [[j < n for j in range(3)] for n in counts]
+    assert "boxes_lengths" not in batch
+    assert batch["box_mask"].tolist() == [[j < n for j in range(3)] for n in counts]
     assert torch.equal(batch["boxes"][2], records[2]["boxes"])
     assert batch["labels"][0].tolist() == [0, 1, -100]
     records[1]["labels"] = torch.arange(2)  # N disagrees with boxes in the same sample
@@ -132,8 +143,11 @@ def test_padding_boxes_with_fixed_trailing_dims_and_a_shared_named_dim():
 
 
 def test_padding_two_named_dims_and_a_non_contiguous_sample():
-    contract = Contract(fields={"id": Field(kind="number"), "m": Field(dtype=torch.float32, shape=("H", "W"), pad=0.0)})
-    records = [{"id": 0, "m": torch.ones(2, 3)}, {"id": 1, "m": torch.ones(2, 2)[:, :1].t()}]  # [1, 2], strided
+    contract = Contract(
+        fields={"id": Field(kind="number"), "m": Field(dtype=torch.float32, shape=("H", "W"), pad=0.0)}
+    )
+    # Sample 1 is [1, 2] and strided.
+    records = [{"id": 0, "m": torch.ones(2, 3)}, {"id": 1, "m": torch.ones(2, 2)[:, :1].t()}]
     batch = assemble.using(contract)(records)
     assert batch["m"].shape == (2, 2, 3)
     assert records[1]["m"].stride() == (1, 2) and records[1]["m"].shape == (1, 2)
@@ -211,3 +225,33 @@ def test_with_ids_attaches_the_dataset_index():
     assert caught.value.sample_id == 1
     batch = assemble([tagged[2], tagged[2]])
     assert batch.id.tolist() == [2, 2] and batch.sample[1].tolist() == [5, 5]
+
+
+def test_native_specs_carry_each_declaration_through_the_field_spec_attributes():
+    contract = Contract(
+        fields={
+            "x": Field(dtype=torch.float16, shape=(3, "T"), pad=-1.0, range=(-2, 2)),
+            "label": Field(kind="number"),
+        }
+    )
+    x, label = sorted(contract.native_specs(), key=lambda spec: spec.path != "x")
+    assert (x.path, x.kind, x.has_dtype, x.dtype) == ("x", "tensor", True, torch.float16)
+    assert (x.has_shape, x.shape, x.dim_names) == (True, [3, -1], ["", "T"])
+    assert (x.has_range, x.low, x.high, x.padded, x.pad_value) == (True, -2.0, 2.0, True, -1.0)
+    assert (label.path, label.kind, label.has_dtype, label.has_shape) == ("label", "number", False, False)
+    assert (label.has_range, label.padded) == (False, False)
+
+
+def test_field_spec_has_flags_drop_what_they_declared_and_kind_is_checked():
+    from fastcollate import _C
+
+    spec = _C.FieldSpec()
+    spec.dtype = torch.int8  # setting a value declares it
+    spec.low, spec.high = 0.0, 5.0
+    assert spec.has_dtype and spec.has_range and (spec.low, spec.high) == (0.0, 5.0)
+    spec.has_dtype = False
+    spec.has_range = False
+    assert not spec.has_dtype and not spec.has_range and (spec.low, spec.high) == (0.0, 0.0)
+    with pytest.raises(RuntimeError, match="'tensor', 'number' or 'text'"):
+        spec.kind = "image"
+    assert spec.kind == "tensor"

@@ -1,5 +1,6 @@
 """The main-process staging ring: slots reused when free, never while a batch still uses them, bounded."""
 
+import dataclasses
 import gc
 import threading
 import time
@@ -45,8 +46,9 @@ def test_past_the_bound_fresh_buffers_are_used_with_a_warning():
     ring = StagingRing(max_slots=2)
     collate = assemble.using(ring=ring)
     kept = [collate(images(value=i)) for i in range(2)]
-    with pytest.warns(ResourceWarning, match="staging slots"):
+    with pytest.warns(ResourceWarning, match="staging slots") as caught:
         extra = collate(images(value=50))
+    assert caught[0].filename == __file__  # the warning points at whoever called the collate function
     assert ring.stats().overflow_allocations == 1 and ring.stats().slots == 2
     assert extra["x"][0, 0, 0, 0].item() == 50 and kept[1]["x"][0, 0, 0, 0].item() == 1
     with warnings.catch_warnings():
@@ -65,6 +67,37 @@ def test_a_slot_grows_when_a_larger_batch_arrives_and_is_sized_exactly():
     assert stats.bytes_held < 2 * 16 * 3 * 32 * 32  # aligned, not power-of-two rounded
     collate(images(4))  # the grown slot serves smaller batches
     assert ring.stats().slot_allocations == 2
+
+
+def test_ring_stats_carry_every_counter_the_native_ring_lists():
+    stats = StagingRing(max_slots=3).stats()
+    names = [name for name, _, _ in _C.RingStats.fields]
+    assert [field.name for field in dataclasses.fields(stats)] == names
+    assert names[:2] == ["slots", "max_slots"] and "waits_for_copies" in names and names[-1] == "pinned"
+    assert (stats.max_slots, stats.slots, stats.pinned) == (3, 0, False)
+    assert type(stats.pinned) is bool and type(stats.reuses) is int
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.slots = 1
+
+
+def test_staging_ring_assemble_writes_a_batch_into_one_of_its_slots():
+    ring = StagingRing(max_slots=1)
+    collator = _C.Collator("id", [], False)
+    batch = ring.assemble(collator, images(4, value=3))
+    assert ring.owns(batch["x"]) and batch["x"].shape == (4, 3, 32, 32)
+    assert batch["x"][2, 0, 0, 0].item() == 5 and torch.equal(batch["id"], torch.arange(4))
+    assert ring.stats().slot_allocations == 1
+
+
+def test_staging_in_makes_assemble_write_into_the_ring_and_keeps_its_old_name():
+    from fastcollate.staging import active_ring, staging_in, staging_into
+
+    ring = StagingRing(max_slots=1)
+    assert staging_into is staging_in
+    with staging_in(ring):
+        assert active_ring() is ring
+        batch = assemble(images(2))
+    assert active_ring() is None and ring.owns(batch["x"])
 
 
 def test_trim_frees_unused_slots():
@@ -90,11 +123,12 @@ def test_bad_ring_arguments():
 # ---- Slots held by an unfinished copy (a CompletionFlag stands in for a CUDA event) ----------------
 
 
-def test_a_slot_counts_as_in_use_only_while_its_copy_is_unfinished():
+@pytest.mark.parametrize("hold", ["hold_until_flag_set", "hold_until_flag"])  # the old name still works
+def test_a_slot_counts_as_in_use_only_while_its_copy_is_unfinished(hold):
     ring = StagingRing(max_slots=1)
     buffer = ring.acquire(4096)
     copy = _C.CompletionFlag()
-    assert ring.hold_until_flag(buffer, copy)
+    assert getattr(ring, hold)(buffer, copy)
     del buffer
     assert ring.stats().in_use == 1  # nothing references it, but the copy still reads it
     copy.set()
@@ -106,7 +140,7 @@ def test_acquire_waits_for_the_unfinished_copy_of_the_only_slot():
     first = ring.acquire(4096)
     first.fill_(7)
     copy = _C.CompletionFlag()
-    ring.hold_until_flag(first, copy)
+    ring.hold_until_flag_set(first, copy)
     del first
     finisher = threading.Timer(0.2, copy.set)
     finisher.start()
@@ -122,7 +156,7 @@ def test_acquire_waits_for_the_unfinished_copy_of_the_only_slot():
 
 def test_a_buffer_outside_the_ring_cannot_be_held():
     ring = StagingRing(max_slots=1)
-    assert not ring.hold_until_flag(torch.zeros(16, dtype=torch.uint8), _C.CompletionFlag())
+    assert not ring.hold_until_flag_set(torch.zeros(16, dtype=torch.uint8), _C.CompletionFlag())
 
 
 def test_batches_of_creeping_size_regrow_a_slot_rarely_and_within_headroom():

@@ -8,8 +8,8 @@
 #include <optional>
 #include <type_traits>
 
-#include "host_ring.h"
 #include "shared_slots.h"
+#include "staging_ring.h"
 
 namespace fastcollate {
 
@@ -61,18 +61,17 @@ PendingCopy record_on_stream(int64_t stream, int64_t device) {
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
   std::shared_ptr<std::remove_pointer_t<cudaEvent_t>> event(raw, [](cudaEvent_t e) { cudaEventDestroy(e); });
   C10_CUDA_CHECK(cudaEventRecord(event.get(), reinterpret_cast<cudaStream_t>(stream)));
-  return PendingCopy{
-      [event] {
-        const cudaError_t status = cudaEventQuery(event.get());
-        if (status == cudaErrorNotReady) {
-          cudaGetLastError();  // not-ready is not an error; don't leave it set
-          return false;
-        }
-        C10_CUDA_CHECK(status);
-        return true;
-      },
-      // Runs from the ring's destructor, possibly at exit: it must not throw.
-      [event] { cudaEventSynchronize(event.get()); }};
+  return PendingCopy{[event] {
+                       const cudaError_t status = cudaEventQuery(event.get());
+                       if (status == cudaErrorNotReady) {
+                         cudaGetLastError();  // not-ready is not an error; don't leave it set
+                         return false;
+                       }
+                       C10_CUDA_CHECK(status);
+                       return true;
+                     },
+                     // Runs from the ring's destructor, possibly at exit: it must not throw.
+                     [event] { cudaEventSynchronize(event.get()); }};
 }
 
 void register_host_memory(void* ptr, size_t bytes, int64_t device) {
@@ -82,7 +81,8 @@ void register_host_memory(void* ptr, size_t bytes, int64_t device) {
   if (status != cudaSuccess) {
     cudaGetLastError();  // read back, so it does not surface at the next kernel launch check
     TORCH_CHECK(false, "fastcollate: page-locking a shared slot of ", bytes, " bytes failed (",
-                cudaGetErrorString(status), "). Pinned memory is limited by RAM and the memlock limit (ulimit -l); "
+                cudaGetErrorString(status),
+                "). Pinned memory is limited by RAM and the memlock limit (ulimit -l); "
                 "lower max_shared_slots or the batch size, or set FASTCOLLATE_SHARED_SLOTS=0.");
   }
 }

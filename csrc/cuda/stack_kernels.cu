@@ -25,9 +25,9 @@ void stack_into_cuda(at::TensorList samples, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(out.device());
   const auto row_shape = out.sizes().slice(1);
   for (size_t i = 0; i < samples.size(); ++i) {
-    TORCH_CHECK(samples[i].sizes() == row_shape && samples[i].scalar_type() == out.scalar_type(),
-                "stack_into: sample ", i, " is ", samples[i].scalar_type(), " ", samples[i].sizes(), ", expected ",
-                out.scalar_type(), " ", row_shape);
+    TORCH_CHECK(samples[i].sizes() == row_shape && samples[i].scalar_type() == out.scalar_type(), "stack_into: sample ",
+                i, " is ", samples[i].scalar_type(), " ", samples[i].sizes(), ", expected ", out.scalar_type(), " ",
+                row_shape);
     out.select(0, static_cast<int64_t>(i)).copy_(samples[i], /*non_blocking=*/true);
   }
 }
@@ -50,7 +50,8 @@ __global__ void normalize_images_kernel(const uint8_t* __restrict__ images, cons
                                         const float* __restrict__ shift, out_t* __restrict__ out, int64_t planes,
                                         int channels, int hw, bool channels_last, bool vectorized) {
   const int stride = static_cast<int>(gridDim.x) * kNormalizeThreads * kPixelsPerThread;
-  const int first = (static_cast<int>(blockIdx.x) * kNormalizeThreads + static_cast<int>(threadIdx.x)) * kPixelsPerThread;
+  const int first =
+      (static_cast<int>(blockIdx.x) * kNormalizeThreads + static_cast<int>(threadIdx.x)) * kPixelsPerThread;
   for (int64_t plane = blockIdx.y; plane < planes; plane += gridDim.y) {
     const int c = static_cast<int>(plane % channels);
     const float a = scale[c];
@@ -89,8 +90,8 @@ at::Tensor normalize_images_cuda(const at::Tensor& images, const at::Tensor& mea
               "normalize_images: images must be a uint8 CUDA tensor [N, C, H, W], got ", images.scalar_type(), " ",
               images.sizes(), " on ", images.device());
   const int64_t channels = images.size(1);
-  TORCH_CHECK(mean.numel() == channels && std.numel() == channels, "normalize_images: mean and std need ",
-              channels, " values (one per channel), got ", mean.numel(), " and ", std.numel());
+  TORCH_CHECK(mean.numel() == channels && std.numel() == channels, "normalize_images: mean and std need ", channels,
+              " values (one per channel), got ", mean.numel(), " and ", std.numel());
   const c10::cuda::CUDAGuard guard(images.device());
   at::Tensor input = images.contiguous();
   auto float_options = images.options().dtype(at::kFloat);
@@ -98,9 +99,10 @@ at::Tensor normalize_images_cuda(const at::Tensor& images, const at::Tensor& mea
   at::Tensor std_f = std.to(float_options);
   at::Tensor scale = (std_f * 255.0).reciprocal().contiguous();
   at::Tensor shift = (mean_f / std_f).contiguous();
-  at::Tensor out = channels_last
-                       ? at::empty(images.sizes(), images.options().dtype(dtype).memory_format(at::MemoryFormat::ChannelsLast))
-                       : at::empty(images.sizes(), images.options().dtype(dtype));
+  at::Tensor out =
+      channels_last
+          ? at::empty(images.sizes(), images.options().dtype(dtype).memory_format(at::MemoryFormat::ChannelsLast))
+          : at::empty(images.sizes(), images.options().dtype(dtype));
   if (input.numel() == 0) {
     return out;
   }
@@ -113,7 +115,8 @@ at::Tensor normalize_images_cuda(const at::Tensor& images, const at::Tensor& mea
   const auto aligned = [](const void* ptr, size_t alignment) {
     return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
   };
-  const int64_t blocks_per_plane = (hw + kNormalizeThreads * kPixelsPerThread - 1) / (kNormalizeThreads * kPixelsPerThread);
+  const int64_t blocks_per_plane =
+      (hw + kNormalizeThreads * kPixelsPerThread - 1) / (kNormalizeThreads * kPixelsPerThread);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(blocks_per_plane, 65535)),
                   static_cast<unsigned>(std::min<int64_t>(planes, 65535)));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

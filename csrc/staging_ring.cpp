@@ -1,4 +1,4 @@
-#include "host_ring.h"
+#include "staging_ring.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -8,6 +8,8 @@
 #include "shared_slots.h"
 
 namespace fastcollate {
+
+namespace py = pybind11;
 
 namespace {
 
@@ -34,8 +36,7 @@ at::Tensor bytes_view(const at::Storage& storage, int64_t nbytes) {
 at::DataPtr allocate_aligned_host_memory(size_t bytes) {
   void* ptr = nullptr;
   const size_t size = std::max<size_t>(align_up(bytes), kFieldAlignment);
-  TORCH_CHECK(posix_memalign(&ptr, 4096, size) == 0, "fastcollate: out of host memory allocating ", bytes,
-              " bytes");
+  TORCH_CHECK(posix_memalign(&ptr, 4096, size) == 0, "fastcollate: out of host memory allocating ", bytes, " bytes");
   return at::DataPtr(ptr, ptr, &free_aligned, at::Device(at::kCPU));
 }
 
@@ -88,16 +89,16 @@ PendingCopy CompletionFlag::pending() const {
   return PendingCopy{[flag] { return flag.is_set(); }, [flag] { flag.wait(); }};
 }
 
-HostRing::HostRing(int64_t max_slots, bool pinned, int64_t device)
+StagingRing::StagingRing(int64_t max_slots, bool pinned, int64_t device)
     : max_slots_(max_slots), pinned_(pinned), device_(device) {
-  TORCH_CHECK(max_slots >= 0, "HostRing: max_slots must be >= 0, got ", max_slots);
+  TORCH_CHECK(max_slots >= 0, "StagingRing: max_slots must be >= 0, got ", max_slots);
   TORCH_CHECK(!pinned || pinned_memory_available(),
-              "HostRing: pinned slots need a CUDA build of fastcollate and a visible GPU");
+              "StagingRing: pinned slots need a CUDA build of fastcollate and a visible GPU");
   counters_.max_slots = max_slots;
   counters_.pinned = pinned;
 }
 
-HostRing::~HostRing() {
+StagingRing::~StagingRing() {
   // A slot whose copy is still in flight must outlive that copy: wait for it rather than free memory
   // the DMA engine may be reading.
   for (auto& slot : slots_) {
@@ -107,7 +108,7 @@ HostRing::~HostRing() {
   }
 }
 
-bool HostRing::is_free(Slot& slot) const {
+bool StagingRing::is_free(Slot& slot) const {
   if (slot.memory->lent.load(std::memory_order_acquire)) {
     return false;
   }
@@ -120,12 +121,12 @@ bool HostRing::is_free(Slot& slot) const {
   return true;
 }
 
-at::Storage HostRing::allocate(size_t bytes) {
+at::Storage StagingRing::allocate(size_t bytes) {
   return at::Storage(at::Storage::use_byte_size_t(), bytes, allocate_host_memory(bytes, pinned_, device_),
                      /*allocator=*/nullptr, /*resizable=*/false);
 }
 
-at::Storage HostRing::lend(Slot& slot) {
+at::Storage StagingRing::lend(Slot& slot) {
   SlotMemory& memory = *slot.memory;
   auto context = std::make_unique<std::shared_ptr<SlotMemory>>(slot.memory);
   at::DataPtr data(memory.memory.get(), context.get(), &return_slot, at::Device(at::kCPU));
@@ -135,7 +136,7 @@ at::Storage HostRing::lend(Slot& slot) {
                      /*resizable=*/false);
 }
 
-int64_t HostRing::slot_index(const at::Storage& storage) const {
+int64_t StagingRing::slot_index(const at::Storage& storage) const {
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (storage.data() == slots_[i].memory->memory.get()) {
       return static_cast<int64_t>(i);
@@ -144,7 +145,7 @@ int64_t HostRing::slot_index(const at::Storage& storage) const {
   return -1;
 }
 
-size_t HostRing::capacity_for(size_t wanted, bool growing) const {
+size_t StagingRing::capacity_for(size_t wanted, bool growing) const {
   // A new slot is sized to the largest batch seen so far, not to this one: a short last batch would
   // otherwise make a small slot that the next epoch's first full batch must grow again. A slot that
   // grows gets 1/16 headroom, so batches whose padded size creeps up re-pin a few times, not on each
@@ -156,19 +157,19 @@ size_t HostRing::capacity_for(size_t wanted, bool growing) const {
   return align_up(std::max<size_t>(capacity, 1));
 }
 
-std::pair<at::Tensor, bool> HostRing::acquire(int64_t nbytes) {
+std::pair<at::Tensor, bool> StagingRing::acquire(int64_t nbytes) {
   bool overflowed = false;
   at::Tensor buffer = bytes_view(acquire_storage(nbytes, overflowed), nbytes);
   return {buffer, overflowed};
 }
 
-at::Storage HostRing::acquire_storage(int64_t nbytes, bool& overflowed) {
+at::Storage StagingRing::acquire_storage(int64_t nbytes, bool& overflowed) {
   std::lock_guard<std::mutex> lock(mutex_);
   return acquire_locked(nbytes, overflowed);
 }
 
-at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
-  TORCH_CHECK(nbytes >= 0, "HostRing.acquire: nbytes must be >= 0, got ", nbytes);
+at::Storage StagingRing::acquire_locked(int64_t nbytes, bool& overflowed) {
+  TORCH_CHECK(nbytes >= 0, "StagingRing.acquire: nbytes must be >= 0, got ", nbytes);
   const size_t wanted = static_cast<size_t>(nbytes);
   // Best fit among free slots that are large enough; else the largest free slot, grown.
   Slot* best = nullptr;
@@ -220,7 +221,7 @@ at::Storage HostRing::acquire_locked(int64_t nbytes, bool& overflowed) {
   return lend(*largest_free);
 }
 
-bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
+bool StagingRing::hold_until_done(const at::Tensor& buffer, PendingCopy copy) {
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t index = buffer.has_storage() ? slot_index(buffer.storage()) : -1;
   if (index < 0) {
@@ -230,12 +231,12 @@ bool HostRing::hold_until(const at::Tensor& buffer, PendingCopy copy) {
   return true;
 }
 
-std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at::Tensor>& tensors) {
+std::pair<at::Tensor, std::vector<int64_t>> StagingRing::pack(const std::vector<at::Tensor>& tensors) {
   std::vector<int64_t> offsets;
   size_t total = 0;
   for (const auto& tensor : tensors) {
-    TORCH_CHECK(tensor.device().is_cpu() && tensor.layout() == at::kStrided, "HostRing.pack: tensors must be dense CPU tensors, got ",
-                tensor.device(), " ", tensor.layout());
+    TORCH_CHECK(tensor.device().is_cpu() && tensor.layout() == at::kStrided,
+                "StagingRing.pack: tensors must be dense CPU tensors, got ", tensor.device(), " ", tensor.layout());
     offsets.push_back(static_cast<int64_t>(total));
     total += align_up(tensor.nbytes());
   }
@@ -244,7 +245,7 @@ std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at:
   CopyJobs jobs;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& tensor = tensors[i];
-    if (tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg()) {
+    if (copyable_as_is(tensor)) {
       jobs.add_memcpy(tensor.const_data_ptr(), base + offsets[i], tensor.nbytes());
     } else {
       at::Tensor target = at::empty({0}, tensor.options().memory_format(at::MemoryFormat::Contiguous));
@@ -257,12 +258,12 @@ std::pair<at::Tensor, std::vector<int64_t>> HostRing::pack(const std::vector<at:
   return {buffer, offsets};
 }
 
-bool HostRing::owns(const at::Tensor& tensor) const {
+bool StagingRing::owns(const at::Tensor& tensor) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return tensor.has_storage() && slot_index(tensor.storage()) >= 0;
 }
 
-int64_t HostRing::trim() {
+int64_t StagingRing::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t freed = 0;
   std::vector<Slot> kept;
@@ -277,7 +278,7 @@ int64_t HostRing::trim() {
   return freed;
 }
 
-RingStats HostRing::stats() const {
+RingStats StagingRing::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   RingStats out = counters_;
   out.slots = static_cast<int64_t>(slots_.size());
@@ -289,6 +290,67 @@ RingStats HostRing::stats() const {
     out.in_use += (slot.memory->lent.load(std::memory_order_acquire) || copy_running) ? 1 : 0;
   }
   return out;
+}
+
+namespace {
+const py::call_guard<py::gil_scoped_release> release_gil;
+}  // namespace
+
+void bind_build_info(py::module_& m) {
+#ifdef FASTCOLLATE_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+  m.def("pinned_memory_available", &pinned_memory_available,
+        "True when this build can pin memory and a CUDA device is present");
+  m.attr("built_cuda_version") = built_cuda_version();
+}
+
+void bind_staging_ring(py::module_& m) {
+  py::class_<RingStats> stats(m, "RingStats");
+  py::list fields;  // (name, C++ type, what it counts): fastcollate.staging builds its RingStats from it
+#define FASTCOLLATE_BIND_RING_STATS_FIELD(type, name, what) \
+  stats.def_readonly(#name, &RingStats::name, what);        \
+  fields.append(py::make_tuple(#name, #type, what));
+  FASTCOLLATE_RING_STATS_FIELDS(FASTCOLLATE_BIND_RING_STATS_FIELD)
+#undef FASTCOLLATE_BIND_RING_STATS_FIELD
+  stats.attr("fields") = py::tuple(fields);
+
+  py::class_<CompletionFlag>(m, "CompletionFlag")
+      .def(py::init<>())
+      .def("set", &CompletionFlag::set)
+      .def("is_set", &CompletionFlag::is_set);
+  py::class_<StagingRing>(m, "StagingRing")
+      .def(py::init<int64_t, bool, int64_t>(), py::arg("max_slots"), py::arg("pinned"), py::arg("device") = -1)
+      // Every call that takes the ring's lock releases the GIL: acquire may wait there for a copy, and
+      // whatever finishes that copy (a CUDA event; a CompletionFlag set from another Python thread)
+      // must not wait for a GIL the waiting thread holds.
+      .def("acquire", &StagingRing::acquire, py::arg("nbytes"), release_gil)
+      .def(
+          "pack",
+          [](StagingRing& ring, const std::vector<at::Tensor>& tensors) {
+            py::gil_scoped_release no_gil;
+            return ring.pack(tensors);
+          },
+          py::arg("tensors"))
+      .def("owns", &StagingRing::owns, py::arg("tensor"), release_gil)
+      .def(
+          "hold_until_stream_done",
+          [](StagingRing& ring, const at::Tensor& buffer, int64_t stream, int64_t device) {
+            return ring.hold_until_done(buffer, record_on_stream(stream, device));
+          },
+          py::arg("buffer"), py::arg("stream"), py::arg("device"), release_gil,
+          "Keeps the slot under `buffer` busy until the work queued so far on `stream` (of CUDA device "
+          "`device`) has finished")
+      .def(
+          "hold_until_flag_set",
+          [](StagingRing& ring, const at::Tensor& buffer, const CompletionFlag& flag) {
+            return ring.hold_until_done(buffer, flag.pending());
+          },
+          py::arg("buffer"), py::arg("flag"), release_gil, "Keeps the slot under `buffer` busy until `flag` is set")
+      .def("trim", &StagingRing::trim, release_gil)
+      .def("stats", &StagingRing::stats, release_gil);
 }
 
 }  // namespace fastcollate

@@ -3,7 +3,7 @@
 // (drop-in mode) or against a declared contract, and lays every tensor field of the output out in one
 // block of bytes. Nothing is written yet, so a bad sample costs no copy. `BatchPlan::execute` then copies
 // all samples into a buffer the caller chose (a ring slot, shared memory) with the GIL released, and
-// builds the output structure with views into that buffer.
+// builds the output structure with views into that buffer. The walk itself is walk.h's.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
@@ -14,31 +14,12 @@
 #include <vector>
 
 #include "copy_kernels.h"
-#include "host_ring.h"
+#include "field_spec.h"
+#include "staging_ring.h"
 
 namespace fastcollate {
 
 namespace py = pybind11;
-
-// One declared leaf of a contract, filled from fastcollate.contract.Field by the Python layer.
-struct FieldSpec {
-  std::string path;                    // "meta.boxes", "0.label"
-  std::string kind = "tensor";         // "tensor" (tensors, numpy arrays), "number", "text"
-  bool has_dtype = false;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<at::ScalarType> cast_from;  // dtypes converted to `dtype` on copy
-  bool has_shape = false;
-  std::vector<int64_t> shape;          // -1 where the dim is named (variable)
-  std::vector<std::string> dim_names;  // "" where the dim is fixed
-  std::vector<std::vector<int64_t>> expand_from;  // shapes broadcast to `shape` on copy
-  bool has_range = false;
-  double low = 0;   // values must lie in [low, high)
-  double high = 0;
-  bool padded = false;  // named dims padded to the batch's longest
-  double pad_value = 0;
-  std::string mask_name;     // key of the mask put beside the field
-  std::string lengths_name;  // key of the lengths put beside the field ("" for none)
-};
 
 struct Node;
 
@@ -50,16 +31,16 @@ class BatchPlan {
   // batch. The buffer's storage is shared by every tensor of the batch.
   py::object execute(const at::Tensor& buffer);
   // The same into `storage` from byte `offset` (a multiple of kFieldAlignment) on; the caller has checked
-  // that it holds nbytes() more.
+  // that it holds nbytes() more. (`_into`, here as in stack_into: writes into memory the caller gives.)
   py::object execute_into(const at::Storage& storage, size_t offset);
 
   // Reserves an aligned region and returns its offset.
   size_t reserve(size_t bytes);
 
   std::unique_ptr<Node> root;
-  std::vector<py::object> keepalive;  // tensors made from numpy arrays, read during execute()
+  std::vector<py::object> keepalive;          // tensors made from numpy arrays, read during execute()
   std::vector<std::vector<py::object>> held;  // the values of the samples' dicts, one block per mapping
-  py::object batch;                   // the samples: their tensors must outlive execute()
+  py::object batch;                           // the samples: their tensors must outlive execute()
 
  private:
   size_t total_bytes_ = 0;
@@ -73,7 +54,7 @@ class Collator {
   // plan(), a slot of `ring`, then execute() into it, all under the GIL but the copy: the main process's
   // collate in one call. Returns the batch and whether the ring was full (the slot is then a fresh
   // buffer outside it).
-  std::pair<py::object, bool> assemble_into(py::handle samples, HostRing& ring) const;
+  std::pair<py::object, bool> assemble_in_ring(py::handle samples, StagingRing& ring) const;
 
   const std::string& id_key() const { return id_key_; }
   bool has_contract() const { return has_contract_; }

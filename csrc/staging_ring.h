@@ -1,15 +1,17 @@
-// A bounded set of reusable host buffers ("slots") that batches are assembled into in the main process.
+// StagingRing: a bounded set of reusable host buffers ("slots") that batches are assembled into in the
+// main process (fastcollate.StagingRing wraps it).
 // Reuse removes the page faults that fresh output memory costs on every batch; a slot is handed out
 // again only when no tensor outside the ring still points into it, so a batch a user kept is never
 // overwritten. With CUDA (issue: staging ring) slots are pinned and also wait for their copy's event.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -18,17 +20,24 @@
 
 namespace fastcollate {
 
+// The ring's counters, listed once: the struct below, its binding and Python's fastcollate.RingStats (made
+// from _C.RingStats.fields) all follow this list. X(type, name, what it counts).
+#define FASTCOLLATE_RING_STATS_FIELDS(X)                                                       \
+  X(int64_t, slots, "slots the ring holds now")                                                \
+  X(int64_t, max_slots, "the bound")                                                           \
+  X(int64_t, bytes_held, "sum of slot capacities")                                             \
+  X(int64_t, slot_allocations, "new slots and grown slots, since creation")                    \
+  X(int64_t, regrowths, "of those, slots reallocated larger (a re-pin when pinned)")           \
+  X(int64_t, reuses, "acquisitions served by an existing slot without allocating")             \
+  X(int64_t, overflow_allocations, "buffers handed out past the bound (not kept by the ring)") \
+  X(int64_t, waits_for_copies, "acquisitions that waited for a device copy to free a slot")    \
+  X(int64_t, in_use, "slots some tensor or unfinished device copy still uses")                 \
+  X(bool, pinned, "whether the slots are page-locked")
+
 struct RingStats {
-  int64_t slots = 0;                 // slots the ring holds now
-  int64_t max_slots = 0;             // the bound
-  int64_t bytes_held = 0;            // sum of slot capacities
-  int64_t slot_allocations = 0;      // new slots and grown slots, since creation
-  int64_t regrowths = 0;             // of those, slots reallocated larger (a re-pin when pinned)
-  int64_t reuses = 0;                // acquisitions served by an existing slot without allocating
-  int64_t overflow_allocations = 0;  // buffers handed out past the bound (not kept by the ring)
-  int64_t waits_for_copies = 0;      // acquisitions that waited for a device copy to free a slot
-  int64_t in_use = 0;                // slots some tensor or unfinished device copy still uses
-  bool pinned = false;
+#define FASTCOLLATE_RING_STATS_MEMBER(type, name, what) type name{};
+  FASTCOLLATE_RING_STATS_FIELDS(FASTCOLLATE_RING_STATS_MEMBER)
+#undef FASTCOLLATE_RING_STATS_MEMBER
 };
 
 // A device copy that may still be reading a slot.
@@ -65,14 +74,14 @@ struct SlotMemory {
   std::atomic<bool> lent{false};  // a storage over it is alive
 };
 
-class HostRing {
+class StagingRing {
  public:
   // `pinned`: page-locked memory from the CUDA runtime (needs a CUDA build and a driver), allocated with
   // `device` (a CUDA device index) current, so no context is made on another GPU; -1: the current one.
-  HostRing(int64_t max_slots, bool pinned, int64_t device = -1);
-  ~HostRing();
-  HostRing(const HostRing&) = delete;
-  HostRing& operator=(const HostRing&) = delete;
+  StagingRing(int64_t max_slots, bool pinned, int64_t device = -1);
+  ~StagingRing();
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
 
   // A 1-D uint8 tensor of exactly `nbytes` over a free slot (reused, grown, or new), or over a fresh
   // buffer outside the ring when all `max_slots` are busy; and whether it is such a fresh buffer.
@@ -82,7 +91,7 @@ class HostRing {
   at::Storage acquire_storage(int64_t nbytes, bool& overflowed);
   // Marks the slot under `buffer` busy until `copy.done()` (a CUDA copy still reading it). Returns false
   // for a buffer outside the ring (an overflow one): its owner must keep it alive through the copy.
-  bool hold_until(const at::Tensor& buffer, PendingCopy copy);
+  bool hold_until_done(const at::Tensor& buffer, PendingCopy copy);
   // Copies `tensors` (CPU) into one slot at aligned offsets, with the GIL released by the caller's
   // binding; returns the slot's bytes and each tensor's byte offset in it. Lets a batch that arrived in
   // shared memory from a worker cross to the device as one copy.
@@ -125,5 +134,10 @@ bool pinned_memory_available();
 PendingCopy record_on_stream(int64_t stream, int64_t device);
 // The CUDA runtime version this build was compiled against (e.g. 13000), or 0 for a CPU-only build.
 int64_t built_cuda_version();
+
+// _C.built_with_cuda, _C.built_cuda_version and _C.pinned_memory_available: what this build can pin.
+void bind_build_info(pybind11::module_& m);
+// _C.RingStats, _C.CompletionFlag and _C.StagingRing (the pybind handle fastcollate.StagingRing wraps).
+void bind_staging_ring(pybind11::module_& m);
 
 }  // namespace fastcollate

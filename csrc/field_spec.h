@@ -1,0 +1,47 @@
+// One declared leaf of a contract, filled from fastcollate.contract.Field by the Python layer.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fastcollate {
+
+enum class FieldKind {
+  Tensor,  // tensors and numpy arrays
+  Number,  // Python ints, floats and bools
+  Text,    // str and bytes
+};
+
+// Values must lie in [low, high).
+struct ValueRange {
+  double low = 0;
+  double high = 0;
+};
+
+struct FieldSpec {
+  std::string path;  // "meta.boxes", "0.label"
+  FieldKind kind = FieldKind::Tensor;
+  std::optional<at::ScalarType> dtype;            // none: the sample's own
+  std::vector<at::ScalarType> cast_from;          // dtypes converted to `dtype` on copy
+  std::optional<std::vector<int64_t>> shape;      // -1 where the dim is named (variable); none: any shape
+  std::vector<std::string> dim_names;             // "" where the dim is fixed; one per dim of `shape`
+  std::vector<std::vector<int64_t>> expand_from;  // shapes broadcast to `shape` on copy
+  std::optional<ValueRange> range;
+  std::optional<double> pad_value;  // named dims padded to the batch's longest with this value
+  std::string mask_name;            // padded: key of the mask put beside the field
+  std::string lengths_name;         // padded: key of the lengths put beside the field ("" for none)
+
+  bool padded() const { return pad_value.has_value(); }
+  bool has_named_dims() const;
+};
+
+// _C.FieldSpec. Its Python attributes are those contract.py has always set (kind as a string, has_dtype
+// and dtype, has_shape and shape, has_range with low and high, padded and pad_value): setting a value
+// declares it, has_* = False drops it.
+void bind_field_spec(pybind11::module_& m);
+
+}  // namespace fastcollate

@@ -1,0 +1,301 @@
+// The plan's second step: views over the batch buffer, the copy jobs that fill it, the output structure,
+// and the Collator that runs the walk (walk.h) to make a plan.
+#include "plan.h"
+
+#include <ATen/Dispatch_v2.h>
+
+#include "node.h"
+#include "walk.h"
+
+namespace fastcollate {
+
+namespace {
+
+at::Tensor view_over(const at::Storage& storage, size_t offset, at::ScalarType dtype,
+                     const std::vector<int64_t>& shape) {
+  const size_t element_size = c10::elementSize(dtype);
+  TORCH_INTERNAL_ASSERT(offset % element_size == 0, "misaligned field offset");
+  // Built directly on the storage, as ATen builds its own views: two dispatcher calls per field
+  // (empty + set_) cost more than the copy for batches of many small fields.
+  at::Tensor view = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(dtype));
+  view.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  view.unsafeGetTensorImpl()->set_storage_offset(static_cast<int64_t>(offset / element_size));
+  return view;
+}
+
+void make_views(Node& node, const at::Storage& storage, size_t offset) {
+  for (auto& child : node.children) {
+    make_views(*child, storage, offset);
+  }
+  if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
+    node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
+  }
+  if (node.padded) {
+    make_views(*node.mask, storage, offset);
+    make_views(*node.lengths, storage, offset);
+  }
+}
+
+void write_numbers(Node& node) {
+  void* dst = node.out.data_ptr();
+  if (node.dtype == at::kBool) {
+    auto* out = static_cast<bool*>(dst);
+    for (size_t i = 0; i < node.ints.size(); ++i) {
+      out[i] = node.ints[i] != 0;
+    }
+    return;
+  }
+  // Values were converted to the declared dtype's family when read; cast to its width here.
+  AT_DISPATCH_V2(node.dtype, "write_numbers", AT_WRAP([&] {
+                   auto* out = static_cast<scalar_t*>(dst);
+                   if (!node.floats.empty()) {
+                     for (size_t i = 0; i < node.floats.size(); ++i) {
+                       out[i] = static_cast<scalar_t>(node.floats[i]);
+                     }
+                   } else {
+                     for (size_t i = 0; i < node.ints.size(); ++i) {
+                       out[i] = static_cast<scalar_t>(node.ints[i]);
+                     }
+                   }
+                 }),
+                 AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+                 AT_EXPAND(AT_FLOAT8_TYPES));
+}
+
+// Copies into a padded field: fill with the pad value, then each sample into the top-left corner of its
+// row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy.
+void add_padded_jobs(Node& node, CopyJobs& jobs) {
+  const size_t element_size = c10::elementSize(node.dtype);
+  const size_t var_dims = node.mask->shape.size() - 1;
+  const size_t count = node.inputs.size();
+  if (count == 0) {
+    return;
+  }
+  const size_t row_elements = static_cast<size_t>(node.out.numel()) / count;
+  const size_t mask_row_elements = static_cast<size_t>(node.mask->out.numel()) / count;
+  const auto row_tail_shape = node.out.sizes().slice(2);
+  auto* out = static_cast<unsigned char*>(node.out.data_ptr());
+  auto* mask = static_cast<unsigned char*>(node.mask->out.data_ptr());
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& value = node.inputs[i];
+    unsigned char* row = out + i * row_elements * element_size;
+    unsigned char* mask_row = mask + i * mask_row_elements;
+    const bool prefix = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
+                        copyable_as_is(value) && value.sizes().slice(1) == row_tail_shape;
+    if (prefix) {
+      // Pointer arithmetic, not select(): two dispatcher calls per sample would cost more than its bytes.
+      const size_t used = static_cast<size_t>(value.numel());
+      const size_t length = static_cast<size_t>(value.size(0));
+      jobs.add_memcpy(value.const_data_ptr(), row, used * element_size);
+      jobs.fills.push_back({row + used * element_size, row_elements - used, element_size, node.pad_pattern});
+      jobs.fills.push_back({mask_row, length, 1, 1});
+      jobs.fills.push_back({mask_row + length, mask_row_elements - length, 1, 0});
+      continue;
+    }
+    // Pad the whole row, then copy the sample into its corner (fills run before copies). Named dims are
+    // narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
+    jobs.fills.push_back({row, row_elements, element_size, node.pad_pattern});
+    jobs.fills.push_back({mask_row, mask_row_elements, 1, 0});
+    at::Tensor target = node.out.select(0, static_cast<int64_t>(i));
+    at::Tensor mask_target = node.mask->out.select(0, static_cast<int64_t>(i));
+    for (size_t k = 0; k < var_dims; ++k) {
+      const int64_t d = node.var_dims[k];
+      target = target.narrow(d, 0, value.size(d));
+      mask_target = mask_target.narrow(static_cast<int64_t>(k), 0, value.size(d));
+    }
+    jobs.tensor_copies.push_back({value, target});
+    jobs.tensor_copies.push_back({at::ones({}, at::TensorOptions().dtype(at::kBool)), mask_target});
+  }
+}
+
+void add_tensor_jobs(Node& node, CopyJobs& jobs) {
+  if (node.padded) {
+    add_padded_jobs(node, jobs);
+    return;
+  }
+  const size_t count = node.inputs.size();
+  const size_t row_bytes = count == 0 ? 0 : static_cast<size_t>(node.out.nbytes()) / count;
+  if (row_bytes == 0) {
+    return;
+  }
+  // One job for the field's plain rows (no per-row bookkeeping: batches of many small fields are bound
+  // by it); the rest go through ATen.
+  jobs.add_rows(node.sources.data(), node.out.data_ptr(), row_bytes, count);
+  for (size_t i = 0; i < count; ++i) {
+    if (node.sources[i] == nullptr) {
+      jobs.tensor_copies.push_back({node.inputs[i], node.out.select(0, static_cast<int64_t>(i))});
+    }
+  }
+}
+
+void collect_jobs(Node& node, CopyJobs& jobs) {
+  for (auto& child : node.children) {
+    collect_jobs(*child, jobs);
+  }
+  if (node.kind == Node::Kind::Tensor) {
+    add_tensor_jobs(node, jobs);
+  } else if (node.kind == Node::Kind::Numbers) {
+    write_numbers(node);
+  }
+  if (node.padded) {
+    write_numbers(*node.lengths);
+  }
+}
+
+py::object build_output(Node& node) {
+  const PythonRefs& refs = python_refs();
+  switch (node.kind) {
+    case Node::Kind::Tensor:
+    case Node::Kind::Numbers:
+      return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(node.out)));
+    case Node::Kind::Ready:
+      return node.ready;
+    case Node::Kind::Dict:
+    case Node::Kind::Mapping: {
+      py::dict values;
+      for (size_t k = 0; k < node.keys.size(); ++k) {
+        Node& child = *node.children[k];
+        values[node.keys[k]] = build_output(child);
+        if (child.padded) {
+          values[py::str(child.mask_name)] = build_output(*child.mask);
+          if (!child.lengths_name.empty()) {
+            values[py::str(child.lengths_name)] = build_output(*child.lengths);
+          }
+        }
+      }
+      return node.kind == Node::Kind::Dict ? py::object(values) : refs.rebuild_mapping(node.elem, values);
+    }
+    case Node::Kind::List:
+    case Node::Kind::NamedTuple:
+    case Node::Kind::Sequence: {
+      py::list values(node.children.size());
+      for (size_t k = 0; k < node.children.size(); ++k) {
+        values[k] = build_output(*node.children[k]);
+      }
+      if (node.kind == Node::Kind::List) {
+        return std::move(values);
+      }
+      if (node.kind == Node::Kind::NamedTuple) {
+        return py::type::of(node.elem)(*values);
+      }
+      return refs.rebuild_sequence(node.elem, values);
+    }
+  }
+  throw std::logic_error("unreachable");
+}
+
+}  // namespace
+
+size_t BatchPlan::reserve(size_t bytes) {
+  const size_t offset = total_bytes_;
+  total_bytes_ += align_up(bytes);
+  return offset;
+}
+
+py::object BatchPlan::execute(const at::Tensor& buffer) {
+  TORCH_CHECK(
+      buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
+      "BatchPlan.execute: buffer must be a 1-D contiguous uint8 CPU tensor");
+  TORCH_CHECK(buffer.numel() >= nbytes(), "BatchPlan.execute: buffer holds ", buffer.numel(),
+              " bytes, the batch needs ", nbytes());
+  TORCH_CHECK(buffer.storage_offset() % static_cast<int64_t>(kFieldAlignment) == 0,
+              "BatchPlan.execute: buffer must start at a multiple of ", kFieldAlignment, " bytes in its storage");
+  return execute_into(buffer.storage(), static_cast<size_t>(buffer.storage_offset()));
+}
+
+py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset) {
+  TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
+  TORCH_INTERNAL_ASSERT(offset % kFieldAlignment == 0 && storage.nbytes() >= offset + total_bytes_);
+  executed_ = true;
+  make_views(*root, storage, offset);
+  CopyJobs jobs;
+  collect_jobs(*root, jobs);
+  {
+    py::gil_scoped_release no_gil;  // the copy touches no Python object; other threads run meanwhile
+    jobs.run();
+  }
+  py::object out = build_output(*root);
+  root.reset();
+  keepalive.clear();
+  held.clear();
+  batch = py::none();
+  return out;
+}
+
+Collator::Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract)
+    : id_key_(std::move(id_key)), fields_(std::move(fields)), has_contract_(has_contract) {
+  for (size_t i = 0; i < fields_.size(); ++i) {
+    const auto& field = fields_[i];
+    TORCH_CHECK(by_path_.emplace(field.path, i).second, "Contract: field '", field.path, "' declared twice");
+    TORCH_CHECK(field.dim_names.size() == (field.shape ? field.shape->size() : 0), "Contract: field '", field.path,
+                "': dim_names and shape differ in length");
+    // Every prefix of a declared path is a container ("" is the sample itself).
+    if (!field.path.empty()) {
+      container_paths_[""] = true;
+    }
+    for (size_t dot = field.path.find('.'); dot != std::string::npos; dot = field.path.find('.', dot + 1)) {
+      container_paths_[field.path.substr(0, dot)] = true;
+    }
+  }
+}
+
+const FieldSpec* Collator::field(const std::string& path) const {
+  auto found = by_path_.find(path);
+  return found == by_path_.end() ? nullptr : &fields_[found->second];
+}
+
+bool Collator::is_container_path(const std::string& path) const {
+  return container_paths_.count(path) != 0;
+}
+
+std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
+  auto plan = std::make_shared<BatchPlan>();
+  plan->batch = py::reinterpret_borrow<py::object>(samples);
+  // A tuple of the samples: strong references, whatever Python code the walk runs meanwhile.
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Tuple(samples.ptr()));
+  if (!fast) {
+    throw py::error_already_set();
+  }
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast.ptr());
+  TORCH_CHECK(count > 0, "Collator.plan: an empty batch has no structure to follow");
+  std::vector<PyObject*> items(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    items[static_cast<size_t>(i)] = PySequence_Fast_GET_ITEM(fast.ptr(), i);
+  }
+  plan->keepalive.push_back(fast);
+  Walk walk(*this, fast, *plan);
+  plan->root = walk.node(items, "");
+  walk.check_all_fields_seen();
+  if (plan->root->text) {
+    // default_collate returns a batch of strings as it got it: the same object, be it a list, a tuple or
+    // a numpy array of str, bytes or objects.
+    plan->root->ready = py::reinterpret_borrow<py::object>(samples);
+  }
+  return plan;
+}
+
+std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, StagingRing& ring) const {
+  std::shared_ptr<BatchPlan> planned = plan(samples);
+  bool overflowed = false;
+  at::Storage slot;
+  {
+    py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
+    slot = ring.acquire_storage(planned->nbytes(), overflowed);
+  }
+  return {planned->execute_into(slot, 0), overflowed};
+}
+
+void bind_batch_plan(py::module_& m) {
+  bind_field_spec(m);
+  py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
+      .def_property_readonly("nbytes", &BatchPlan::nbytes)
+      .def("execute", &BatchPlan::execute, py::arg("buffer"));
+  py::class_<Collator>(m, "Collator")
+      .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
+           py::arg("has_contract"))
+      .def("plan", &Collator::plan, py::arg("samples"))
+      .def("assemble_in_ring", &Collator::assemble_in_ring, py::arg("samples"), py::arg("ring"));
+}
+
+}  // namespace fastcollate

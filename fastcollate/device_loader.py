@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from . import tree
 from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
-from .staging import StagingRing, staging_into
+from .staging import StagingRing, staging_in
 from .transforms import apply_to_fields
 
 __all__ = ["DeviceLoader"]
@@ -143,7 +143,7 @@ class DeviceLoader:
 
     def _next_from(self, source: Iterator[Any]) -> Any:
         ring = self._ring
-        with staging_into(ring) if ring is not None else contextlib.nullcontext():
+        with staging_in(ring) if ring is not None else contextlib.nullcontext():
             return next(source)
 
     def _stage(self, batch: Any) -> _Staged:

@@ -20,7 +20,7 @@ import torch
 
 from ._ext import _C
 
-__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_in", "staging_into"]
+__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_in"]
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -115,8 +115,6 @@ class StagingRing:
         than a CUDA stream (the tests' stand-in for one). False for a buffer outside the ring."""
         return self._native.hold_until_flag_set(buffer, flag)
 
-    hold_until_flag = hold_until_flag_set  # the name before hold_until_stream_done's pairing
-
     def trim(self) -> int:
         """Frees every slot nothing references; returns the bytes freed."""
         return self._native.trim()
@@ -148,10 +146,6 @@ def staging_in(ring: StagingRing) -> Iterator[None]:
         yield
     finally:
         _active.ring = previous
-
-
-# The name before `_into` came to mean "writes into memory the caller passes" (stack_into, pad_into).
-staging_into = staging_in
 
 
 def active_ring() -> StagingRing | None:

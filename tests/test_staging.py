@@ -89,11 +89,10 @@ def test_staging_ring_assemble_writes_a_batch_into_one_of_its_slots():
     assert ring.stats().slot_allocations == 1
 
 
-def test_staging_in_makes_assemble_write_into_the_ring_and_keeps_its_old_name():
-    from fastcollate.staging import active_ring, staging_in, staging_into
+def test_staging_in_makes_assemble_write_into_the_ring():
+    from fastcollate.staging import active_ring, staging_in
 
     ring = StagingRing(max_slots=1)
-    assert staging_into is staging_in
     with staging_in(ring):
         assert active_ring() is ring
         batch = assemble(images(2))
@@ -123,12 +122,11 @@ def test_bad_ring_arguments():
 # ---- Slots held by an unfinished copy (a CompletionFlag stands in for a CUDA event) ----------------
 
 
-@pytest.mark.parametrize("hold", ["hold_until_flag_set", "hold_until_flag"])  # the old name still works
-def test_a_slot_counts_as_in_use_only_while_its_copy_is_unfinished(hold):
+def test_a_slot_counts_as_in_use_only_while_its_copy_is_unfinished():
     ring = StagingRing(max_slots=1)
     buffer = ring.acquire(4096)
     copy = _C.CompletionFlag()
-    assert getattr(ring, hold)(buffer, copy)
+    assert ring.hold_until_flag_set(buffer, copy)
     del buffer
     assert ring.stats().in_use == 1  # nothing references it, but the copy still reads it
     copy.set()

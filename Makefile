@@ -20,6 +20,7 @@ help:
 	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
 	@echo "make fuzz      the long runs: 10,000 hypothesis examples a property, 20-epoch lifetimes"
 	@echo "make sanitize  build with ASan+UBSan and run the CPU tests under them"
+	@echo "make lint      ruff and clang-format, checked (needs both installed)"
 	@echo "make build     only build the extension"
 	@echo "make test-compat PYTHON=/path/to/python   the suite on a second interpreter and torch (not in CI)"
 
@@ -63,6 +64,14 @@ fuzz: .stamp-build
 sanitize: $(DEPS)
 	PYTHON=$(PY) bash scripts/sanitize.sh
 
+# Style checks (not part of make test: the tools are not among the dependencies). ruff and clang-format
+# from PATH, or from the venv after `.venv/bin/pip install ruff clang-format`.
+lint:
+	@PATH="$(CURDIR)/.venv/bin:$$PATH"; command -v ruff >/dev/null && command -v clang-format >/dev/null \
+		|| { echo "make lint needs ruff and clang-format: pip install ruff clang-format"; exit 2; }; \
+		ruff check . && clang-format --dry-run -Werror csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/* \
+		&& echo "ruff and clang-format: clean"
+
 # Another interpreter with its own torch already installed (e.g. torch 2.11 on Python 3.12, as on the GPU
 # machine): built in place beside the main build (its own .so suffix and build folder), then the suite.
 test-compat:
@@ -75,4 +84,4 @@ test-compat:
 clean:
 	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps
 
-.PHONY: help build test test-compat demo bench profile fuzz sanitize clean
+.PHONY: help build test test-compat demo bench profile fuzz sanitize lint clean

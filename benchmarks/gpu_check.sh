@@ -61,7 +61,7 @@ EOF
 
 # The CUDA tests live in these files; naming them keeps an unrelated test module's missing import from
 # failing collection (and with it every CUDA test).
-cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py"
+cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py tests/test_tree.py"
 step "imports the CUDA tests need"
 "$PY" -c "import pytest, numpy; print('pytest', pytest.__version__, 'numpy', numpy.__version__)" || fail "test imports"
 "$PY" -m pytest $cuda_tests -q --collect-only -p no:cacheprovider > /dev/null || fail "collecting $cuda_tests"

@@ -33,14 +33,17 @@ from tests.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 10  # seconds DataLoader waits for a batch before it raises: the bound on every fault here
-KILLED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)")
+KILLED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)"
+)
 
 
 def snapshot() -> dict:
     """Children, /dev/shm entries and descriptors (count and targets from one listing: the loader's
     threads open and close descriptors meanwhile)."""
     targets = fd_targets()
-    return {"fds": len(targets), "fd_targets": targets, "shm": set(os.listdir("/dev/shm")), "children": child_pids()}
+    return {"fds": len(targets), "fd_targets": targets, "shm": set(os.listdir("/dev/shm")),
+            "children": child_pids()}
 
 
 def fd_targets() -> dict[str, str]:
@@ -84,7 +87,8 @@ def assert_nothing_left(before: dict) -> None:
     after = settled(before)
     assert after["children"] - before["children"] == set(), "worker processes left running"
     assert after["fds"] == before["fds"], f"file descriptors: {before['fds']} before, {after['fds']} after"
-    assert after["shm"] - before["shm"] == set(), f"/dev/shm segments left: {sorted(after['shm'] - before['shm'])}"
+    left = sorted(after["shm"] - before["shm"])
+    assert not left, f"/dev/shm segments left: {left}"
 
 
 def warm() -> None:
@@ -131,7 +135,8 @@ def run_until_error(iterable, delivered: list, kill_after: int | None = None, pi
 @pytest.mark.parametrize("wrapped", [False, True], ids=["dataloader", "deviceloader"])
 def test_a_worker_that_raises_is_named_and_its_batches_before_arrive(wrapped):
     before = snapshot()
-    loader = DataLoader(RaisesAt(64, bad=21), batch_size=4, num_workers=2, collate_fn=assemble, timeout=TIMEOUT)
+    loader = DataLoader(RaisesAt(64, bad=21), batch_size=4, num_workers=2, collate_fn=assemble,
+                        timeout=TIMEOUT)
     delivered: list = []
     error = run_until_error(DeviceLoader(loader, device="cpu") if wrapped else loader, delivered)
     assert type(error) is ValueError  # the dataset's class, through DeviceLoader too
@@ -144,7 +149,8 @@ def test_a_worker_that_raises_is_named_and_its_batches_before_arrive(wrapped):
 
 def test_a_malformed_sample_in_a_worker_is_named_by_worker_and_sample_id():
     before = snapshot()
-    loader = DataLoader(MalformedAt(64, bad=21), batch_size=4, num_workers=2, collate_fn=assemble, timeout=TIMEOUT)
+    loader = DataLoader(MalformedAt(64, bad=21), batch_size=4, num_workers=2, collate_fn=assemble,
+                        timeout=TIMEOUT)
     delivered: list = []
     error = run_until_error(DeviceLoader(loader, device="cpu"), delivered)
     assert isinstance(error, ContractError) and isinstance(error, RuntimeError)  # as default_collate raised
@@ -157,7 +163,8 @@ def test_a_malformed_sample_in_a_worker_is_named_by_worker_and_sample_id():
 
 def test_in_the_main_process_a_failed_batch_takes_no_staging_slot():
     ring = StagingRing(max_slots=2)
-    loader = DataLoader(MalformedAt(64, bad=21), batch_size=4, num_workers=0, collate_fn=assemble.using(ring=ring))
+    loader = DataLoader(MalformedAt(64, bad=21), batch_size=4, num_workers=0,
+                        collate_fn=assemble.using(ring=ring))
     delivered: list = []
     assert isinstance(run_until_error(DeviceLoader(loader, device="cpu", depth=2), delivered), ContractError)
     taken = ring.stats()
@@ -177,8 +184,9 @@ def test_a_hung_worker_times_out_and_deviceloader_names_it(tmp_path):
     error = run_until_error(DeviceLoader(loader, device="cpu"), delivered)
     assert type(error) is RuntimeError and str(error) == "DataLoader timed out after 2 seconds"  # unchanged
     (note,) = error.__notes__
-    match = re.fullmatch(r"fastcollate.DeviceLoader: the batch waited for was DataLoader worker 1's \(pid (\d+)\)",
-                         note)
+    match = re.fullmatch(
+        r"fastcollate.DeviceLoader: the batch waited for was DataLoader worker 1's \(pid (\d+)\)", note
+    )
     assert match and int(match.group(1)) in {int(p) for p in os.listdir(tmp_path)}, note
     assert check_batches(delivered) == list(range(20))
     del error, delivered, loader
@@ -231,7 +239,8 @@ def kill_scenarios(pid_root: str, attempts: int = 3) -> list[dict]:
         for wrapped in (False, True):
             retried = []
             for attempt in range(attempts):
-                result = kill_scenario(how, wrapped, os.path.join(pid_root, f"{how}-{int(wrapped)}-{attempt}"))
+                pid_dir = os.path.join(pid_root, f"{how}-{int(wrapped)}-{attempt}")
+                result = kill_scenario(how, wrapped, pid_dir)
                 if all(TORCH_FD_PROBE.fullmatch(target) for target in result["fds_left"]):
                     break
                 retried.append({"message": result["message"], "fds_left": result["fds_left"]})
@@ -255,10 +264,13 @@ def test_a_worker_killed_by_sigkill_is_named_by_pid_and_nothing_leaks(tmp_path):
             # DataLoader alone may report the death as the connection to the dead worker failing, while
             # it fetches the shared memory of a batch that worker sent before it died: torch's behaviour.
             # DeviceLoader names the dead worker in a note.
-            assert result["error"] in ("ConnectionResetError", "ConnectionRefusedError", "EOFError", "FileNotFoundError"), result
-            named = {int(p) for n in result["notes"] for p in re.findall(r"\(pid (\d+)\) died \(killed by signal SIGKILL\)", n)}
+            lost = ("ConnectionResetError", "ConnectionRefusedError", "EOFError", "FileNotFoundError")
+            assert result["error"] in lost, result
+            died = r"\(pid (\d+)\) died \(killed by signal SIGKILL\)"
+            named = {int(p) for n in result["notes"] for p in re.findall(died, n)}
             # DeviceLoader names the dead worker; failing that (it was not reaped 5 s later), says so.
-            assert named or not result["wrapped"] or any("no worker had exited" in n for n in result["notes"]), result
+            said_none_exited = any("no worker had exited" in n for n in result["notes"])
+            assert named or not result["wrapped"] or said_none_exited, result
         assert named <= set(result["workers"]), result  # the dead one
         ids = result["ids"]
         assert ids == list(range(len(ids))) and len(ids) <= 24, result  # a prefix, in order
@@ -308,7 +320,8 @@ def test_with_file_system_sharing_no_segment_outlives_the_process(tmp_path):
     assert pids, "no worker loaded a sample"
     deadline = time.monotonic() + 10
     while True:  # torch_shm_manager unlinks them once its last client is gone
-        left = [name for name in os.listdir("/dev/shm") if name.startswith("torch_") and name.split("_")[1] in pids]
+        left = [name for name in os.listdir("/dev/shm")
+                if name.startswith("torch_") and name.split("_")[1] in pids]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)

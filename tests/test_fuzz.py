@@ -210,7 +210,9 @@ def build(spec, i: int, seed: int) -> Any:
         return object()
     if kind in ("dict", "ordered", "plain", "frozen"):
         items = [(key, build(child, i, seed + 7 * n)) for n, (key, child) in enumerate(spec[1])]
-        return {"dict": dict, "ordered": collections.OrderedDict, "plain": Plain, "frozen": FrozenMap}[kind](items)
+        types = {"dict": dict, "ordered": collections.OrderedDict, "plain": Plain, "frozen": FrozenMap}
+        mapping_type = types[kind]
+        return mapping_type(items)
     if kind == "list":
         return [build(child, i, seed + 7 * n) for n, child in enumerate(spec[1])]
     if kind == "tuple":
@@ -265,7 +267,8 @@ def mutation(draw, spec):
             return (kind, torch.float64 if node[1] != torch.float64 else torch.int32, node[2], node[3])
         if op == "drop" and kind in ("dict", "ordered", "plain", "frozen") and node[1]:
             return (kind, node[1][1:])
-        if op == "add" and kind in ("dict", "ordered", "plain", "frozen") and all(k != new_key for k, _ in node[1]):
+        is_mapping = kind in ("dict", "ordered", "plain", "frozen")
+        if op == "add" and is_mapping and all(k != new_key for k, _ in node[1]):
             return (kind, list(node[1]) + [(new_key, ("int", "small"))])
         if op == "grow" and kind in ("list", "tuple"):
             return (kind, list(node[1]) + [("int", "small")])
@@ -306,24 +309,26 @@ def same(ours, theirs, path="batch"):
         if theirs.device.type == "meta":
             return
         a, b = ours.detach().as_subclass(torch.Tensor), theirs.detach().as_subclass(torch.Tensor)
-        if a.dtype in (torch.uint16, torch.uint32, torch.uint64) or a.dtype.is_floating_point and a.itemsize == 1:
+        wide_unsigned = a.dtype in (torch.uint16, torch.uint32, torch.uint64)
+        if wide_unsigned or a.dtype.is_floating_point and a.itemsize == 1:
             a, b = a.to(torch.float64), b.to(torch.float64)
         if a.is_complex():
-            a, b = torch.view_as_real(a.resolve_conj().resolve_neg()), torch.view_as_real(b.resolve_conj().resolve_neg())
-        assert torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, equal_nan=True, rtol=0, atol=0)), \
-            f"{path}: values differ"
+            a, b = (torch.view_as_real(t.resolve_conj().resolve_neg()) for t in (a, b))
+        same_floats = a.is_floating_point() and torch.allclose(a, b, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(a, b) or same_floats, f"{path}: values differ"
     elif isinstance(theirs, Mapping):
         assert list(ours.keys()) == list(theirs.keys()), f"{path}: keys differ"
         for key in theirs:
             same(ours[key], theirs[key], f"{path}.{key}")
     elif isinstance(theirs, Sequence) and not isinstance(theirs, (str, bytes)):
         assert len(ours) == len(theirs), f"{path}: lengths differ"
-        for index, (a, b) in enumerate(zip(ours, theirs)):
+        for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             same(a, b, f"{path}[{index}]")
     elif isinstance(theirs, np.ndarray):  # inside a list of strings, handed back as it came
         assert ours is theirs or np.array_equal(ours, theirs), path
     else:
-        assert ours is theirs or ours == theirs or (ours != ours and theirs != theirs), f"{path}: {ours!r} != {theirs!r}"
+        both_nan = ours != ours and theirs != theirs
+        assert ours is theirs or ours == theirs or both_nan, f"{path}: {ours!r} != {theirs!r}"
 
 
 def slots_taken(stats):
@@ -349,7 +354,8 @@ def check_contract_error(error: ContractError, batch, mutated: int | None):
     reraised = type(error)(f"Caught {type(error).__name__} in DataLoader worker process 0.\n"
                            f"Original Traceback (most recent call last):\n  ...\n{type(error).__module__}."
                            f"{type(error).__name__}: {text}\n")
-    assert (reraised.field, reraised.position, reraised.sample_id) == (error.field, error.position, error.sample_id), \
+    names = ("field", "position", "sample_id")
+    assert [getattr(reraised, n) for n in names] == [getattr(error, n) for n in names], \
         f"re-raised fields lost: {reraised.field!r} {reraised.position!r} {reraised.sample_id!r} from {text}"
 
 
@@ -375,7 +381,9 @@ def run_both(batch, assembler, ring, mutated):
             ), f"assemble refused what default_collate accepts: {error}"
         return
     except Exception as error:  # noqa: BLE001
-        raise AssertionError(f"assemble raised a non-ContractError {error!r} (default_collate: {expected_error!r})")
+        raise AssertionError(
+            f"assemble raised a non-ContractError {error!r} (default_collate: {expected_error!r})"
+        ) from error
     assert expected_error is None, f"assemble accepted what default_collate rejects ({expected_error!r})"
     same(got, expected)
 
@@ -640,21 +648,21 @@ def test_contract_accepts_what_fits_and_names_what_does_not(case, ring):
             assert bad is not None or not all(_pad_fits(f) for f in contract.fields.values()), repr(error)
         return
     except Exception as error:  # noqa: BLE001
-        raise AssertionError(f"a contract batch raised a non-ContractError {error!r}")
+        raise AssertionError(f"a contract batch raised a non-ContractError {error!r}") from error
     must_refuse = ("dtype", "shape", "type", "missing", "extra", "none")
     if bad is not None and bad[2] == "range":
         field = contract.fields[bad[1]]
-        must_refuse = ("range",) if field.range is not None or field.kind == "number" and not _fits(1e6, field.dtype) \
-            else must_refuse
+        ranged = field.range is not None or field.kind == "number" and not _fits(1e6, field.dtype)
+        must_refuse = ("range",) if ranged else must_refuse
     if bad is not None and bad[2] == "nan":
         field = contract.fields[bad[1]]
         # NaN must not become an integer (C++ leaves that undefined); as a bool it is True (nonzero), as
         # torch casts, and a float stays NaN: those are refused only under a range.
-        must_refuse = ("nan",) if field.range is not None or not (field.dtype.is_floating_point
-                                                                   or field.dtype == torch.bool) else must_refuse
+        holds_nan = field.dtype.is_floating_point or field.dtype == torch.bool
+        must_refuse = ("nan",) if field.range is not None or not holds_nan else must_refuse
     if bad is not None and bad[2] in must_refuse:
         raise AssertionError(f"the broken sample was accepted: {bad}")
-    for path, field in contract.fields.items():
+    for field in contract.fields.values():
         assert _pad_fits(field) or field.pad is None, "an unrepresentable pad value was accepted"
     expected = reference_contract_batch(contract, batch)
     flat = flatten(got)
@@ -671,7 +679,7 @@ def huge_shapes():
     """Per-sample shapes of 2**62 elements (or 2**63 - 1) in one to three dims: any batch of two is past
     2**63 bytes, while one sample's element count still fits in int64."""
     split = st.lists(st.integers(0, 62), min_size=0, max_size=2).map(sorted)
-    as_dims = split.map(lambda cuts: [2 ** (b - a) for a, b in zip([0, *cuts], [*cuts, 62])])
+    as_dims = split.map(lambda cuts: [2 ** (b - a) for a, b in zip([0, *cuts], [*cuts, 62], strict=True)])
     return st.one_of(as_dims, st.just([2**63 - 1]), as_dims.map(lambda dims: [1, *dims, 1]))
 
 

@@ -76,4 +76,5 @@ def test_opcheck_pad_into():
 def test_opcheck_normalize_images(device):
     images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8, device=device)
     mean, std = torch.rand(3, device=device), torch.rand(3, device=device) + 0.5
-    torch.library.opcheck(torch.ops.fastcollate.normalize_images.default, (images, mean, std, torch.float16, True))
+    torch.library.opcheck(torch.ops.fastcollate.normalize_images.default,
+                          (images, mean, std, torch.float16, True))

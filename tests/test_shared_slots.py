@@ -75,7 +75,7 @@ def test_batches_arrive_over_slots_as_default_collate_makes_them(context, persis
         del got[:]  # the last epoch's batches go: holding them too would fill the default bound of 8
         got = list(loader)
         assert len(got) == len(expected)
-        for batch, reference in zip(got, expected):
+        for batch, reference in zip(got, expected, strict=True):
             assert_same(batch, reference)
             assert _C.shared_slot_kind(batch["image"]) == RECEIVED
             assert _C.shared_slot_kind(batch["meta"]["vec"]) == RECEIVED
@@ -109,7 +109,7 @@ def test_the_switch_forces_fresh_shared_memory(monkeypatch):
     by_env = list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=collate))
     assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in by_env)
     assert collate.shared_slot_stats() is None  # no pool was made
-    for a, b in zip(off, by_env):
+    for a, b in zip(off, by_env, strict=True):
         assert_same(a, b)
 
 
@@ -119,7 +119,7 @@ def test_several_loaders_share_one_assembler_at_once():
     first = DataLoader(Numbered(48), batch_size=8, num_workers=2, collate_fn=collate)
     second = DataLoader(Numbered(48), batch_size=8, num_workers=1, collate_fn=collate, shuffle=True)
     ids = []
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         for batch in (a, b):
             assert torch.equal(batch["x"][:, 0, 0], batch["id"].float())
             assert _C.shared_slot_kind(batch["x"]) == RECEIVED

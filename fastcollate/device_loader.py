@@ -229,6 +229,8 @@ def _name_the_waited_worker(error: BaseException, source: Any) -> None:
         return
     try:
         workers = loader_workers(source)
+        if not workers:  # no DataLoader workers: the error is the dataset's own, as raised
+            return
         worker = waited_worker(source)
         if str(error).startswith("DataLoader timed out") and worker is not None:
             error.add_note(f"fastcollate.DeviceLoader: the batch waited for was DataLoader worker {worker}'s "

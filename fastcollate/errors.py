@@ -122,12 +122,14 @@ class ContractEmptyError(ContractError, IndexError):
 # The one table of error kinds. The native walk raises by kind name (make_error) and asks kind_of for the
 # kind of a Python error torch raised; _native_support does the same for default_collate's refusals.
 # Each class is also its built-in counterpart, so the kind of a built-in error is the kind whose class
-# shares it; the first match wins, and RuntimeError's "size" takes whatever matches none.
+# shares it; the first match wins, and RuntimeError's "size" takes whatever matches none. "value" comes
+# before "key" and "empty": numpy's AxisError (a ValueError and an IndexError) is a bad value, not an
+# empty batch.
 ERROR_KINDS: dict[str, type[ContractError]] = {
     "type": ContractTypeError,
+    "value": ContractValueError,
     "key": ContractKeyError,
     "empty": ContractEmptyError,
-    "value": ContractValueError,
     "size": ContractSizeError,
 }
 _BUILTIN_OF = {kind: cls.__bases__[1] for kind, cls in ERROR_KINDS.items()}  # (ContractError, <built-in>)

@@ -1,13 +1,15 @@
 """The nested-batch walk, written once: what is a container, how one is rebuilt, and how a leaf is named.
 
-A batch is any nesting of mappings, namedtuples and sequences (``str`` and ``bytes`` are leaves).
-Rebuilding follows ``default_collate``'s rules, so a batch keeps its types on every path:
+A batch is any nesting of mappings, lists and tuples (namedtuples and subclasses included), what
+``default_collate`` builds; everything else is a leaf, other sequences too: a ``range``, a
+``memoryview`` or a ``UserString`` passes through whole (a ``UserString``'s items are ``UserString``s
+again, without end). Rebuilding follows ``default_collate``'s rules, so a batch keeps its types:
 - a ``dict`` stays a ``dict``; another ``MutableMapping`` is copied and updated (its attributes
   stay); any other ``Mapping`` type is called with a dict, or the result is a ``dict`` where it
   refuses one;
-- a namedtuple is called with its fields; a ``list`` or ``tuple`` keeps its type; another
-  ``MutableSequence`` is copied and assigned to; any other ``Sequence`` type is called with a list,
-  or the result is a ``list`` where it refuses one.
+- a namedtuple is called with its fields; a ``list`` or ``tuple`` keeps its type; a subclass of
+  ``list`` is copied and assigned to; a subclass of ``tuple`` is called with a list, or the result is a
+  ``list`` where it refuses one. The native walk rebuilds other sequences with ``rebuild_sequence``.
 
 A leaf's path joins mapping keys, namedtuple field names and sequence indices with dots
 (``"meta.lengths"``, ``"sample.1"``); the batch itself, when it is a leaf, has the path ``""``.
@@ -32,10 +34,6 @@ __all__ = [
 
 def is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
 
 
 def rebuild_mapping(elem: Mapping, values: dict) -> Any:
@@ -83,7 +81,7 @@ def _flatten_into(batch: Any, leaves: list) -> Callable[[list], Any]:
         if kind is dict:
             return lambda values: {key: part(values) for key, part in parts}
         return lambda values: rebuild_mapping(batch, {key: part(values) for key, part in parts})
-    if kind is list or kind is tuple or _is_sequence(batch):
+    if isinstance(batch, (list, tuple)):
         parts = [_flatten_into(item, leaves) for item in batch]
         if kind is list:
             return lambda values: [part(values) for part in parts]
@@ -107,7 +105,7 @@ def children(value: Any) -> Iterator[tuple[str, Any]] | None:
         return ((str(key), item) for key, item in value.items())
     if is_namedtuple(value):
         return zip(type(value)._fields, value, strict=True)
-    if _is_sequence(value):
+    if isinstance(value, (list, tuple)):
         return ((str(index), item) for index, item in enumerate(value))
     return None
 
@@ -135,7 +133,7 @@ def lookup(batch: Any, path: str) -> Any:
             value = value[part]
         elif not part.isdigit() and hasattr(value, part):
             value = getattr(value, part)
-        elif part.isdigit() and _is_sequence(value) and int(part) < len(value):
+        elif part.isdigit() and isinstance(value, (list, tuple)) and int(part) < len(value):
             value = value[int(part)]
         else:
             raise KeyError(part)

@@ -386,6 +386,38 @@ def test_one_table_gives_each_builtin_error_its_kind_and_class(raised, kind):
     assert error.sample_id == 7 and error.field == "x"
 
 
+class _RaisesWhenRead:
+    """A sample that torch.as_tensor cannot read: its length raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        raise self.error
+
+    def __getitem__(self, index: int):
+        raise self.error
+
+
+class _ValueAndKeyError(ValueError, KeyError):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error", [np.exceptions.AxisError("axis 2 is out of bounds"), _ValueAndKeyError("both")],
+    ids=["numpy AxisError (ValueError and IndexError)", "ValueError and KeyError"],
+)
+def test_an_error_of_two_builtin_classes_is_a_value_error_on_both_paths(error):
+    # The native walk (torch.as_tensor refusing a sample) and the Python table agree: a ValueError that
+    # is also an IndexError or a KeyError is a bad value, not an empty batch or a missing key.
+    from fastcollate.errors import kind_of
+
+    assert kind_of(error) == "value"
+    with pytest.raises(ContractError) as caught:
+        assemble([np.zeros(2), _RaisesWhenRead(error)])
+    assert type(caught.value).__name__ == "ContractValueError" and caught.value.position == 1
+
+
 @pytest.mark.parametrize(("later", "raised"), [("x", TypeError), (None, RuntimeError)])
 def test_a_torch_refusal_in_the_native_walk_keeps_its_builtin_class(later, raised):
     # After sample 0's numpy array each sample goes through torch.as_tensor, which refuses "x" with a

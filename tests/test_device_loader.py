@@ -3,12 +3,13 @@
 import gc
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
 from tests.conftest import CUDA
@@ -384,3 +385,24 @@ def test_on_the_second_gpu_no_context_is_made_on_the_first():
                           timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert "context on GPU 0: False" in done.stdout
+
+
+class _MissingFile(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        if index == 2:
+            open(f"/nonexistent/sample-{index}.png")  # the dataset's own error, raised in this process
+        return {"x": torch.zeros(2)}
+
+
+def test_a_dataset_error_without_workers_is_raised_as_it_is_and_at_once():
+    # Errors like ConnectionError or FileNotFoundError can mean a lost DataLoader worker; without
+    # workers it is the dataset's own, and no note about workers (nor a wait for one to exit) is added.
+    loader = DeviceLoader(DataLoader(_MissingFile(), batch_size=4, collate_fn=assemble), device="cpu")
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError) as caught:
+        list(loader)
+    assert time.monotonic() - started < 4.0  # the lost-worker path waits 5 s for a worker to exit
+    assert getattr(caught.value, "__notes__", []) == []

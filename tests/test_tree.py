@@ -4,7 +4,7 @@ torch's own function type for type; its paths are the ones errors, ledgers and t
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import pytest
@@ -59,17 +59,12 @@ class Strict(Mapping):
         return len(self._data)
 
 
-class Row(Sequence):
-    """A read-only Sequence whose type takes a list."""
+class Tokens(list):
+    """A list subclass with an attribute: copied and assigned to, so the attribute stays."""
 
-    def __init__(self, items):
-        self._items = list(items)
-
-    def __getitem__(self, index):
-        return self._items[index]
-
-    def __len__(self):
-        return len(self._items)
+    def __init__(self, items, source="corpus"):
+        super().__init__(items)
+        self.source = source
 
 
 def _samples_like(batch):
@@ -109,9 +104,19 @@ def test_flatten_rebuilds_what_default_collate_builds(name):
             assert new == old
 
 
-def test_a_tuple_stays_a_tuple_and_a_custom_sequence_keeps_its_type():
-    rebuilt = tree.map_leaves(lambda leaf: leaf + 1, (1, Row([2, 3])))
-    assert type(rebuilt) is tuple and type(rebuilt[1]) is Row and list(rebuilt[1]) == [3, 4]
+def test_a_tuple_stays_a_tuple_and_a_list_subclass_keeps_its_type_and_attributes():
+    rebuilt = tree.map_leaves(lambda leaf: leaf + 1, (1, Tokens([2, 3], source="web")))
+    assert type(rebuilt) is tuple and type(rebuilt[1]) is Tokens
+    assert list(rebuilt[1]) == [3, 4] and rebuilt[1].source == "web"
+
+
+def test_sequences_default_collate_does_not_build_pass_through_whole():
+    # A UserString's items are UserStrings again: walking it would never end.
+    leaves = [collections.UserString("abc"), range(3), memoryview(b"ab"), bytearray(b"xy")]
+    batch = {"others": leaves}
+    flat, rebuild = tree.flatten(batch)
+    assert all(a is b for a, b in zip(flat, leaves, strict=True))
+    assert all(a is b for a, b in zip(rebuild(flat)["others"], leaves, strict=True))
 
 
 def test_strings_and_tensors_are_leaves():

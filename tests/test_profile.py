@@ -5,6 +5,9 @@ times are not throughput figures."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,35 @@ def test_output_and_json_say_profiled_step_times_are_not_throughput(tmp_path, ca
     out = capsys.readouterr().out
     assert "not throughput figures" in out
     assert "not throughput figures" in json.loads((tmp_path / "profile.json").read_text())["note"]
+
+
+KINETO_LINE = re.compile(r"^(USDT|STAGE|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d ", re.MULTILINE)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bare_profiler_log() -> str:
+    """What a bare torch.profiler run writes to stderr in a fresh process (kineto's own lines, if any)."""
+    code = (
+        "import torch\nfrom torch.profiler import profile\n"
+        "with profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n    torch.ones(3) + 1\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+
+
+def test_the_profilers_own_log_lines_go_to_a_file_and_the_output_names_it(tmp_path):
+    bare = _bare_profiler_log()
+    run = subprocess.run(
+        [sys.executable, "-m", "fastcollate", "profile", *TINY, "--paths", "default", "--no-model",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert not KINETO_LINE.search(run.stdout + run.stderr), run.stdout + run.stderr
+    assert "activities: CPU" in run.stdout
+    log = tmp_path / profile.PROFILER_LOG
+    if KINETO_LINE.search(bare):  # this torch writes them (2.14 on a machine without a GPU does)
+        assert KINETO_LINE.search(log.read_text())
+        assert "torch.profiler's own log" in run.stdout and str(log) in run.stdout
 
 
 def _synthetic_gpu_trace(path: Path) -> None:

@@ -10,13 +10,15 @@ throughput figures. ``python -m fastcollate bench`` measures throughput, with th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +79,11 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
                 step(batch)
             done += 1
         sync(device)
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        log = trace_path.parent / PROFILER_LOG
+        with profiler_log_kept_in(log):
+            prof.start()
+        try:
             for _ in range(setup.steps):
                 batch = _next_batch(iterator, setup, device, device_loader)
                 if batch is None:
@@ -89,7 +95,10 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
                 prof.step()
                 done += 1
             sync(device)
-        prof.export_chrome_trace(str(trace_path))
+        finally:
+            with profiler_log_kept_in(log):
+                prof.stop()
+                prof.export_chrome_trace(str(trace_path))
     finally:
         close_loader(loader, source)
     return {"steps_run": done}
@@ -323,6 +332,31 @@ def bench_arguments(args: argparse.Namespace, workers: int) -> argparse.Namespac
     )
 
 
+PROFILER_LOG = "profiler.log"
+
+
+@contextlib.contextmanager
+def profiler_log_kept_in(path: Path) -> Iterator[None]:
+    """Sends what the process writes to its stderr (fd 2) to ``path`` meanwhile.
+
+    The profiler's C++ side (kineto) writes its own log lines straight to fd 2: "USDT: ...
+    profiler_start", and on a machine without a GPU "ERROR: ... gpuGetDeviceCount failed", which a
+    reader takes for our failure. Their level is fixed when torch loads (``KINETO_LOG_LEVEL``), so they
+    are kept in a file instead, around the profiler's start, stop and export only: the steps between,
+    and their warnings, print as ever.
+    """
+    sys.stderr.flush()
+    kept = os.dup(2)
+    try:
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(kept, 2)
+        os.close(kept)
+
+
 def print_plan(setup: Setup, workers: int) -> None:
     print(
         f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
@@ -370,6 +404,10 @@ def profile_paths(
                 f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items()
             )
             print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
+    log = out / PROFILER_LOG
+    if log.exists() and log.stat().st_size:
+        lines = len(log.read_bytes().splitlines())
+        print(f"  torch.profiler's own log ({lines} lines, e.g. its start and stop markers): {log}")
     return panels, summary
 
 

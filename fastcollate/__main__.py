@@ -1,4 +1,5 @@
-"""``python -m fastcollate <command>``: bench, profile, doctor. Each command lives in its own module."""
+"""``python -m fastcollate <command>`` (or the ``fastcollate`` console script): bench, profile, doctor.
+Each command lives in its own module."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ COMMANDS = {  # name: (module with main(argv), one-line summary)
 
 
 def usage() -> str:
-    lines = ["usage: python -m fastcollate <command> [options]", "", "commands:"]
+    lines = ["usage: python -m fastcollate [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
-    lines.append("\n'python -m fastcollate <command> --help' describes each command's options.")
+    lines += ["", "'python -m fastcollate <command> --help' describes each command's options."]
     return "\n".join(lines)
 
 
@@ -26,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"fastcollate {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

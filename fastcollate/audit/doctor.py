@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from torch.utils.data import Dataset
 
 from ..bench.factory import load_factory  # the one import of the factory loader in fastcollate.audit
+from ..cli import UsageError, at_least, loading, run_verb
 from .checklist import Doctor
-from .failures import Failure, error_text
-from .record_sheet import EXIT_UNVERIFIED
+from .failures import Failure
 
 __all__ = ["Doctor", "Failure", "load_dataset", "main", "run_doctor"]
 
@@ -85,15 +86,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.batch_size < 1 or args.workers < 1 or args.timeout < 0:
-        print("doctor: --batch-size and --workers must be at least 1, --timeout at least 0", file=sys.stderr)
-        return EXIT_UNVERIFIED
-    try:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_verb("doctor", _parser(), argv, run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The checklist on the parsed options; bad input raises ``UsageError`` (status 2, as "could not
+    verify" is) before the checklist starts."""
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--workers", args.workers, 1, " (the few-workers setting set against the one process)")
+    at_least("--timeout", args.timeout, 0, " (0: no limit)")
+    if args.json:  # said now, not after the checklist has run for minutes
+        _check_json_path(args.json)
+    with loading("factory", args.factory):
         dataset = load_dataset(args.factory)
-    except Exception as error:
-        print(f"doctor: cannot load {args.factory}: {error_text(error, True)}", file=sys.stderr)
-        return EXIT_UNVERIFIED
     report = run_doctor(
         dataset,
         batch_size=args.batch_size,
@@ -109,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=2, default=str)
     return int(report["exit_status"])
+
+
+def _check_json_path(path: str) -> None:
+    """A path ``--json`` can write to: not a folder, in a folder that exists."""
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise UsageError("--json", f"{path} is a folder: give a file path")
+    if not os.path.isdir(folder):
+        raise UsageError("--json", f"no folder {folder} to write {os.path.basename(path)} in")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..cli import output_folder, run_verb
 from .chart import write_chart
 from .configs import DEVICE_LOADER_DEPTH, PREFETCH_FACTOR, Setup, resolve
 from .correctness import compare_to_reference
@@ -137,12 +138,15 @@ def progress(total: int, disable: bool | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    return run_verb("bench", build_parser(), argv, lambda args: run_bench(args, argv))
+
+
+def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    """The command, once its options are parsed; bad input raises ``UsageError`` before anything runs."""
     started = time.perf_counter()
     machine = machine_info()  # before the runs: the load average says how busy the machine was
     setup = resolve(args)
-    out = args.out or Path(f"bench-out-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder("--out", args.out or Path(f"bench-out-{_dt.datetime.now():%Y%m%d-%H%M%S}"))
     print_plan(setup, machine)
 
     configs = [(o, v.key, w) for o in setup.observations for v in setup.variants for w in setup.workers]

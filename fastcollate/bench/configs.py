@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 import fastcollate
 
+from ..cli import UsageError, at_least, loading
 from .datasets import PRESETS
 from .factory import load_factory
 from .machine import cuda_available, usable_cpus
@@ -102,7 +103,13 @@ class Setup(DataChoice):
 
 
 def resolve(args: argparse.Namespace) -> Setup:
-    """The run's set-up, with a note for every choice the reader should know about."""
+    """The run's set-up, with a note for every choice the reader should know about.
+
+    Raises:
+        UsageError: an option a user can get wrong is wrong (a count out of range, a device this machine
+            lacks, a ``--dataset`` that does not load or is empty): checked before anything runs.
+    """
+    _check_counts(args)
     notes: list[str] = []
     quick = args.quick
     steps = args.steps if args.steps is not None else (4 if quick else 20)
@@ -124,7 +131,10 @@ def resolve(args: argparse.Namespace) -> Setup:
     else:
         data = _preset_data(args, device)
     if not observations:
-        raise SystemExit("nothing to run: no observation left (see the notes above)")
+        raise UsageError(
+            "--observation", f"integrated needs a model step, and {args.dataset} gave no 'step' (a callable "
+            "on the device batch): add one, or run --observation loader"
+        )
     tail = 0
     if not isinstance(data.dataset, IterableDataset):
         tail = max(tail_batches(v, w) for v in variants for w in workers)
@@ -146,6 +156,18 @@ def resolve(args: argparse.Namespace) -> Setup:
         pin_memory=device.type == "cuda",
         tail=tail,
     )
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """The counts argparse reads as any int: each within the range a run can use (None: the default)."""
+    for worker_count in args.workers or ():
+        at_least("--workers", worker_count, 0, " (0: load in the main process)")
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--steps", args.steps, 1)
+    at_least("--warmup", args.warmup, 0)
+    at_least("--repeat", args.repeat, 1)
+    at_least("--size", args.size, 1)
+    at_least("--model-width", args.model_width, 1)
 
 
 def _worker_counts(args: argparse.Namespace, notes: list[str]) -> list[int]:
@@ -171,14 +193,30 @@ def _worker_counts(args: argparse.Namespace, notes: list[str]) -> list[int]:
 
 
 def _device(args: argparse.Namespace, notes: list[str]) -> torch.device:
-    device = torch.device(args.device or ("cuda" if cuda_available() else "cpu"))
-    if device.type == "cuda" and not cuda_available():
-        raise SystemExit("--device cuda: no CUDA GPU is visible on this machine")
+    if args.device:
+        device = _asked_device(args.device)
+    else:
+        device = torch.device("cuda" if cuda_available() else "cpu")
     if device.type != "cuda":
         notes.append(
             "no GPU: pin_memory is left off (DataLoader only warns and pins nothing without one), "
             "the transfer columns say 'no GPU' and the model runs on the CPU"
         )
+    return device
+
+
+def _asked_device(asked: str) -> torch.device:
+    """``--device`` as given, if this machine can run the bench there: cpu, cuda or cuda:N."""
+    try:
+        device = torch.device(asked)
+    except (RuntimeError, ValueError):  # torch's words for a string it cannot read as a device
+        raise UsageError("--device", f"unknown device {asked!r}: cuda, cuda:N or cpu") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError("--device", f"{asked!r}: the bench runs on cuda (cuda:N) or cpu")
+    if device.type == "cuda" and not cuda_available():
+        raise UsageError("--device", f"{asked}: no CUDA GPU is visible on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError("--device", f"{asked}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return device
 
 
@@ -206,6 +244,7 @@ def _preset_data(args: argparse.Namespace, device: torch.device) -> DataChoice:
 def _user_data(args: argparse.Namespace, notes: list[str]) -> DataChoice:
     user = _user_factory_output(args.dataset, args)
     dataset = user["dataset"]
+    _check_user_dataset(args.dataset, dataset)
     contract = user.get("contract")
     user_step = user.get("step")
     if not isinstance(dataset, IterableDataset) and not _has_id(dataset):
@@ -229,24 +268,40 @@ def _user_data(args: argparse.Namespace, notes: list[str]) -> DataChoice:
 
 
 def _user_factory_output(spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    """What ``--dataset module:factory`` makes, as a mapping with at least ``"dataset"``."""
-    try:
+    """What ``--dataset module:factory`` makes, as a mapping with at least ``"dataset"``; a factory
+    that does not load, raises, or returns a mapping without ``"dataset"`` is a ``UsageError``."""
+    with loading("--dataset", spec):
         factory = load_factory(spec)
-    except ValueError:
-        raise SystemExit(f"--dataset wants module:factory or path/to/file.py:factory, got {spec!r}") from None
-    except AttributeError as error:
-        raise SystemExit(f"--dataset {spec}: {error}") from None
-    kwargs = {}
-    params = inspect.signature(factory).parameters if callable(factory) else {}
-    if args.size is not None and "size" in params:
-        kwargs["size"] = args.size
-    if "seed" in params:
-        kwargs["seed"] = args.seed
-    made = factory(**kwargs) if callable(factory) and not isinstance(factory, Dataset) else factory
+        kwargs = {}
+        params = inspect.signature(factory).parameters if callable(factory) else {}
+        if args.size is not None and "size" in params:
+            kwargs["size"] = args.size
+        if "seed" in params:
+            kwargs["seed"] = args.seed
+        made = factory(**kwargs) if callable(factory) and not isinstance(factory, Dataset) else factory
     spec_dict = dict(made) if isinstance(made, Mapping) else {"dataset": made}
     if "dataset" not in spec_dict:
-        raise SystemExit(f"--dataset {spec}: the factory returned a mapping without 'dataset'")
+        keys = ", ".join(map(repr, spec_dict))
+        raise UsageError("--dataset", f"{spec} returned a mapping without 'dataset' (its keys: {keys})")
     return spec_dict
+
+
+def _check_user_dataset(spec: str, dataset: Any) -> None:
+    """A data set every configuration can read: a Dataset, and, map-style, a length above zero
+    (the sample order is drawn from ``len()``)."""
+    if isinstance(dataset, IterableDataset):
+        return
+    if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+        raise UsageError("--dataset", f"{spec} gave a {type(dataset).__name__}, not a Dataset")
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise UsageError(
+            "--dataset", f"{spec} gave a map-style {type(dataset).__name__} without len(): "
+            "define __len__, or make it an IterableDataset"
+        ) from None
+    if size == 0:
+        raise UsageError("--dataset", f"{spec} gave an empty data set (len 0)")
 
 
 def _has_id(dataset: Dataset) -> bool:

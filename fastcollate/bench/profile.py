@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import Subset
 
+from ..cli import output_folder, run_verb
 from ..transforms import apply_to_fields
 from .batches import to_device
 from .configs import Setup, Variant, resolve
@@ -275,11 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    return run_verb("profile", build_parser(), argv, lambda args: run_profile(args, argv))
+
+
+def run_profile(args: argparse.Namespace, argv: list[str]) -> int:
+    """The command, once its options are parsed; bad input raises ``UsageError`` before anything runs."""
     workers = args.workers if args.workers is not None else min(2, usable_cpus())
-    setup = resolve(bench_arguments(args, workers))
-    out = args.out or Path(f"bench-out-profile-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    setup = resolve(bench_arguments(args, workers))  # checks the options it shares with the bench
+    out = output_folder("--out", args.out or Path(f"bench-out-profile-{_dt.datetime.now():%Y%m%d-%H%M%S}"))
     print_plan(setup, workers)
     panels, summary = profile_paths(setup, args.paths, workers, out)
     title = (

@@ -33,9 +33,16 @@ help:
 	$(PY) -c "import torch, numpy, pytest; print('using', torch.__version__, 'at', torch.__file__)"
 	touch $@
 
+# pip shows a build's own output only with -v: the whole log goes to .stamp-build.log, and the build's
+# decisions (toolkit, architectures, CPU-only or CUDA) are shown here, once each (pip runs setup.py
+# twice); a build that printed none fails.
 .stamp-build: $(DEPS) $(SOURCES)
-	$(PY) -m pip install --no-build-isolation --no-deps -e . 2>&1 | tee .stamp-build.log | grep -E "fastcollate build|error|Error" || true
-	$(PY) -c "import fastcollate" || (cat .stamp-build.log; exit 1)
+	@echo "building fastcollate._C (the whole log: .stamp-build.log)"
+	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > .stamp-build.log 2>&1 \
+		|| { tail -n 60 .stamp-build.log; echo "the build failed: the whole log is .stamp-build.log"; exit 1; }
+	@grep -h "\[fastcollate build\]" .stamp-build.log | sed 's/^ *//' | awk '!seen[$$0]++' | grep . \
+		|| { echo "the build printed none of its decisions: see .stamp-build.log"; exit 1; }
+	$(PY) -c "import fastcollate" || (tail -n 60 .stamp-build.log; exit 1)
 	touch $@
 
 build: .stamp-build

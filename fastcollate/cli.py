@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,10 +65,6 @@ def loading(argument: str, spec: str) -> Iterator[None]:
     module, _, attribute = spec.rpartition(":")
     if not module or not attribute:
         raise UsageError(argument, f"want module:factory or path/to/file.py:factory, got {spec!r}")
-    # The same rule as bench.factory.load_factory for "this is a file": said here, a missing file is
-    # named as such rather than as a module the import machinery could not find.
-    if (module.endswith(".py") or os.sep in module) and not os.path.isfile(module):
-        raise UsageError(argument, f"cannot load {spec}: no file {module}")
     try:
         yield
     except UsageError:

@@ -24,6 +24,7 @@ def load_factory(spec: str) -> Any:
 
     Raises:
         ValueError: ``spec`` lacks the module or the attribute.
+        FileNotFoundError: ``spec`` names a file that does not exist.
         ImportError: the module cannot be imported.
         AttributeError: the module has no such attribute.
     """
@@ -32,6 +33,8 @@ def load_factory(spec: str) -> Any:
         raise ValueError(f"expected module:factory or path/to/file.py:factory, got {spec!r}")
     if module_name.endswith(".py") or os.sep in module_name:
         path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no file {module_name}")
         sys.path.insert(0, os.path.dirname(path))
         module_name = os.path.splitext(os.path.basename(path))[0]
     elif os.getcwd() not in sys.path:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import command, configs, report
+from fastcollate.bench import chart, command, configs, report
 from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
 from fastcollate.bench.correctness import Delivered, compare_to_reference
 from fastcollate.bench.datasets import (
@@ -691,3 +691,9 @@ def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
                   "marked ~ (not different)", "DataLoader worker processes", "on the GPU, or on the CPU",
                   "loader-only leaves the device transforms out"):
         assert words in text, words
+
+
+def test_the_chart_title_says_where_the_device_transforms_were_left_out():
+    setup = _setup_with_counting_transform()
+    assert chart._transforms_left_out(setup) == "; device transforms left out of: loader (no GPU)"
+    assert chart._transforms_left_out(dataclasses.replace(setup, device=torch.device("cuda"))) == ""

@@ -3,6 +3,8 @@ that is deliberately wrong."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
@@ -78,3 +80,38 @@ class RaisesAt(Tiny):
 
 def raises_in_the_third_batch() -> dict:
     return {"dataset": RaisesAt(96, bad=40), "batch_size": 16}
+
+
+class Slowed:
+    """A collate function that sleeps ``seconds`` per batch before collating: a loader made slow on
+    purpose, which a loader-only figure must show."""
+
+    def __init__(self, collate, seconds: float) -> None:
+        self.collate = collate
+        self.seconds = seconds
+
+    def __call__(self, samples):
+        time.sleep(self.seconds)
+        return self.collate(samples)
+
+
+class CountingCalls:
+    """A device transform that counts its calls and returns its input: where it runs, it shows."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, value):
+        self.calls += 1
+        return value
+
+
+def tiny_with_device_transform_and_step() -> dict:
+    """Tiny data with a counting device transform on ``x`` and a step that does nothing, so the bench
+    runs both observations."""
+    return {
+        "dataset": Tiny(96),
+        "batch_size": 16,
+        "device_transforms": {"x": CountingCalls()},
+        "step": lambda batch: None,
+    }

@@ -36,13 +36,22 @@ def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str 
         _label_axes(ax_rate, ax_wait, observation, setup.workers)
     fig.suptitle(
         f"fastcollate bench: {setup.name}, batch {setup.batch_size}, {setup.steps} steps x "
-        f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}",
+        f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}"
+        + _transforms_left_out(setup),
         fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def _transforms_left_out(setup: Setup) -> str:
+    """The observations the device transforms are not timed in, as the table's titles say."""
+    left_out = [o for o in setup.observations if not setup.times_device_transforms(o)]
+    if not setup.device_transforms or not left_out:
+        return ""
+    return f"; device transforms left out of: {', '.join(left_out)} (no GPU)"
 
 
 def _plot_variant(ax_rate: Any, ax_wait: Any, variant: Variant, block: list[dict[str, Any]]) -> None:

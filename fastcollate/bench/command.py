@@ -32,7 +32,7 @@ from .datasets import PRESETS, fingerprint
 from .epoch import EpochRun, run_epoch
 from .machine import machine_info, versions
 from .pinned_copy import pinned_copy_gbps
-from .report import fmt_bytes, format_table, jsonable, summarize
+from .report import NOT_DIFFERENT, fmt_bytes, format_table, jsonable, mark_not_different, summarize
 
 __all__ = ["build_parser", "main"]
 
@@ -41,8 +41,9 @@ REFERENCE: Config = ("loader", "default", 0)
 
 LEGEND = (
     "  samples/s: samples delivered in the measured steps / their seconds (median over runs; spread: "
-    "half the min-max range); wait: next(loader) time per measured step (with DeviceLoader it includes "
-    "issuing the copy and the device transforms: asynchronous on a GPU, run in place on a CPU); "
+    f"half the min-max range, the machine's noise; {NOT_DIFFERENT}: within the spreads of default_collate, "
+    "not different); wait: next(loader) time per measured step (with DeviceLoader it includes "
+    "issuing the copy and the device transforms where they are timed: asynchronous on a GPU); "
     "start-up: iter() to first batch "
     "(worker start, reported apart); "
     "peak RSS: VmHWM of main + each worker (shared pages counted in each); "
@@ -57,7 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare default_collate + pin_memory + .to(non_blocking=True), "
         "fastcollate.assemble + the "
         "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
-        "data set (no download) or your own.",
+        "data set (no download) or your own. Measured: samples/s (and the preset's bytes, pixels or "
+        "tokens per s) over the measured steps, median of --repeat runs, with their spread (half the "
+        f"min-max range: the machine's noise); a ratio within the spreads is marked {NOT_DIFFERENT} "
+        "(not different). Where: the samples are loaded and collated on the CPU, in the main process "
+        "(workers 0) or in DataLoader worker processes; the copy, the device transforms and the model "
+        "run on the GPU, or on the CPU without one, where loader-only leaves the device transforms "
+        "out (they would be CPU work timed as the loader's) and integrated keeps them.",
         epilog="Every run is kept in results.json; tables show medians, never the best run. A configuration "
         "whose epoch does not deliver the workers=0 reference's ids and targets is flagged, not ranked. "
         "--dataset module:factory (or file.py:factory): factory() (given size=/seed= if it takes them) "
@@ -155,6 +162,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"  note: the reference epoch itself failed ({reference.error}): nothing is comparable")
 
     entries = [summarize(setup, key, runs[key]) for key in configs]
+    mark_not_different(entries)
     limits = link_limits(setup, reference, entries)
     table = format_table(setup, entries)
     print(table)
@@ -191,6 +199,13 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
     """What is about to run, and the notes (a busy machine among them) the reader should know."""
     epoch_samples = len(setup.indices) if setup.indices is not None else "all"
     print(f"fastcollate bench: {setup.description}")
+    print(
+        f"  measured: samples/s and {setup.unit}/s delivered in the measured steps, median of "
+        f"{setup.repeat} runs; spread: half their min-max range, the machine's noise "
+        f"({NOT_DIFFERENT}: a difference within it)"
+    )
+    print(f"  where: {where_it_runs(setup, machine)}")
+    print(f"  {setup.device_transforms_note()}")
     print(f"  transforms: {setup.transforms_note}")
     print(
         f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
@@ -199,7 +214,7 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
         f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
         f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown"
     )
-    print(f"  workers {setup.workers}; device {setup.device}; observations: {', '.join(setup.observations)}")
+    print(f"  observations: {', '.join(setup.observations)}")
     if "integrated" in setup.observations:
         print(f"  model: {setup.model_note}")
     load = machine["load_average"]
@@ -210,6 +225,17 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
         )
     for note in setup.notes:
         print(f"  note: {note}")
+
+
+def where_it_runs(setup: Setup, machine: dict[str, Any]) -> str:
+    """What runs on the CPU and what on the device, and the worker counts, in one line."""
+    loading = (
+        f"loading + collate on the CPU with DataLoader workers {setup.workers} (0: in the main process) "
+        f"on {machine['cpus_usable']} usable CPUs"
+    )
+    if setup.device.type == "cuda":
+        return f"{loading}; copy, device transforms and model on {setup.device}"
+    return f"{loading}; device {setup.device} (no GPU): no copy, the model on the CPU too"
 
 
 def run_configs(
@@ -288,6 +314,7 @@ def config_record(setup: Setup, quick: bool) -> dict[str, Any]:
         "description": setup.description,
         "transforms": setup.transforms_note,
         "device_transforms": {k: repr(v) for k, v in setup.device_transforms.items()},
+        "device_transforms_timed": {o: setup.times_device_transforms(o) for o in setup.observations},
         "batch_size": setup.batch_size,
         "epoch_samples": len(setup.indices) if setup.indices is not None else None,
         "steps": setup.steps,

@@ -101,6 +101,38 @@ class Setup(DataChoice):
     target_path: str | None = None  # found in the first batch, for the runs after it
     tail: int = 0  # untimed batches after the measured ones
 
+    def times_device_transforms(self, observation: str) -> bool:
+        """Whether ``observation``'s timed loop runs the device transforms.
+
+        On a GPU they are queued device work, part of what the loader hands over, so both observations
+        keep them. Without one they would be CPU work inside the timed loop (ImageNet's uint8 -> float
+        Normalize is ~95% of a 64-image step), and loader-only would time a float conversion instead
+        of the loader: it leaves them out. Integrated keeps them: they are part of a training step.
+        """
+        if not self.device_transforms:
+            return False
+        return observation == "integrated" or self.device.type == "cuda"
+
+    def device_transforms_note(self) -> str:
+        """One line for the header: the device transforms and in which observations they are timed."""
+        if not self.device_transforms:
+            return "device transforms: none"
+        names = ", ".join(f"{field}: {type(fn).__name__}" for field, fn in self.device_transforms.items())
+        timed = [o for o in self.observations if self.times_device_transforms(o)]
+        skipped = [o for o in self.observations if not self.times_device_transforms(o)]
+        parts = []
+        if timed:
+            parts.append(f"timed in {', '.join(_OBSERVATION_NAMES[o] for o in timed)}")
+        if skipped:
+            parts.append(
+                f"left out of {', '.join(_OBSERVATION_NAMES[o] for o in skipped)} "
+                "(no GPU: they would be CPU work inside the timed loop, not the loader's)"
+            )
+        return f"device transforms ({names}): {'; '.join(parts)}"
+
+
+_OBSERVATION_NAMES = {"loader": "loader-only", "integrated": "integrated"}
+
 
 def resolve(args: argparse.Namespace) -> Setup:
     """The run's set-up, with a note for every choice the reader should know about.

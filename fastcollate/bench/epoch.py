@@ -139,7 +139,9 @@ class EpochRecorder:
                 needed = (setup.warmup + setup.steps + tail_batches(variant, workers)) * setup.batch_size
                 self.asked = min(self.asked, needed)
         self.moved_by_loader = variant.transfer == "DeviceLoader"
-        self.transforms = {k: CountingTransform(fn) for k, fn in setup.device_transforms.items()}
+        self.transforms: dict[str, CountingTransform] = {}
+        if setup.times_device_transforms(observation):  # see there: without a GPU loader-only skips them
+            self.transforms = {k: CountingTransform(fn) for k, fn in setup.device_transforms.items()}
         self.step = setup.make_step() if observation == "integrated" and setup.make_step is not None else None
         self.last = setup.warmup + setup.steps  # batches before the untimed tail
         self.target_path = setup.target_path

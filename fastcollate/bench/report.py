@@ -15,7 +15,19 @@ from .configs import VARIANTS, Setup, tail_batches
 if TYPE_CHECKING:  # epoch.py imports this module for jsonable
     from .epoch import EpochRun
 
-__all__ = ["fmt_bytes", "fmt_ms", "fmt_rate", "format_table", "jsonable", "summarize"]
+__all__ = [
+    "NOT_DIFFERENT",
+    "fmt_bytes",
+    "fmt_ms",
+    "fmt_rate",
+    "format_table",
+    "jsonable",
+    "mark_not_different",
+    "not_different",
+    "summarize",
+]
+
+NOT_DIFFERENT = "~"  # after a ratio: within the spread of what it is compared with
 
 
 def jsonable(value: Any) -> Any:
@@ -86,6 +98,7 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[EpochRun]) -> 
         "errors": errors,
         "ranked": ok,
         "tail_batches": tail_batches(variant, workers),
+        "device_transforms_timed": setup.times_device_transforms(observation),
     }
     for unit in ("pixels", "tokens"):
         values = [r.second_unit.get(f"{unit}_per_s") for r in runs]
@@ -96,6 +109,34 @@ def summarize(setup: Setup, key: tuple[str, str, int], runs: list[EpochRun]) -> 
 
 
 _PROBLEMS = ("lost", "duplicated", "unexpected", "targets_mismatched")  # a check's counts, worst run kept
+
+
+def not_different(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two entries' median samples/s differ by less than their spreads (half the min-max range
+    of each) added: then the machine's noise covers the difference, and the table says so. None when
+    either has fewer than two runs or no rate: one run has no spread to judge by."""
+    spreads = [_half_range(e) for e in (a, b)]
+    if None in spreads:
+        return None
+    return abs(a["samples_per_s"] - b["samples_per_s"]) <= spreads[0] + spreads[1]
+
+
+def _half_range(e: dict[str, Any]) -> float | None:
+    runs_with_a_rate = [r for r in e.get("runs", []) if r.get("samples_per_s")]
+    if len(runs_with_a_rate) < 2 or not e["samples_per_s"]:
+        return None
+    return (e["samples_per_s_max"] - e["samples_per_s_min"]) / 2
+
+
+def mark_not_different(entries: list[dict[str, Any]]) -> None:
+    """Sets each ranked entry's ``not_different_from_default``: :func:`not_different` against the
+    default path of the same observation and worker count (None for the default itself, and where
+    either side is unranked or has one run)."""
+    baselines = {(e["observation"], e["workers"]): e for e in entries if e["variant"] == "default"}
+    for e in entries:
+        baseline = baselines.get((e["observation"], e["workers"]))
+        comparable = baseline is not None and e is not baseline and e["ranked"] and baseline["ranked"]
+        e["not_different_from_default"] = not_different(e, baseline) if comparable else None
 
 
 def fmt_rate(value: float | None) -> str:
@@ -143,7 +184,7 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
     """The terminal table: one block per observation, medians over runs, flagged configs marked."""
     lines = []
     titles = {
-        "loader": "loader-only: batches prepared (and moved) per second, no model",
+        "loader": "loader-only: samples per second that next(loader) delivers (and moves), no model",
         "integrated": f"integrated: the model ({setup.model_note}) consuming every batch",
     }
     for observation in setup.observations:
@@ -151,7 +192,7 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
         if not block:
             continue
         lines.append("")
-        lines.append(titles[observation])
+        lines.append(titles[observation] + _transforms_in_title(setup, observation))
         rows = [[h.format(unit=setup.unit) for h in _HEADER]]
         baseline = {
             e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]
@@ -164,11 +205,21 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _transforms_in_title(setup: Setup, observation: str) -> str:
+    if not setup.device_transforms:
+        return ""
+    if setup.times_device_transforms(observation):
+        return "; device transforms timed"
+    return "; device transforms left out (no GPU)"
+
+
 def _row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[str]:
     """One configuration's cells, in ``_HEADER``'s order."""
     speedup = "-"
     if baseline_rate and e["samples_per_s"] and e["ranked"]:
         speedup = f"{e['samples_per_s'] / baseline_rate:.2f}"
+        # Marked as the block's note says: inside the spreads, the ratio is the machine's noise.
+        speedup += f" {NOT_DIFFERENT}" if e.get("not_different_from_default") else "  "
     spread = e["samples_per_s_rel_spread"]
     if setup.device.type != "cuda":
         h2d = "no GPU"
@@ -233,12 +284,22 @@ def _aligned(rows: list[list[str]]) -> list[str]:
 def _verdicts(block: list[dict[str, Any]]) -> list[str]:
     """The fastest correct configuration of a block, then each flagged one with why."""
     lines = []
+    judged = [e["not_different_from_default"] for e in block if e["variant"] != "default" and e["ranked"]]
+    if any(judged):
+        lines.append(
+            f"{NOT_DIFFERENT} after x default: differs from default_collate at the same workers by less "
+            "than their spreads added: not a real difference on this machine"
+        )
+    elif judged and all(j is None for j in judged):
+        lines.append("one run per configuration: no spread, so no difference can be told from noise")
     ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
     if ranked:
         best = max(ranked, key=lambda e: e["samples_per_s"])
+        ties = [e for e in ranked if e is not best and not_different(e, best)]
         lines.append(
             f"fastest correct: {best['label']}, {best['workers']} workers: "
             f"{fmt_rate(best['samples_per_s'])} samples/s (median)"
+            + (f"; not different (within spread): {', '.join(_name(e) for e in ties)}" if ties else "")
         )
     for e in block:
         if e["ranked"]:
@@ -253,3 +314,7 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
     return lines
+
+
+def _name(e: dict[str, Any]) -> str:
+    return f"{e['label']}, {e['workers']} workers ({fmt_rate(e['samples_per_s'])})"

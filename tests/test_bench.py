@@ -4,7 +4,6 @@ the chart, the embedded data sets it measures, and the parts of the ``fastcollat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pickle
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import chart, command, configs, report
+from fastcollate.bench import command, configs
 from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
 from fastcollate.bench.correctness import Delivered, compare_to_reference
 from fastcollate.bench.datasets import (
@@ -32,7 +31,6 @@ from fastcollate.bench.datasets import (
 from fastcollate.bench.epoch import run_epoch
 from fastcollate.bench.pinned_copy import pinned_copy_gbps
 from fastcollate.ids import IdentifiedSample, guess_target_path
-from tests.bench_datasets import Slowed
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "bench_datasets.py"
@@ -292,7 +290,7 @@ def test_tokens_preset_reports_tokens_per_second_from_real_lengths(tmp_path, mon
         assert run["tokens"] / run["seconds"] == pytest.approx(run["tokens_per_s"])
 
 
-def _args(**overrides) -> argparse.Namespace:
+def bench_arguments(**overrides) -> argparse.Namespace:
     base = dict(
         preset="fields",
         dataset=None,
@@ -315,21 +313,21 @@ def _args(**overrides) -> argparse.Namespace:
 
 def test_default_workers_are_capped_by_the_cpu_count_and_it_says_so(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = configs.resolve(_args())
+    setup = configs.resolve(bench_arguments())
     assert setup.workers == [0, 1, 2]
     assert any("workers [4] skipped" in note and "2 usable CPUs" in note for note in setup.notes)
 
 
 def test_explicit_workers_run_as_asked_even_past_the_cpu_count(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    setup = configs.resolve(_args(workers=[0, 4]))
+    setup = configs.resolve(bench_arguments(workers=[0, 4]))
     assert setup.workers == [0, 4]
     assert any("exceed" in note for note in setup.notes)
 
 
 def test_quick_takes_few_steps_and_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    setup = configs.resolve(_args(quick=True, size=1000))
+    setup = configs.resolve(bench_arguments(quick=True, size=1000))
     assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 1, 3, [0, 2])
     assert setup.tail == 2 * 2 + 2, "the deepest pipeline: 2 workers x prefetch 2, + DeviceLoader depth 2"
     assert setup.indices is not None and len(setup.indices) == (4 + 1 + setup.tail) * 32
@@ -493,7 +491,7 @@ RUN_KEYS = [
 
 
 def test_run_epoch_records_the_measured_steps_and_the_subsets_ids_in_a_record():
-    setup = configs.resolve(_args(workers=[0], steps=2, warmup=1, repeat=1, observation="loader"))
+    setup = configs.resolve(bench_arguments(workers=[0], steps=2, warmup=1, repeat=1, observation="loader"))
     assemble_variant = next(v for v in configs.VARIANTS if v.key == "assemble")
     run = run_epoch(setup, assemble_variant, 0, "loader")
     assert run.error is None
@@ -507,7 +505,7 @@ def test_run_epoch_records_the_measured_steps_and_the_subsets_ids_in_a_record():
 
 def test_a_configuration_that_raises_comes_back_with_its_error_instead_of_raising():
     setup = configs.resolve(
-        _args(preset=None, dataset="tests.bench_datasets:raises_in_the_third_batch", size=None,
+        bench_arguments(preset=None, dataset="tests.bench_datasets:raises_in_the_third_batch", size=None,
               batch_size=None, workers=[0], steps=4, warmup=1, observation="loader")
     )
     run = run_epoch(setup, configs.VARIANTS[0], 0, "loader", full=True)
@@ -531,169 +529,3 @@ def test_the_pinned_copy_returns_every_timed_run_in_gb_per_s():
 
 # --------------------------------------------------------------------------------------------------
 # Loader-only times what the loader delivers; the table says which differences are noise.
-
-SLOW_COLLATE_S = 0.05  # per batch: far above a tiny batch's own collate time (well under 5 ms)
-SLOW_PRESET_COLLATE_S = 0.3  # per batch: far above two samples of any preset (generated images: ~15 ms)
-
-
-def _loader_only_rate(setup: configs.Setup, variant_key: str) -> tuple[float, float]:
-    """samples/s and timed seconds of one workers=0 loader-only epoch."""
-    variant = next(v for v in configs.VARIANTS if v.key == variant_key)
-    run = run_epoch(setup, variant, 0, "loader")
-    assert run.error is None, run.error
-    return run.samples_per_s, run.seconds
-
-
-def _slowed(setup: configs.Setup, seconds: float = SLOW_COLLATE_S) -> configs.Setup:
-    return dataclasses.replace(
-        setup,
-        baseline_collate=Slowed(setup.baseline_collate, seconds),
-        assemble_fn=Slowed(setup.assemble_fn, seconds),
-    )
-
-
-@pytest.mark.parametrize("variant_key", ["default", "assemble", "device_loader"])
-def test_a_slowed_collate_lowers_loader_only_samples_per_s_by_a_large_factor(variant_key):
-    setup = configs.resolve(
-        _args(preset=None, dataset="tests.bench_datasets:tiny", size=None, batch_size=None,
-              workers=[0], steps=3, warmup=1, repeat=1, observation="loader")
-    )
-    _loader_only_rate(setup, variant_key)  # the first epoch in the process pays one-time costs
-    fast_rate, _ = _loader_only_rate(setup, variant_key)
-    slow_rate, slow_seconds = _loader_only_rate(_slowed(setup), variant_key)
-    assert slow_seconds >= 3 * SLOW_COLLATE_S * 0.9, "the timed interval holds every measured collate"
-    assert slow_rate < fast_rate / 4, (fast_rate, slow_rate)
-
-
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_presets_loader_only_figures_move_when_the_loader_slows(preset, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    setup = configs.resolve(
-        _args(preset=preset, size=48, batch_size=2, workers=[0], steps=2, warmup=1, repeat=1,
-              observation="loader")
-    )
-    for variant_key in ("default", "device_loader"):
-        _loader_only_rate(setup, variant_key)  # the first epoch pays one-time costs (a lazy image bank)
-        fast_rate, _ = _loader_only_rate(setup, variant_key)
-        slow_rate, _ = _loader_only_rate(_slowed(setup, SLOW_PRESET_COLLATE_S), variant_key)
-        assert slow_rate < fast_rate / 3, (variant_key, fast_rate, slow_rate)
-
-
-def _setup_with_counting_transform(observation: str = "both") -> configs.Setup:
-    return configs.resolve(
-        _args(preset=None, dataset="tests.bench_datasets:tiny_with_device_transform_and_step", size=None,
-              batch_size=None, workers=[0], steps=2, warmup=1, repeat=1, observation=observation)
-    )
-
-
-@pytest.mark.parametrize("variant_key", ["default", "assemble", "device_loader"])
-def test_without_a_gpu_loader_only_leaves_the_device_transforms_out_and_integrated_keeps_them(variant_key):
-    setup = _setup_with_counting_transform()
-    counter = setup.device_transforms["x"]
-    variant = next(v for v in configs.VARIANTS if v.key == variant_key)
-    loader_run = run_epoch(setup, variant, 0, "loader")
-    assert loader_run.error is None and loader_run.batches >= 3  # + DeviceLoader's untimed tail
-    assert counter.calls == 0, "loader-only ran the device transform on the CPU, inside the timed loop"
-    integrated_run = run_epoch(setup, variant, 0, "integrated")
-    assert integrated_run.error is None
-    assert counter.calls == integrated_run.batches >= 3, "integrated is a training step: it keeps them"
-
-
-def test_on_a_gpu_both_observations_keep_the_device_transforms():
-    on_gpu = dataclasses.replace(_setup_with_counting_transform(), device=torch.device("cuda"))
-    assert on_gpu.times_device_transforms("loader") and on_gpu.times_device_transforms("integrated")
-    assert "left out" not in on_gpu.device_transforms_note()
-    without = dataclasses.replace(on_gpu, device_transforms={})
-    assert not without.times_device_transforms("integrated")
-    assert without.device_transforms_note() == "device transforms: none"
-
-
-def _entry(variant: str, workers: int, rates: list[float], ranked: bool = True) -> dict:
-    """A summarized configuration as ``report.summarize`` shapes it, from constructed rates."""
-    label = next(v.label for v in configs.VARIANTS if v.key == variant)
-    median = float(np.median(rates))
-    return {
-        "observation": "loader", "variant": variant, "label": label, "transfer": "pin_memory+to",
-        "workers": workers, "samples_per_s": median, "samples_per_s_min": min(rates),
-        "samples_per_s_max": max(rates), "samples_per_s_rel_spread": (max(rates) - min(rates)) / median,
-        "bytes_per_s": median * 100, "wait_ms_p50": 1.0, "wait_ms_p95": 2.0, "h2d_ms_p50": None,
-        "startup_s": 0.1, "peak_rss_main_bytes": 1 << 20, "peak_rss_workers_bytes": [], "pss_bytes": 1 << 20,
-        "shm_bytes": 0, "pinned_bytes": 0, "ids_match_reference": ranked, "errors": [] if ranked else ["X"],
-        "ranked": ranked, "lost": 0, "duplicated": 0, "unexpected": 0, "targets_mismatched": 0,
-        "runs": [{"samples_per_s": r} for r in rates],
-    }
-
-
-def test_two_configurations_within_their_spreads_are_not_different_and_clearly_apart_ones_are():
-    default = _entry("default", 0, [90, 100, 110])  # median 100, half range 10
-    assert report.not_different(default, _entry("assemble", 0, [105, 115, 125]))  # 15 apart <= 10 + 10
-    assert report.not_different(default, _entry("assemble", 0, [110, 120, 130]))  # 20 apart: the edge
-    assert not report.not_different(default, _entry("assemble", 0, [119, 121, 123]))  # 21 apart > 10 + 2
-    assert not report.not_different(default, _entry("assemble", 0, [1000, 1010, 1020]))
-    assert report.not_different(default, _entry("assemble", 0, [500])) is None, "one run: no spread"
-
-
-def test_the_table_marks_a_ratio_within_the_spreads_and_leaves_a_real_difference_unmarked():
-    setup = _setup_with_counting_transform("loader")
-    entries = [
-        _entry("default", 0, [90, 100, 110]),
-        _entry("assemble", 0, [100, 105, 110]),  # 1.05, inside the spreads
-        _entry("device_loader", 0, [290, 300, 310]),  # 3.00, far outside them
-    ]
-    report.mark_not_different(entries)
-    assert [e["not_different_from_default"] for e in entries] == [None, True, False]
-    lines = report.format_table(setup, entries).splitlines()
-    rows = {e["label"]: next(line for line in lines if e["label"] in line) for e in entries}
-    assert " 1.05 ~ " in rows["assemble + pin_memory + .to()"]
-    assert " 3.00  " in rows["assemble + DeviceLoader"] and "~" not in rows["assemble + DeviceLoader"]
-    assert "~" not in rows["default_collate + pin_memory + .to()"]
-    table = report.format_table(setup, entries)
-    assert "not a real difference on this machine" in table
-    assert "fastest correct: assemble + DeviceLoader, 0 workers: 300 samples/s (median)\n" in table + "\n"
-
-
-def test_the_fastest_configuration_names_those_it_cannot_be_told_apart_from():
-    setup = _setup_with_counting_transform("loader")
-    entries = [_entry("default", 0, [90, 100, 110]), _entry("assemble", 0, [95, 104, 113]),
-               _entry("device_loader", 0, [10, 11, 12], ranked=False)]
-    report.mark_not_different(entries)
-    assert entries[2]["not_different_from_default"] is None, "a flagged configuration is not compared"
-    table = report.format_table(setup, entries)
-    assert ("fastest correct: assemble + pin_memory + .to(), 0 workers: 104 samples/s (median); "
-            "not different (within spread): default_collate + pin_memory + .to(), 0 workers (100)") in table
-
-
-def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference():
-    setup = _setup_with_counting_transform("loader")
-    entries = [_entry("default", 0, [100]), _entry("assemble", 0, [300])]
-    report.mark_not_different(entries)
-    table = report.format_table(setup, entries)
-    assert "~" not in table and "no difference can be told from noise" in table
-
-
-def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_transforms(capsys):
-    setup = _setup_with_counting_transform()
-    machine = {"load_average": [0.0, 0.0, 0.0], "cpus_usable": 2}
-    command.print_plan(setup, machine)
-    out = capsys.readouterr().out
-    assert "measured: samples/s and bytes/s delivered in the measured steps, median of 1 runs" in out
-    assert "spread: half their min-max range, the machine's noise" in out
-    assert "DataLoader workers [0] (0: in the main process) on 2 usable CPUs" in out
-    assert "device cpu (no GPU)" in out
-    assert "device transforms (x: CountingCalls): timed in integrated; left out of loader-only" in out
-    on_gpu = dataclasses.replace(setup, device=torch.device("cuda", 0))
-    assert "copy, device transforms and model on cuda:0" in command.where_it_runs(on_gpu, machine)
-
-
-def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
-    text = " ".join(command.build_parser().format_help().split())
-    for words in ("Measured: samples/s", "median of --repeat runs", "the machine's noise",
-                  "marked ~ (not different)", "DataLoader worker processes", "on the GPU, or on the CPU",
-                  "loader-only leaves the device transforms out"):
-        assert words in text, words
-
-
-def test_the_chart_title_says_where_the_device_transforms_were_left_out():
-    setup = _setup_with_counting_transform()
-    assert chart._transforms_left_out(setup) == "; device transforms left out of: loader (no GPU)"
-    assert chart._transforms_left_out(dataclasses.replace(setup, device=torch.device("cuda"))) == ""

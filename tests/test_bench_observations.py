@@ -1,0 +1,184 @@
+"""What ``python -m fastcollate bench`` measures and shows: a loader-only figure moves with the loader
+(and, without a GPU, leaves the device transforms out), and a difference within the runs' spread is
+marked as no difference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fastcollate.bench import chart, command, configs, report
+from fastcollate.bench.datasets import PRESETS
+from fastcollate.bench.epoch import run_epoch
+from tests.bench_datasets import Slowed
+from tests.test_bench import bench_arguments
+
+SLOW_COLLATE_S = 0.05  # per batch: far above a tiny batch's own collate time (well under 5 ms)
+SLOW_PRESET_COLLATE_S = 0.3  # per batch: far above two samples of any preset (generated images: ~15 ms)
+
+
+def _loader_only_rate(setup: configs.Setup, variant_key: str) -> tuple[float, float]:
+    """samples/s and timed seconds of one workers=0 loader-only epoch."""
+    variant = next(v for v in configs.VARIANTS if v.key == variant_key)
+    run = run_epoch(setup, variant, 0, "loader")
+    assert run.error is None, run.error
+    return run.samples_per_s, run.seconds
+
+
+def _slowed(setup: configs.Setup, seconds: float = SLOW_COLLATE_S) -> configs.Setup:
+    return dataclasses.replace(
+        setup,
+        baseline_collate=Slowed(setup.baseline_collate, seconds),
+        assemble_fn=Slowed(setup.assemble_fn, seconds),
+    )
+
+
+@pytest.mark.parametrize("variant_key", ["default", "assemble", "device_loader"])
+def test_a_slowed_collate_lowers_loader_only_samples_per_s_by_a_large_factor(variant_key):
+    setup = configs.resolve(
+        bench_arguments(preset=None, dataset="tests.bench_datasets:tiny", size=None, batch_size=None,
+              workers=[0], steps=3, warmup=1, repeat=1, observation="loader")
+    )
+    _loader_only_rate(setup, variant_key)  # the first epoch in the process pays one-time costs
+    fast_rate, _ = _loader_only_rate(setup, variant_key)
+    slow_rate, slow_seconds = _loader_only_rate(_slowed(setup), variant_key)
+    assert slow_seconds >= 3 * SLOW_COLLATE_S * 0.9, "the timed interval holds every measured collate"
+    assert slow_rate < fast_rate / 4, (fast_rate, slow_rate)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_presets_loader_only_figures_move_when_the_loader_slows(preset, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    setup = configs.resolve(
+        bench_arguments(preset=preset, size=48, batch_size=2, workers=[0], steps=2, warmup=1, repeat=1,
+              observation="loader")
+    )
+    for variant_key in ("default", "device_loader"):
+        _loader_only_rate(setup, variant_key)  # the first epoch pays one-time costs (a lazy image bank)
+        fast_rate, _ = _loader_only_rate(setup, variant_key)
+        slow_rate, _ = _loader_only_rate(_slowed(setup, SLOW_PRESET_COLLATE_S), variant_key)
+        assert slow_rate < fast_rate / 3, (variant_key, fast_rate, slow_rate)
+
+
+def _setup_with_counting_transform(observation: str = "both") -> configs.Setup:
+    return configs.resolve(
+        bench_arguments(preset=None, dataset="tests.bench_datasets:tiny_with_device_transform_and_step",
+                        size=None, batch_size=None, workers=[0], steps=2, warmup=1, repeat=1,
+                        observation=observation)
+    )
+
+
+@pytest.mark.parametrize("variant_key", ["default", "assemble", "device_loader"])
+def test_without_a_gpu_loader_only_leaves_the_device_transforms_out_and_integrated_keeps_them(variant_key):
+    setup = _setup_with_counting_transform()
+    counter = setup.device_transforms["x"]
+    variant = next(v for v in configs.VARIANTS if v.key == variant_key)
+    loader_run = run_epoch(setup, variant, 0, "loader")
+    assert loader_run.error is None and loader_run.batches >= 3  # + DeviceLoader's untimed tail
+    assert counter.calls == 0, "loader-only ran the device transform on the CPU, inside the timed loop"
+    integrated_run = run_epoch(setup, variant, 0, "integrated")
+    assert integrated_run.error is None
+    assert counter.calls == integrated_run.batches >= 3, "integrated is a training step: it keeps them"
+
+
+def test_on_a_gpu_both_observations_keep_the_device_transforms():
+    on_gpu = dataclasses.replace(_setup_with_counting_transform(), device=torch.device("cuda"))
+    assert on_gpu.times_device_transforms("loader") and on_gpu.times_device_transforms("integrated")
+    assert "left out" not in on_gpu.device_transforms_note()
+    without = dataclasses.replace(on_gpu, device_transforms={})
+    assert not without.times_device_transforms("integrated")
+    assert without.device_transforms_note() == "device transforms: none"
+
+
+def _entry(variant: str, workers: int, rates: list[float], ranked: bool = True) -> dict:
+    """A summarized configuration as ``report.summarize`` shapes it, from constructed rates."""
+    label = next(v.label for v in configs.VARIANTS if v.key == variant)
+    median = float(np.median(rates))
+    return {
+        "observation": "loader", "variant": variant, "label": label, "transfer": "pin_memory+to",
+        "workers": workers, "samples_per_s": median, "samples_per_s_min": min(rates),
+        "samples_per_s_max": max(rates), "samples_per_s_rel_spread": (max(rates) - min(rates)) / median,
+        "bytes_per_s": median * 100, "wait_ms_p50": 1.0, "wait_ms_p95": 2.0, "h2d_ms_p50": None,
+        "startup_s": 0.1, "peak_rss_main_bytes": 1 << 20, "peak_rss_workers_bytes": [], "pss_bytes": 1 << 20,
+        "shm_bytes": 0, "pinned_bytes": 0, "ids_match_reference": ranked, "errors": [] if ranked else ["X"],
+        "ranked": ranked, "lost": 0, "duplicated": 0, "unexpected": 0, "targets_mismatched": 0,
+        "runs": [{"samples_per_s": r} for r in rates],
+    }
+
+
+def test_two_configurations_within_their_spreads_are_not_different_and_clearly_apart_ones_are():
+    default = _entry("default", 0, [90, 100, 110])  # median 100, half range 10
+    assert report.not_different(default, _entry("assemble", 0, [105, 115, 125]))  # 15 apart <= 10 + 10
+    assert report.not_different(default, _entry("assemble", 0, [110, 120, 130]))  # 20 apart: the edge
+    assert not report.not_different(default, _entry("assemble", 0, [119, 121, 123]))  # 21 apart > 10 + 2
+    assert not report.not_different(default, _entry("assemble", 0, [1000, 1010, 1020]))
+    assert report.not_different(default, _entry("assemble", 0, [500])) is None, "one run: no spread"
+
+
+def test_the_table_marks_a_ratio_within_the_spreads_and_leaves_a_real_difference_unmarked():
+    setup = _setup_with_counting_transform("loader")
+    entries = [
+        _entry("default", 0, [90, 100, 110]),
+        _entry("assemble", 0, [100, 105, 110]),  # 1.05, inside the spreads
+        _entry("device_loader", 0, [290, 300, 310]),  # 3.00, far outside them
+    ]
+    report.mark_not_different(entries)
+    assert [e["not_different_from_default"] for e in entries] == [None, True, False]
+    lines = report.format_table(setup, entries).splitlines()
+    rows = {e["label"]: next(line for line in lines if e["label"] in line) for e in entries}
+    assert " 1.05 ~ " in rows["assemble + pin_memory + .to()"]
+    assert " 3.00  " in rows["assemble + DeviceLoader"] and "~" not in rows["assemble + DeviceLoader"]
+    assert "~" not in rows["default_collate + pin_memory + .to()"]
+    table = report.format_table(setup, entries)
+    assert "not a real difference on this machine" in table
+    assert "fastest correct: assemble + DeviceLoader, 0 workers: 300 samples/s (median)\n" in table + "\n"
+
+
+def test_the_fastest_configuration_names_those_it_cannot_be_told_apart_from():
+    setup = _setup_with_counting_transform("loader")
+    entries = [_entry("default", 0, [90, 100, 110]), _entry("assemble", 0, [95, 104, 113]),
+               _entry("device_loader", 0, [10, 11, 12], ranked=False)]
+    report.mark_not_different(entries)
+    assert entries[2]["not_different_from_default"] is None, "a flagged configuration is not compared"
+    table = report.format_table(setup, entries)
+    assert ("fastest correct: assemble + pin_memory + .to(), 0 workers: 104 samples/s (median); "
+            "not different (within spread): default_collate + pin_memory + .to(), 0 workers (100)") in table
+
+
+def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference():
+    setup = _setup_with_counting_transform("loader")
+    entries = [_entry("default", 0, [100]), _entry("assemble", 0, [300])]
+    report.mark_not_different(entries)
+    table = report.format_table(setup, entries)
+    assert "~" not in table and "no difference can be told from noise" in table
+
+
+def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_transforms(capsys):
+    setup = _setup_with_counting_transform()
+    machine = {"load_average": [0.0, 0.0, 0.0], "cpus_usable": 2}
+    command.print_plan(setup, machine)
+    out = capsys.readouterr().out
+    assert "measured: samples/s and bytes/s delivered in the measured steps, median of 1 runs" in out
+    assert "spread: half their min-max range, the machine's noise" in out
+    assert "DataLoader workers [0] (0: in the main process) on 2 usable CPUs" in out
+    assert "device cpu (no GPU)" in out
+    assert "device transforms (x: CountingCalls): timed in integrated; left out of loader-only" in out
+    on_gpu = dataclasses.replace(setup, device=torch.device("cuda", 0))
+    assert "copy, device transforms and model on cuda:0" in command.where_it_runs(on_gpu, machine)
+
+
+def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
+    text = " ".join(command.build_parser().format_help().split())
+    for words in ("Measured: samples/s", "median of --repeat runs", "the machine's noise",
+                  "marked ~ (not different)", "DataLoader worker processes", "on the GPU, or on the CPU",
+                  "loader-only leaves the device transforms out"):
+        assert words in text, words
+
+
+def test_the_chart_title_says_where_the_device_transforms_were_left_out():
+    setup = _setup_with_counting_transform()
+    assert chart._transforms_left_out(setup) == "; device transforms left out of: loader (no GPU)"
+    assert chart._transforms_left_out(dataclasses.replace(setup, device=torch.device("cuda"))) == ""

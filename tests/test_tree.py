@@ -4,7 +4,6 @@ torch's own function type for type; its paths are the ones errors, ledgers and t
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from fastcollate import DeviceLoader, tree
+from tests.test_fuzz import FrozenMap
 
 
 class Pair(NamedTuple):
@@ -27,36 +27,11 @@ class Tagged(collections.UserDict):
         self.note = note
 
 
-class Frozen(Mapping):
-    """A read-only Mapping whose type takes a dict."""
-
-    def __init__(self, data):
-        self._data = dict(data)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
-
-
-class Strict(Mapping):
+class Strict(FrozenMap):
     """A Mapping whose type refuses a dict: rebuilt as a plain dict, as default_collate does."""
 
     def __init__(self, *, items):
-        self._data = dict(items)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
+        super().__init__(items)
 
 
 class Tokens(list):
@@ -76,7 +51,7 @@ CASES = {
     "dict": {"image": torch.zeros(2), "label": torch.ones(2)},
     "ordered dict": collections.OrderedDict(b=torch.zeros(2), a=torch.ones(2)),
     "mutable mapping with attributes": Tagged({"x": torch.zeros(2)}, note="seen"),
-    "read-only mapping": Frozen({"x": torch.zeros(2)}),
+    "read-only mapping": FrozenMap({"x": torch.zeros(2)}),
     "mapping refusing a dict": Strict(items={"x": torch.zeros(2)}),
     "namedtuple": Pair(torch.zeros(2), torch.ones(2)),
     "list": [torch.zeros(2), torch.ones(2)],

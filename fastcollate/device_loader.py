@@ -36,6 +36,22 @@ __all__ = ["DeviceLoader"]
 _PINNED_SHARED_SLOT = 3  # _C.shared_slot_kind: a batch received from a worker, page-locked
 
 
+def _read_through(name: str) -> property:
+    """A read-only attribute of the wrapped loader, so code that reaches through a DataLoader
+    (``loader.sampler.set_epoch(epoch)``, Lightning's sampler hooks, ``len(loader.dataset)``) works on
+    the DeviceLoader wrapping it."""
+
+    def get(self: DeviceLoader) -> Any:
+        try:
+            return getattr(self.loader, name)
+        except AttributeError:
+            raise AttributeError(
+                f"DeviceLoader: the wrapped loader ({type(self.loader).__name__}) has no {name!r}"
+            ) from None
+
+    return property(get, doc=f"The wrapped loader's ``{name}``.")
+
+
 @dataclass
 class _Staged:
     batch: Any
@@ -56,7 +72,16 @@ class DeviceLoader:
             after the copy, on the copy stream, e.g. ``{"image": fastcollate.Normalize(mean, std)}``.
         record_copy_events: keep a timing CUDA event pair (start, end) for each copy in
             ``copy_events``, so copy intervals can be laid against compute intervals.
+
+    ``dataset``, ``sampler``, ``batch_sampler``, ``batch_size`` and ``num_workers`` are the wrapped
+    loader's, and ``len()`` is its length.
     """
+
+    dataset = _read_through("dataset")
+    sampler = _read_through("sampler")
+    batch_sampler = _read_through("batch_sampler")
+    batch_size = _read_through("batch_size")
+    num_workers = _read_through("num_workers")
 
     def __init__(
         self,
@@ -99,6 +124,27 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]  (TypeError when the loader has no length)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tells the wrapped loader the epoch, before iterating it: a ``DistributedSampler`` shuffles by
+        it, and without it every epoch repeats the first one's order. The loader's own ``set_epoch``
+        when it has one; else that of its sampler, its batch sampler and the batch sampler's sampler
+        (each that has one, as Lightning does). A loader with none of them shuffles without an epoch
+        (a ``RandomSampler``), so nothing is told."""
+        if callable(getattr(self.loader, "set_epoch", None)):
+            self.loader.set_epoch(epoch)
+            return
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        candidates = (
+            getattr(self.loader, "sampler", None),
+            batch_sampler,
+            getattr(batch_sampler, "sampler", None),
+        )
+        told: set[int] = set()
+        for sampler in candidates:
+            if callable(getattr(sampler, "set_epoch", None)) and id(sampler) not in told:
+                told.add(id(sampler))
+                sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
 from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
 from tests.conftest import CUDA
@@ -48,6 +48,65 @@ def test_an_iterable_without_len_has_no_len():
     device_loader = DeviceLoader(iter([{"a": torch.zeros(2)}]), device="cpu")
     with pytest.raises(TypeError):
         len(device_loader)
+
+
+def test_the_wrapped_loaders_attributes_read_through():
+    dataset = Records(10)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
+    source = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=0, collate_fn=assemble)
+    device_loader = DeviceLoader(source, device="cpu")
+    assert device_loader.dataset is dataset
+    assert device_loader.sampler is sampler
+    assert device_loader.batch_sampler is source.batch_sampler
+    assert (device_loader.batch_size, device_loader.num_workers) == (2, 0)
+    assert len(device_loader) == len(source) == 3  # 5 of the 10 ids on this rank, 2 a batch
+
+
+def test_a_loader_without_the_attribute_says_so_and_getattr_defaults_still_work():
+    device_loader = DeviceLoader([{"a": torch.zeros(2)}], device="cpu")
+    with pytest.raises(AttributeError, match=r"DeviceLoader: the wrapped loader \(list\) has no 'sampler'"):
+        device_loader.sampler  # noqa: B018
+    assert getattr(device_loader, "batch_sampler", None) is None  # what Lightning's hooks ask
+    device_loader.set_epoch(3)  # nothing to tell: no error
+
+
+def distributed_ids(device_loader, epoch):
+    device_loader.set_epoch(epoch)
+    return [i for batch in device_loader for i in batch["id"].tolist()]
+
+
+def test_set_epoch_reaches_the_distributed_sampler():
+    dataset = Records(16)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+    device_loader = DeviceLoader(DataLoader(dataset, batch_size=3, sampler=sampler, collate_fn=assemble),
+                                 device="cpu")
+    epochs = [distributed_ids(device_loader, epoch) for epoch in (0, 1, 0)]
+    expected = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+    expected.set_epoch(1)
+    assert epochs[1] == list(expected)
+    assert epochs[0] == epochs[2] != epochs[1]  # the order follows the epoch, and only the epoch
+
+
+class CountingSampler(DistributedSampler):
+    calls = 0
+
+    def set_epoch(self, epoch):
+        CountingSampler.calls += 1
+        super().set_epoch(epoch)
+
+
+def test_set_epoch_reaches_a_batch_samplers_sampler_once_and_a_loaders_own():
+    dataset = Records(16)
+    sampler = CountingSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
+    batches = DataLoader(dataset, batch_sampler=BatchSampler(sampler, 4, drop_last=False), collate_fn=assemble)
+    assert not hasattr(batches.sampler, "set_epoch")  # DataLoader's own SequentialSampler
+    device_loader = DeviceLoader(batches, device="cpu")
+    CountingSampler.calls = 0
+    device_loader.set_epoch(2)
+    assert (CountingSampler.calls, sampler.epoch) == (1, 2)
+    outer = DeviceLoader(device_loader, device="cpu")  # a loader with set_epoch of its own is told itself
+    outer.set_epoch(5)
+    assert (CountingSampler.calls, sampler.epoch) == (2, 5)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 
 # Per-step budgets in seconds; they add up to CHECK_BUDGET_S.
 CHECK_BUDGET_S=${CHECK_BUDGET_S:-480}
-BUILD_S=150 TESTS_S=80 BENCH_S=110 PROFILE_S=35 SANITIZER_S=35  # 150+80+110+35+3*35 = 480
+BUILD_S=150 TESTS_S=70 BENCH_S=100 PROFILE_S=35 DDP_S=20 SANITIZER_S=35  # 150+70+100+35+20+3*35 = 480
 started=$SECONDS
 status=0
 step() { echo; echo "=== $* ($(date +%T), $((SECONDS - started)) s into the check)"; }
@@ -61,7 +61,7 @@ EOF
 
 # The CUDA tests live in these files; naming them keeps an unrelated test module's missing import from
 # failing collection (and with it every CUDA test).
-cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py tests/test_tree.py"
+cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py tests/test_tree.py tests/test_lightning.py"
 step "imports the CUDA tests need"
 "$PY" -c "import pytest, numpy; print('pytest', pytest.__version__, 'numpy', numpy.__version__)" || fail "test imports"
 "$PY" -m pytest $cuda_tests -q --collect-only -p no:cacheprovider > /dev/null || fail "collecting $cuda_tests"
@@ -75,6 +75,11 @@ timeout "$bench_budget" "$PY" benchmarks/gpu_bench.py --out "$OUT" --time-budget
 
 step "profile"
 timeout "$(budget $PROFILE_S)" "$PY" -m fastcollate profile --out "$OUT/profile" || fail "profile"
+
+step "examples/ddp_train.py under torchrun: one rank per GPU (nccl), at most 2"
+ranks=$("$PY" -c "import torch; print(min(max(torch.cuda.device_count(), 1), 2))" 2>/dev/null || echo 1)
+timeout "$(budget $DDP_S)" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ranks" examples/ddp_train.py \
+  || fail "examples/ddp_train.py on $ranks rank(s)"
 
 step "compute-sanitizer (memcheck, racecheck, synccheck) on a short CUDA run"
 short="tests/test_ops.py tests/test_device_loader.py::test_no_slot_is_reused_while_its_copy_is_pending tests/test_device_loader.py::test_normalize_on_the_gpu_matches_the_cpu"

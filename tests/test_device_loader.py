@@ -98,7 +98,8 @@ class CountingSampler(DistributedSampler):
 def test_set_epoch_reaches_a_batch_samplers_sampler_once_and_a_loaders_own():
     dataset = Records(16)
     sampler = CountingSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
-    batches = DataLoader(dataset, batch_sampler=BatchSampler(sampler, 4, drop_last=False), collate_fn=assemble)
+    batch_sampler = BatchSampler(sampler, 4, drop_last=False)
+    batches = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=assemble)
     assert not hasattr(batches.sampler, "set_epoch")  # DataLoader's own SequentialSampler
     device_loader = DeviceLoader(batches, device="cpu")
     CountingSampler.calls = 0

@@ -325,11 +325,11 @@ void Walk::check_declared_shape(const at::Tensor& value, const FieldSpec& spec, 
          "fix the transform, or declare the conversion on the field (e.g. expand_from=(" + python_tuple(value.sizes()) +
              ",))");
   }
-  if (ok) {
-    for (int64_t d = 0; d < value.dim(); ++d) {
-      if (!spec.dim_names[d].empty()) {
-        check_named_dim(spec.dim_names[d], index, value.size(d), spec.path, count);
-      }
+  // A sample that expands still has its own size at each named dim (the padding and the mask follow
+  // it), so it must agree with the sample's other fields all the same.
+  for (int64_t d = 0; d < value.dim(); ++d) {
+    if (!spec.dim_names[d].empty()) {
+      check_named_dim(spec.dim_names[d], index, value.size(d), spec.path, count);
     }
   }
 }

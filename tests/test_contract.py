@@ -255,3 +255,20 @@ def test_field_spec_has_flags_drop_what_they_declared_and_kind_is_checked():
     with pytest.raises(RuntimeError, match="'tensor', 'number' or 'text'"):
         spec.kind = "image"
     assert spec.kind == "tensor"
+
+
+def test_a_sample_that_expands_must_still_agree_on_its_named_dims():
+    # boxes [2, 1] expands to [2, 4]: its N is 2, so labels of length 3 in the same sample disagree.
+    contract = Contract(
+        {
+            "boxes": Field(dtype=torch.float32, shape=("N", 4), pad=0.0, expand_from=((2, 1),)),
+            "labels": Field(dtype=torch.int64, shape=("N",), pad=-100),
+        },
+        id=None,
+    )
+    good = {"boxes": torch.zeros(2, 1), "labels": torch.zeros(2, dtype=torch.int64)}
+    assert assemble.using(contract)([good, good])["boxes"].shape == (2, 2, 4)
+    bad = {"boxes": torch.zeros(2, 1), "labels": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(RuntimeError, match="share a named dim") as caught:
+        assemble.using(contract)([good, bad])
+    assert caught.value.field == "labels"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,8 +35,13 @@ __all__ = [
     "Case",
     "Target",
     "build_case",
+    "HF_PAD_SEQUENCE",
+    "HF_REFERENCE",
     "build_cases",
     "fashion_mnist_samples",
+    "have_transformers",
+    "hf_contract",
+    "hf_token_samples",
     "imagenet_samples",
     "leaves",
     "outputs_equal",
@@ -168,6 +174,26 @@ def token_samples(
     return [{"tokens": torch.randint(0, vocab, (length,), generator=g)} for length in lengths]
 
 
+def hf_token_samples(
+    n: int = BATCH, low: int = 16, high: int = 512, vocab: int = 32000, seed: int = SEED
+) -> list[dict]:
+    """What a tokenizing Dataset hands a BERT-style ``DataCollatorWithPadding``: ``input_ids`` int64 [T]
+    with T uniform in ``[low, high]``, ``token_type_ids`` int64 [T] (0 for the first text of the pair,
+    1 for the second) and ``labels``, an int in [0, 2). Seeded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    out = []
+    for length in lengths:
+        token_type_ids = torch.zeros(length, dtype=torch.int64)
+        token_type_ids[int(torch.randint(1, length, (), generator=g)):] = 1
+        out.append({
+            "input_ids": torch.randint(1, vocab, (length,), generator=g),
+            "token_type_ids": token_type_ids,
+            "labels": int(torch.randint(0, 2, (), generator=g)),
+        })
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Contenders.
 
@@ -189,6 +215,56 @@ def pad_sequence_with_mask(batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[
     lengths = torch.tensor([len(s) for s in seqs])
     mask = torch.arange(tokens.shape[1])[None] < lengths[:, None]
     return {"tokens": tokens, "tokens_mask": mask, "tokens_lengths": lengths}
+
+
+HF_REFERENCE = "DataCollatorWithPadding"
+HF_PAD_SEQUENCE = "pad_sequence (HF keys)"
+
+
+def have_transformers() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "tokenizers"))
+
+
+def hf_contract(pad_token_id: int = 0, pad_token_type_id: int = 0) -> Contract:
+    """The batch ``DataCollatorWithPadding`` makes, as a contract: input_ids and token_type_ids padded on
+    the right, one int64 ``attention_mask`` shared by both (they pad the same dim T), int64 labels."""
+    padded = dict(shape=("T",), mask="attention_mask", mask_dtype=torch.int64, lengths=None)
+    return Contract(
+        {
+            "input_ids": Field(dtype=torch.int64, pad=pad_token_id, **padded),
+            "token_type_ids": Field(dtype=torch.int64, pad=pad_token_type_id, **padded),
+            "labels": Field(kind="number", dtype=torch.int64, range=(0, 2)),
+        },
+        id=None,
+    )
+
+
+def hf_data_collator() -> Collate:
+    """``transformers.DataCollatorWithPadding`` with an offline tokenizer: padding reads only its pad
+    token id, padding side and model input names, so a two-word vocabulary is enough."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    backend = Tokenizer(WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]",
+                                                     unk_token="[UNK]")
+    return transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")
+
+
+def pad_sequence_hf(batch: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """DataCollatorWithPadding's batch written with ``pad_sequence``: the same keys, dtypes and values,
+    the int64 attention_mask from the lengths."""
+    input_ids = [sample["input_ids"] for sample in batch]
+    lengths = torch.tensor([len(ids) for ids in input_ids])
+    padded = pad_sequence(input_ids, batch_first=True, padding_value=0)
+    return {
+        "input_ids": padded,
+        "token_type_ids": pad_sequence([sample["token_type_ids"] for sample in batch], batch_first=True,
+                                       padding_value=0),
+        "attention_mask": (torch.arange(padded.shape[1])[None] < lengths[:, None]).long(),
+        "labels": torch.tensor([sample["labels"] for sample in batch]),
+    }
 
 
 class ReusedStack:
@@ -269,7 +345,7 @@ def _tensor_bytes(batch: Any) -> int:
 # ---------------------------------------------------------------------------------------------------
 # The cases.
 
-CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded")
+CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded", "hf_padded")
 # The plain copy of the batch's bytes into a buffer made once: the floor any collate is measured against.
 FLOOR = "copy_ into reused"
 
@@ -316,6 +392,8 @@ def build_case(key: str) -> Case:
                    "faster", 3.0)
         ]
         return case
+    elif key == "hf_padded":
+        return hf_padded_case()
     else:
         raise KeyError(f"unknown case {key!r}; cases: {', '.join(CASES)}")
 
@@ -346,6 +424,45 @@ def build_case(key: str) -> Case:
         if key == "fashion_mnist":
             case.contenders["stack(out=reused)"] = ReusedStack(samples)
         case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+    return case
+
+
+def hf_padded_case() -> Case:
+    """BERT-style pairs as DataCollatorWithPadding batches them (the reference), the same batch from
+    pad_sequence, and assemble under hf_contract(). Without transformers the pad_sequence version is
+    the reference, and the title says so."""
+    samples = hf_token_samples()
+    contenders: dict[str, Collate] = {}
+    title = "256 BERT-style pairs, T in [16,512]: input_ids + token_type_ids + labels, int64 attention_mask"
+    if have_transformers():
+        contenders[HF_REFERENCE] = hf_data_collator()
+    else:
+        title += f" ({HF_REFERENCE} left out: transformers is not installed)"
+    contenders[HF_PAD_SEQUENCE] = pad_sequence_hf
+    contenders["assemble+contract"] = assemble.using(hf_contract())
+    case = Case(
+        "hf_padded",
+        title,
+        samples,
+        contenders,
+        tuple(name for name in contenders if name != next(iter(contenders))),
+        _tensor_bytes(pad_sequence_hf(samples)),
+        tokens=sum(len(s["input_ids"]) for s in samples),
+        repeat=100,
+        build=hf_token_samples,
+    )
+    case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+    # Bounds below what was measured on the 2-CPU development VM at one thread, two runs at load ~0.7
+    # (results/collate-hf-padded-cpu.json): 95x and 89x DataCollatorWithPadding (tokenizer.pad turns
+    # every tensor into a Python list and pads those), 5.0x and 4.6x pad_sequence (paired p25 3.6x);
+    # assemble ran at 1.3x the plain copy.
+    case.targets = [
+        Target(f"HF: >= 3x {HF_PAD_SEQUENCE}", "assemble+contract", HF_PAD_SEQUENCE, "faster", 3.0),
+    ]
+    if HF_REFERENCE in contenders:
+        case.targets.insert(
+            0, Target(f"HF: >= 50x {HF_REFERENCE}", "assemble+contract", HF_REFERENCE, "faster", 50.0)
+        )
     return case
 
 

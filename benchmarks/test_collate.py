@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from collate_cases import CASES, build_case, outputs_equal
+from collate_cases import CASES, HF_PAD_SEQUENCE, HF_REFERENCE, build_case, have_transformers, outputs_equal
 
 THREADS = (1, 2)
 
@@ -36,6 +36,8 @@ def threads(request):
 def contenders(key: str) -> tuple[str, str]:
     if key == "tokens_padded":
         return ("pad_sequence+mask", "assemble+contract")
+    if key == "hf_padded":
+        return ((HF_REFERENCE,) if have_transformers() else ()) + (HF_PAD_SEQUENCE, "assemble+contract")
     return ("default_collate", "assemble")
 
 

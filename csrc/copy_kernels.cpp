@@ -66,6 +66,18 @@ void finish_streaming(bool streaming) {
 #endif
 }
 
+// `count` copies of the low sizeof(Element) bytes of `pattern`. The size is a constant here, so each
+// memcpy is one store, not a call per element. Measured on the int64 attention_mask of 256 BERT-style
+// pairs (benchmarks/collate_cases.py hf_padded, warm, one thread): 0.38 -> 0.22 ms a batch (bool: 0.18).
+template <typename Element>
+void fill_elements(unsigned char* dst, size_t count, uint64_t pattern) {
+  Element element;
+  std::memcpy(&element, &pattern, sizeof(Element));
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(dst + i * sizeof(Element), &element, sizeof(Element));
+  }
+}
+
 void run_fill(const FillJob& job) {
   auto* dst = static_cast<unsigned char*>(job.dst);
   if (job.element_size == 1) {
@@ -76,8 +88,20 @@ void run_fill(const FillJob& job) {
     std::memset(dst, 0, job.count * job.element_size);
     return;
   }
-  for (size_t i = 0; i < job.count; ++i) {
-    std::memcpy(dst + i * job.element_size, &job.pattern, job.element_size);
+  switch (job.element_size) {
+    case 2:
+      fill_elements<uint16_t>(dst, job.count, job.pattern);
+      return;
+    case 4:
+      fill_elements<uint32_t>(dst, job.count, job.pattern);
+      return;
+    case 8:
+      fill_elements<uint64_t>(dst, job.count, job.pattern);
+      return;
+    default:
+      for (size_t i = 0; i < job.count; ++i) {
+        std::memcpy(dst + i * job.element_size, &job.pattern, job.element_size);
+      }
   }
 }
 

@@ -88,6 +88,7 @@ void bind_field_spec(py::module_& m) {
           "pad_value", [](const FieldSpec& spec) { return spec.pad_value.value_or(0.0); },
           [](FieldSpec& spec, double value) { spec.pad_value = value; })
       .def_readwrite("mask_name", &FieldSpec::mask_name)
+      .def_readwrite("mask_dtype", &FieldSpec::mask_dtype)
       .def_readwrite("lengths_name", &FieldSpec::lengths_name);
 }
 

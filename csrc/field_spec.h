@@ -31,9 +31,10 @@ struct FieldSpec {
   std::vector<std::string> dim_names;             // "" where the dim is fixed; one per dim of `shape`
   std::vector<std::vector<int64_t>> expand_from;  // shapes broadcast to `shape` on copy
   std::optional<ValueRange> range;
-  std::optional<double> pad_value;  // named dims padded to the batch's longest with this value
-  std::string mask_name;            // padded: key of the mask put beside the field
-  std::string lengths_name;         // padded: key of the lengths put beside the field ("" for none)
+  std::optional<double> pad_value;        // named dims padded to the batch's longest with this value
+  std::string mask_name;                  // padded: key of the mask put beside the field
+  at::ScalarType mask_dtype = at::kBool;  // padded: the mask's dtype (1 at real positions, 0 at padding)
+  std::string lengths_name;               // padded: key of the lengths put beside the field ("" for none)
 
   bool padded() const { return pad_value.has_value(); }
   bool has_named_dims() const;

@@ -33,7 +33,7 @@ struct Node {
   bool padded = false;
   uint64_t pad_pattern = 0;
   std::vector<int64_t> var_dims;  // the named dims, in order: mask dim k is var_dims[k]
-  std::unique_ptr<Node> mask;
+  std::unique_ptr<Node> mask;     // null when an earlier field of the same parent builds the shared mask
   std::unique_ptr<Node> lengths;
   std::string mask_name;
   std::string lengths_name;

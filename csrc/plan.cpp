@@ -4,12 +4,22 @@
 
 #include <ATen/Dispatch_v2.h>
 
+#include <algorithm>
+#include <iterator>
+
 #include "node.h"
 #include "walk.h"
 
 namespace fastcollate {
 
 namespace {
+
+std::vector<std::string> named_dims_of(const FieldSpec& field) {
+  std::vector<std::string> names;
+  std::copy_if(field.dim_names.begin(), field.dim_names.end(), std::back_inserter(names),
+               [](const std::string& name) { return !name.empty(); });
+  return names;
+}
 
 at::Tensor view_over(const at::Storage& storage, size_t offset, at::ScalarType dtype,
                      const std::vector<int64_t>& shape) {
@@ -32,7 +42,9 @@ void make_views(Node& node, const at::Storage& storage, size_t offset) {
     node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
   }
   if (node.padded) {
-    make_views(*node.mask, storage, offset);
+    if (node.mask) {
+      make_views(*node.mask, storage, offset);
+    }
     make_views(*node.lengths, storage, offset);
   }
 }
@@ -64,23 +76,30 @@ void write_numbers(Node& node) {
 }
 
 // Copies into a padded field: fill with the pad value, then each sample into the top-left corner of its
-// row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy.
+// row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy. The
+// mask (1 of its dtype at real positions, 0 at padding) is written the same way, unless an earlier field
+// of the same parent writes it (a shared mask: node.mask is null).
 void add_padded_jobs(Node& node, CopyJobs& jobs) {
   const size_t element_size = c10::elementSize(node.dtype);
-  const size_t var_dims = node.mask->shape.size() - 1;
+  const size_t var_dims = node.var_dims.size();
   const size_t count = node.inputs.size();
   if (count == 0) {
     return;
   }
   const size_t row_elements = static_cast<size_t>(node.out.numel()) / count;
-  const size_t mask_row_elements = static_cast<size_t>(node.mask->out.numel()) / count;
   const auto row_tail_shape = node.out.sizes().slice(2);
   auto* out = static_cast<unsigned char*>(node.out.data_ptr());
-  auto* mask = static_cast<unsigned char*>(node.mask->out.data_ptr());
+  Node* mask = node.mask.get();
+  const at::ScalarType mask_dtype = mask ? mask->dtype : at::kBool;
+  const size_t mask_element_size = c10::elementSize(mask_dtype);
+  const uint64_t mask_one = mask ? element_pattern(1, mask_dtype) : 0;  // 1, 1.0f, ...: bytes differ by dtype
+  const size_t mask_row_elements = mask ? static_cast<size_t>(mask->out.numel()) / count : 0;
+  auto* mask_bytes = mask ? static_cast<unsigned char*>(mask->out.data_ptr()) : nullptr;
+  at::Tensor one;  // the ATen path's source for real mask positions, made once for the batch
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& value = node.inputs[i];
     unsigned char* row = out + i * row_elements * element_size;
-    unsigned char* mask_row = mask + i * mask_row_elements;
+    unsigned char* mask_row = mask ? mask_bytes + i * mask_row_elements * mask_element_size : nullptr;
     const bool prefix = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
                         copyable_as_is(value) && value.sizes().slice(1) == row_tail_shape;
     if (prefix) {
@@ -89,23 +108,31 @@ void add_padded_jobs(Node& node, CopyJobs& jobs) {
       const size_t length = static_cast<size_t>(value.size(0));
       jobs.add_memcpy(value.const_data_ptr(), row, used * element_size);
       jobs.fills.push_back({row + used * element_size, row_elements - used, element_size, node.pad_pattern});
-      jobs.fills.push_back({mask_row, length, 1, 1});
-      jobs.fills.push_back({mask_row + length, mask_row_elements - length, 1, 0});
+      if (mask) {
+        jobs.fills.push_back({mask_row, length, mask_element_size, mask_one});
+        jobs.fills.push_back({mask_row + length * mask_element_size, mask_row_elements - length, mask_element_size, 0});
+      }
       continue;
     }
     // Pad the whole row, then copy the sample into its corner (fills run before copies). Named dims are
     // narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
     jobs.fills.push_back({row, row_elements, element_size, node.pad_pattern});
-    jobs.fills.push_back({mask_row, mask_row_elements, 1, 0});
     at::Tensor target = node.out.select(0, static_cast<int64_t>(i));
-    at::Tensor mask_target = node.mask->out.select(0, static_cast<int64_t>(i));
     for (size_t k = 0; k < var_dims; ++k) {
-      const int64_t d = node.var_dims[k];
-      target = target.narrow(d, 0, value.size(d));
-      mask_target = mask_target.narrow(static_cast<int64_t>(k), 0, value.size(d));
+      target = target.narrow(node.var_dims[k], 0, value.size(node.var_dims[k]));
     }
     jobs.tensor_copies.push_back({value, target});
-    jobs.tensor_copies.push_back({at::ones({}, at::TensorOptions().dtype(at::kBool)), mask_target});
+    if (mask) {
+      jobs.fills.push_back({mask_row, mask_row_elements, mask_element_size, 0});
+      at::Tensor mask_target = mask->out.select(0, static_cast<int64_t>(i));
+      for (size_t k = 0; k < var_dims; ++k) {
+        mask_target = mask_target.narrow(static_cast<int64_t>(k), 0, value.size(node.var_dims[k]));
+      }
+      if (!one.defined()) {
+        one = at::ones({}, at::TensorOptions().dtype(mask_dtype));
+      }
+      jobs.tensor_copies.push_back({one, mask_target});
+    }
   }
 }
 
@@ -158,7 +185,9 @@ py::object build_output(Node& node) {
         Node& child = *node.children[k];
         values[node.keys[k]] = build_output(child);
         if (child.padded) {
-          values[py::str(child.mask_name)] = build_output(*child.mask);
+          if (child.mask) {  // else an earlier field's (a shared mask)
+            values[py::str(child.mask_name)] = build_output(*child.mask);
+          }
           if (!child.lengths_name.empty()) {
             values[py::str(child.lengths_name)] = build_output(*child.lengths);
           }
@@ -225,11 +254,21 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset) {
 
 Collator::Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract)
     : id_key_(std::move(id_key)), fields_(std::move(fields)), has_contract_(has_contract) {
+  // Padded fields by the key their mask goes under: a shared mask is built once, so the fields must
+  // agree on what it is (contract.py refuses the rest first, with the same rule).
+  std::unordered_map<std::string, const FieldSpec*> masks;
   for (size_t i = 0; i < fields_.size(); ++i) {
     const auto& field = fields_[i];
     TORCH_CHECK(by_path_.emplace(field.path, i).second, "Contract: field '", field.path, "' declared twice");
     TORCH_CHECK(field.dim_names.size() == (field.shape ? field.shape->size() : 0), "Contract: field '", field.path,
                 "': dim_names and shape differ in length");
+    if (field.padded()) {
+      auto [first, added] = masks.emplace(child_path(parent_path(field.path), field.mask_name), &field);
+      TORCH_CHECK(added || (named_dims_of(*first->second) == named_dims_of(field) &&
+                            first->second->mask_dtype == field.mask_dtype),
+                  "Contract: padded fields '", first->second->path, "' and '", field.path, "' share mask '",
+                  field.mask_name, "' but pad different named dims or into different mask dtypes");
+    }
     // Every prefix of a declared path is a container ("" is the sample itself).
     if (!field.path.empty()) {
       container_paths_[""] = true;

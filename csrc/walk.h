@@ -65,12 +65,20 @@ class Walk {
   std::vector<std::string> seen_fields_;
   // Named dims ("T") must agree between the fields of one sample: name -> size per sample (-1 unset).
   std::unordered_map<std::string, std::pair<std::string, std::vector<int64_t>>> named_dims_;
+  // Padded fields' masks by the key they go under (parent path and mask name): the field that builds it.
+  std::unordered_map<std::string, const Node*> mask_owners_;
 };
 
 // The path of a container's child: "meta" + "boxes" is "meta.boxes"; the sample's own children have
 // no prefix.
 inline std::string child_path(const std::string& parent, const std::string& key) {
   return parent.empty() ? key : parent + "." + key;
+}
+
+// The path of a field's container: "" for "boxes" and for the sample itself, "meta" for "meta.boxes".
+inline std::string parent_path(const std::string& path) {
+  const size_t dot = path.rfind('.');
+  return dot == std::string::npos ? std::string() : path.substr(0, dot);
 }
 
 // How errors name the sample itself.

@@ -325,11 +325,11 @@ void Walk::check_declared_shape(const at::Tensor& value, const FieldSpec& spec, 
          "fix the transform, or declare the conversion on the field (e.g. expand_from=(" + python_tuple(value.sizes()) +
              ",))");
   }
-  if (ok) {
-    for (int64_t d = 0; d < value.dim(); ++d) {
-      if (!spec.dim_names[d].empty()) {
-        check_named_dim(spec.dim_names[d], index, value.size(d), spec.path, count);
-      }
+  // A sample that expands still has its own size at each named dim (the padding and the mask follow
+  // it), so it must agree with the sample's other fields all the same.
+  for (int64_t d = 0; d < value.dim(); ++d) {
+    if (!spec.dim_names[d].empty()) {
+      check_named_dim(spec.dim_names[d], index, value.size(d), spec.path, count);
     }
   }
 }
@@ -357,7 +357,9 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
   }
 }
 
-// A padded field's pad value as the field's dtype, and the mask and lengths nodes beside it.
+// A padded field's pad value as the field's dtype, and the mask and lengths nodes beside it. A mask key
+// already laid out beside an earlier field of the same parent is that field's mask (the Collator has
+// checked that both pad the same named dims into the same mask dtype): this field builds none.
 void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& row_shape, Node& node) {
   const at::ScalarType dtype = node.dtype;
   const double pad_value = *spec.pad_value;
@@ -393,10 +395,6 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
     beside->shape = {static_cast<int64_t>(count)};
     return beside;
   };
-  node.mask = numbers_beside(at::kBool);
-  for (int64_t d : node.var_dims) {
-    node.mask->shape.push_back(row_shape[d]);
-  }
   node.lengths = numbers_beside(at::kLong);
   if (node.var_dims.size() > 1) {
     node.lengths->shape.push_back(static_cast<int64_t>(node.var_dims.size()));
@@ -406,7 +404,18 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
       node.lengths->ints.push_back(node.inputs[i].size(d));
     }
   }
-  lay_out(*node.mask);
+  auto [owner, first] = mask_owners_.emplace(child_path(parent_path(node.path), spec.mask_name), &node);
+  if (first) {
+    node.mask = numbers_beside(spec.mask_dtype);
+    for (int64_t d : node.var_dims) {
+      node.mask->shape.push_back(row_shape[d]);
+    }
+    lay_out(*node.mask);
+  } else {
+    // Named dims agree within a sample (check_named_dim), so the lengths, and with them the masks, agree.
+    TORCH_INTERNAL_ASSERT(owner->second->lengths->ints == node.lengths->ints, "fields ", owner->second->path, " and ",
+                          node.path, " share mask ", spec.mask_name, " but differ in length");
+  }
   lay_out(*node.lengths);
 }
 

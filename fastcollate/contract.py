@@ -21,6 +21,12 @@ __all__ = ["Contract", "Field"]
 
 Dim = int | str
 _QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
+# A mask holds 1 at real positions and 0 at padding: bool, or a 0/1 integer or floating-point mask for
+# models that take one (Hugging Face's attention_mask is int64).
+_MASK_DTYPES = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,13 @@ class Field:
             batch's longest; the batch gets ``mask`` (True at real positions, shape
             ``[batch, *longest named dims]``) and, if named, ``lengths`` (int64 ``[batch]``, or
             ``[batch, n_named_dims]``) beside the field. Without it, named dims must agree across the batch.
-        mask: the mask's key (default ``"<field>_mask"``); only with ``pad``.
+        mask: the mask's key (default ``"<field>_mask"``); only with ``pad``. Two padded fields may
+            name the same mask key when they pad the same named dims (same names, same order) with the
+            same ``mask_dtype``: their masks are then equal, and the batch holds it once (BERT's
+            ``input_ids`` and ``token_type_ids`` share ``attention_mask``).
+        mask_dtype: the mask's dtype (default bool: True at real positions); an integer or
+            floating-point dtype gives 1 at real positions and 0 at padding, as Hugging Face models take
+            ``attention_mask`` (``torch.int64``). Only with ``pad``.
         lengths: the lengths' key, or None for none (default ``"<field>_lengths"``); only with ``pad``.
         expand_from: other shapes accepted and broadcast to ``shape`` on copy: ``expand_from=((1, 16, 16),)``
             on a ``(3, 16, 16)`` field turns a grayscale image into three identical channels.
@@ -52,6 +64,7 @@ class Field:
     range: tuple[float, float] | None = None
     pad: float | int | bool | None = None
     mask: str | None = None
+    mask_dtype: torch.dtype = torch.bool
     lengths: str | None = ""
     expand_from: tuple[tuple[int, ...], ...] = ()
     cast_from: tuple[torch.dtype, ...] = ()
@@ -72,8 +85,11 @@ class Field:
                 raise ValueError(f"range must be (low, high) with low < high, got {self.range}")
         if self.pad is not None and not any(isinstance(d, str) for d in self.shape or ()):
             raise ValueError("pad needs at least one named (variable) dim in shape, e.g. shape=('T',)")
-        if self.pad is None and (self.mask is not None or self.lengths):
-            raise ValueError("mask and lengths only apply to padded fields: set pad=<value>")
+        if self.pad is None and (self.mask is not None or self.lengths or self.mask_dtype != torch.bool):
+            raise ValueError("mask, mask_dtype and lengths only apply to padded fields: set pad=<value>")
+        if self.mask_dtype not in _MASK_DTYPES:
+            raise ValueError(f"mask_dtype must be torch.bool, an integer or a floating-point dtype (a mask "
+                             f"of 1 and 0), got {self.mask_dtype!r}; e.g. torch.int64 for Hugging Face")
         if self.kind != "tensor" and (self.shape or self.pad is not None or self.expand_from):
             raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {self.kind!r} ones")
         if self.kind == "text" and (self.dtype is not None or self.range is not None):
@@ -115,6 +131,15 @@ class Field:
             parts.append(f"in [{self.range[0]}, {self.range[1]})")
         if self.pad is not None:
             parts.append(f"padded right with {self.pad!r}")
+            # Only what differs from the defaults, so that contracts that differ there say so in diff().
+            if self.mask is not None:
+                parts.append(f"mask {self.mask!r}")
+            if self.mask_dtype != torch.bool:
+                parts.append(f"mask dtype {self.mask_dtype}")
+            if self.lengths is None:
+                parts.append("no lengths")
+            elif self.lengths:
+                parts.append(f"lengths {self.lengths!r}")
         if self.expand_from:
             parts.append("expands from " + ", ".join(str(list(s)) for s in self.expand_from))
         if self.cast_from:
@@ -141,14 +166,38 @@ class Contract:
                 raise TypeError(f"Contract field {path!r} must be a fastcollate.Field, "
                                 f"got {type(field).__name__}")
         keys = set(self.fields)
+        added: dict[str, tuple[str, str]] = {}  # key a padded field adds -> (its path, "mask" or "lengths")
         for path, field in self.fields.items():
             if field.pad is None:
                 continue
             parent = path.rpartition(".")[0]
-            for extra in filter(None, (self.mask_key(path), self.lengths_key(path))):
+            for role, extra in (("mask", self.mask_key(path)), ("lengths", self.lengths_key(path))):
+                if extra is None:
+                    continue
                 full = f"{parent}.{extra}" if parent else extra
                 if full in keys:
                     raise ValueError(f"padded field {path!r} would add {full!r}, which is already a field")
+                if full in added:
+                    self._check_shared_key(full, added[full], (path, role))
+                else:
+                    added[full] = (path, role)
+
+    def _check_shared_key(self, key: str, first: tuple[str, str], second: tuple[str, str]) -> None:
+        """Two padded fields may put their masks under one key only when the masks are equal by
+        construction: the same named dims (which agree within a sample) and the same mask dtype."""
+        (first_path, first_role), (second_path, second_role) = first, second
+        if first_role != "mask" or second_role != "mask":
+            raise ValueError(f"padded fields {first_path!r} ({first_role}) and {second_path!r} "
+                             f"({second_role}) would both add {key!r}: give one of them another key")
+        a, b = self.fields[first_path], self.fields[second_path]
+        a_dims, b_dims = _named_dims(a), _named_dims(b)
+        if a_dims != b_dims or a.mask_dtype != b.mask_dtype:
+            raise ValueError(
+                f"padded fields {first_path!r} and {second_path!r} share the mask key {key!r}, but their "
+                f"masks would differ: named dims {list(a_dims)} and {list(b_dims)}, mask dtypes "
+                f"{a.mask_dtype} and {b.mask_dtype}. A shared mask needs the same named dims in the same "
+                "order and the same mask_dtype; otherwise give one field its own mask=<key>"
+            )
 
     def mask_key(self, path: str) -> str | None:
         field = self.fields[path]
@@ -216,9 +265,14 @@ class Contract:
                 spec.padded = True
                 spec.pad_value = float(field.pad)
                 spec.mask_name = self.mask_key(path)
+                spec.mask_dtype = field.mask_dtype
                 spec.lengths_name = self.lengths_key(path) or ""
             specs.append(spec)
         return specs
+
+
+def _named_dims(field: Field) -> tuple[str, ...]:
+    return tuple(d for d in field.shape or () if isinstance(d, str))
 
 
 def _infer_field(value: Any, path: str) -> Field:

@@ -255,3 +255,142 @@ def test_field_spec_has_flags_drop_what_they_declared_and_kind_is_checked():
     with pytest.raises(RuntimeError, match="'tensor', 'number' or 'text'"):
         spec.kind = "image"
     assert spec.kind == "tensor"
+
+
+def padded_tokens(mask_dtype=torch.bool, **options):
+    return Field(dtype=torch.int64, shape=("T",), pad=0, mask_dtype=mask_dtype, **options)
+
+
+def test_the_mask_is_bool_unless_a_mask_dtype_is_declared():
+    assert Field(dtype=torch.int64, shape=("T",), pad=0).mask_dtype == torch.bool
+    records = [{"tokens": torch.arange(1, n + 1)} for n in (3, 1, 4)]
+    expected = [[j < n for j in range(4)] for n in (3, 1, 4)]
+    for mask_dtype in (torch.bool, torch.int64, torch.int32, torch.uint8, torch.float32, torch.bfloat16):
+        batch = assemble.using(Contract({"tokens": padded_tokens(mask_dtype)}, id=None))(records)
+        assert batch["tokens_mask"].dtype == mask_dtype
+        assert batch["tokens_mask"].tolist() == [[float(v) if mask_dtype.is_floating_point else int(v)
+                                                  for v in row] for row in expected]
+        assert batch["tokens"][1].tolist() == [1, 0, 0, 0]
+
+
+def test_an_integer_mask_over_two_named_dims_and_a_non_contiguous_sample():
+    # The ATen path (strided sample, two named dims) writes the mask's 1s as a copy, not a fill.
+    contract = Contract({"m": Field(dtype=torch.float32, shape=("H", "W"), pad=0.0, mask_dtype=torch.int16)},
+                        id=None)
+    records = [{"m": torch.ones(2, 3)}, {"m": torch.ones(2, 2)[:, :1].t()}]
+    batch = assemble.using(contract)(records)
+    assert batch["m_mask"].dtype == torch.int16
+    assert batch["m_mask"].tolist() == [[[1, 1, 1], [1, 1, 1]], [[1, 1, 0], [0, 0, 0]]]
+
+
+def bert_like_contract(**token_type_options):
+    shared = dict(mask="attention_mask", mask_dtype=torch.int64, lengths=None)
+    return Contract(
+        {
+            "input_ids": padded_tokens(**shared),
+            "token_type_ids": padded_tokens(**{**shared, **token_type_options}),
+            "labels": Field(kind="number", dtype=torch.int64),
+        },
+        id=None,
+    )
+
+
+def test_two_padded_fields_over_the_same_named_dims_share_one_mask():
+    lengths = [3, 5, 1]
+    records = [{"input_ids": torch.arange(1, n + 1), "token_type_ids": torch.ones(n, dtype=torch.int64),
+                "labels": i % 2} for i, n in enumerate(lengths)]
+    batch = assemble.using(bert_like_contract())(records)
+    assert list(batch) == ["input_ids", "attention_mask", "token_type_ids", "labels"]
+    assert batch["attention_mask"].dtype == torch.int64
+    assert batch["attention_mask"].tolist() == [[int(j < n) for j in range(5)] for n in lengths]
+    assert batch["token_type_ids"][0].tolist() == [1, 1, 1, 0, 0]
+    # Built once: the batch buffer holds one mask less than with a mask per field.
+    from fastcollate import _C
+
+    def planned_bytes(contract):
+        return _C.Collator("id", contract.native_specs(), True).plan(records).nbytes
+
+    alignment = 64  # every field starts at a multiple of 64 bytes (csrc/copy_kernels.h)
+    mask_bytes = -(-batch["attention_mask"].nbytes // alignment) * alignment
+    assert planned_bytes(bert_like_contract(mask="other")) - planned_bytes(bert_like_contract()) == mask_bytes
+    # Fields under different containers put their masks in different dicts: not shared.
+    ids = dict(dtype=torch.int64, pad=0, mask="mask")
+    nested = Contract({"a.ids": Field(shape=("A",), **ids), "b.ids": Field(shape=("B",), **ids)}, id=None)
+    out = assemble.using(nested)([{"a": {"ids": torch.arange(2)}, "b": {"ids": torch.arange(4)}}] * 2)
+    assert out["a"]["mask"].shape == (2, 2) and out["b"]["mask"].shape == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("other", "why"),
+    [
+        (Field(dtype=torch.int64, shape=("S",), pad=0, mask="attention_mask", lengths=None), "named dims"),
+        (Field(dtype=torch.int64, shape=("T",), pad=0, mask="attention_mask", lengths=None), "mask dtypes"),
+    ],
+    ids=["other_named_dim", "bool_mask"],
+)
+def test_a_shared_mask_key_with_masks_that_could_differ_is_refused_naming_both_fields(other, why):
+    with pytest.raises(ValueError, match=why) as caught:
+        Contract({"input_ids": padded_tokens(mask="attention_mask", mask_dtype=torch.int64, lengths=None),
+                  "token_type_ids": other})
+    assert "'input_ids'" in str(caught.value) and "'token_type_ids'" in str(caught.value)
+
+
+def test_shared_masks_need_the_named_dims_in_the_same_order_and_never_collide_with_lengths():
+    image = dict(dtype=torch.float32, pad=0.0, mask="valid")
+    with pytest.raises(ValueError, match="same order"):
+        Contract({"a": Field(shape=("H", "W"), **image), "b": Field(shape=("W", "H"), **image)})
+    Contract({"a": Field(shape=("H", "W"), **image), "b": Field(shape=("H", 3, "W"), **image)})  # allowed
+    with pytest.raises(ValueError, match="'a' .mask. and 'b' .lengths."):
+        Contract({"a": padded_tokens(mask="n"), "b": padded_tokens(lengths="n")})
+
+
+def test_the_native_collator_checks_a_shared_mask_itself():
+    from fastcollate import _C
+
+    specs = bert_like_contract().native_specs()
+    assert [spec.mask_dtype for spec in specs if spec.padded] == [torch.int64, torch.int64]
+    specs[1].mask_dtype = torch.bool  # what Contract refuses, passed straight to the Collator
+    with pytest.raises(RuntimeError, match="'input_ids' and 'token_type_ids' share mask 'attention_mask'"):
+        _C.Collator("id", specs, True)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(mask_dtype=torch.int64),  # no pad: no mask
+        dict(shape=("T",), pad=0, mask_dtype=torch.complex64),
+        dict(shape=("T",), pad=0, mask_dtype=torch.qint8),
+        dict(shape=("T",), pad=0, mask_dtype="int64"),
+    ],
+    ids=["without_pad", "complex", "quantized", "not_a_dtype"],
+)
+def test_a_mask_dtype_must_be_bool_integer_or_floating_and_needs_pad(bad):
+    with pytest.raises(ValueError, match="mask"):
+        Field(**bad)
+
+
+def test_describe_names_what_differs_from_the_mask_defaults():
+    plain = "tensor torch.int64 [T] padded right with 0"
+    assert Field(dtype=torch.int64, shape=("T",), pad=0).describe() == plain
+    hf = padded_tokens(mask="attention_mask", mask_dtype=torch.int64, lengths=None)
+    assert hf.describe() == f"{plain} mask 'attention_mask' mask dtype torch.int64 no lengths"
+    a, b = Contract({"x": padded_tokens()}), Contract({"x": padded_tokens(mask_dtype=torch.int64)})
+    assert a.diff(b) == ["x: tensor torch.int64 [T] padded right with 0 != "
+                         "tensor torch.int64 [T] padded right with 0 mask dtype torch.int64"]
+
+
+def test_a_sample_that_expands_must_still_agree_on_its_named_dims():
+    # boxes [2, 1] expands to [2, 4]: its N is 2, so labels of length 3 in the same sample disagree.
+    contract = Contract(
+        {
+            "boxes": Field(dtype=torch.float32, shape=("N", 4), pad=0.0, expand_from=((2, 1),)),
+            "labels": Field(dtype=torch.int64, shape=("N",), pad=-100),
+        },
+        id=None,
+    )
+    good = {"boxes": torch.zeros(2, 1), "labels": torch.zeros(2, dtype=torch.int64)}
+    assert assemble.using(contract)([good, good])["boxes"].shape == (2, 2, 4)
+    bad = {"boxes": torch.zeros(2, 1), "labels": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(RuntimeError, match="share a named dim") as caught:
+        assemble.using(contract)([good, bad])
+    assert caught.value.field == "labels"

@@ -1,0 +1,100 @@
+"""Hugging Face style batches: a contract whose batch is exactly what ``DataCollatorWithPadding`` makes
+(keys, dtypes, values), and what a ``transformers`` model takes. Offline: a word-level tokenizer built
+here, a tiny randomly initialised BERT, no downloads."""
+
+import random
+
+import pytest
+import torch
+
+from fastcollate import Contract, Field, assemble
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{w: 4 + i for i, w in enumerate(WORDS)}}
+    backend = tokenizers.Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    # BERT's layout: pairs get token_type_ids 0 for the first text and 1 for the second.
+    backend.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+def tokenized_samples(tokenizer, count=12, pairs=False, seed=0):
+    """What a tokenizing Dataset's __getitem__ returns: int64 tensors and an int label."""
+    rng = random.Random(seed)
+
+    def text():
+        return " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))
+
+    samples = []
+    for _ in range(count):
+        encoded = tokenizer(text(), text() if pairs else None, return_token_type_ids=pairs,
+                            return_attention_mask=False)
+        sample = {key: torch.tensor(ids, dtype=torch.int64) for key, ids in encoded.items()}
+        sample["labels"] = rng.randrange(2)
+        samples.append(sample)
+    return samples
+
+
+def hf_contract(tokenizer, token_type_ids=False):
+    """input_ids padded with the pad token, token_type_ids with the pad type id, one int64 attention_mask."""
+    padded = dict(shape=("T",), mask="attention_mask", mask_dtype=torch.int64, lengths=None)
+    fields = {"input_ids": Field(dtype=torch.int64, pad=tokenizer.pad_token_id, **padded)}
+    if token_type_ids:
+        fields["token_type_ids"] = Field(dtype=torch.int64, pad=tokenizer.pad_token_type_id, **padded)
+    fields["labels"] = Field(kind="number", dtype=torch.int64, range=(0, 2))
+    return Contract(fields, id=None)
+
+
+def assert_same_batch(expected, got):
+    assert set(got) == set(expected)
+    for key in expected:
+        assert got[key].dtype == expected[key].dtype, key
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["input_ids", "with_token_type_ids"])
+def test_the_batch_equals_data_collator_with_padding_key_for_key(tokenizer, pairs):
+    samples = tokenized_samples(tokenizer, pairs=pairs)
+    lengths = {len(s["input_ids"]) for s in samples}
+    assert len(lengths) > 1  # padding happens
+    expected = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(samples)
+    got = assemble.using(hf_contract(tokenizer, token_type_ids=pairs))(samples)
+    keys = {"input_ids", "attention_mask", "labels"} | ({"token_type_ids"} if pairs else set())
+    assert set(expected) == keys
+    assert_same_batch(expected, got)
+    if pairs:  # non-trivial: the second text's type ids are 1, the padding's 0
+        assert got["token_type_ids"].max() == 1
+
+
+def test_a_tiny_bert_gives_the_same_loss_and_logits_on_both_batches(tokenizer):
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=64, num_labels=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    samples = tokenized_samples(tokenizer, pairs=True)
+    reference = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(samples)
+    ours = assemble.using(hf_contract(tokenizer, token_type_ids=True))(samples)
+    with torch.no_grad():
+        expected = model(**reference)
+        got = model(**ours)
+    assert torch.isfinite(got.loss)
+    assert torch.equal(got.logits, expected.logits)
+    assert torch.equal(got.loss, expected.loss)

@@ -303,6 +303,12 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
     std::string name =
         named_tuple ? py::str(py::handle(elem).attr("_fields")[py::int_(k)]).cast<std::string>() : std::to_string(k);
     auto child = this->node(values, child_path(path, name));
+    if (child->padded) {
+      // A sequence's batch is a sequence of the same length: no place for the mask and lengths beside it.
+      fail("type", 0, child->path, "a padded field in a mapping (its mask and lengths go beside it, by key)",
+           "a padded field in a " + type_name(elem),
+           "make the sample a dict (e.g. {\"tokens\": ..., \"label\": ...}), or declare no pad");
+    }
     if (child->text) {
       child->ready = py::tuple(child->ready);  // default_collate hands strings back as zip gave them
     }

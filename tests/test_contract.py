@@ -211,6 +211,19 @@ def test_inconsistent_field_declarations_are_refused(bad):
         Field(**bad)
 
 
+@pytest.mark.parametrize("container", [tuple, list])
+def test_a_padded_field_in_a_tuple_or_list_sample_is_refused_not_batched_without_its_mask(container):
+    # A sequence's batch is a sequence of the same length: the mask and lengths would have no place.
+    tokens = Field(dtype=torch.int64, shape=("T",), pad=0)
+    contract = Contract({"0": tokens, "1": Field(kind="number")}, id=None)
+    samples = [container((torch.arange(n), n)) for n in (2, 3)]
+    with pytest.raises(ContractError) as caught:
+        assemble.using(contract)(samples)
+    assert caught.value.field == "0"
+    assert f"a padded field in a {container.__name__}" in str(caught.value)
+    assert "Make the sample a dict" in str(caught.value)
+
+
 def test_a_padded_field_cannot_shadow_a_declared_one():
     with pytest.raises(ValueError):
         Contract(fields={"t": Field(dtype=torch.int64, shape=("T",), pad=0), "t_mask": Field(kind="number")})

@@ -9,6 +9,7 @@ examples/lightning_train.py in subprocesses: Lightning's launcher re-executes sy
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -21,7 +22,7 @@ from functools import partial
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 import fastcollate
 from fastcollate import DeviceLoader
@@ -35,20 +36,21 @@ from fastcollate.lightning import DeviceLoaderCallback  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "lightning_train.py")
-EXAMPLE_DATASET_SIZE = 64  # examples/lightning_train.py's DATASET_SIZE
 EXAMPLE_SEED = 0  # its seed_everything(0): Lightning's DistributedSampler shuffles with it
 
 
-class Points(Dataset):
-    def __init__(self, size: int) -> None:
-        self.x = torch.randn(size, 4, generator=torch.Generator().manual_seed(0))
-        self.y = (self.x.sum(1) > 0).long()
+def _load_example():
+    """examples/lightning_train.py as a module (its main() runs only as a script): the tests use its
+    dataset and size, so the example and the tests cannot drift apart."""
+    spec = importlib.util.spec_from_file_location("lightning_train_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __len__(self) -> int:
-        return len(self.x)
 
-    def __getitem__(self, index: int) -> dict:
-        return {"x": self.x[index], "y": self.y[index]}
+example = _load_example()
+Points = example.Points
+EXAMPLE_DATASET_SIZE = example.DATASET_SIZE
 
 
 def loader(size: int = 40, shuffle: bool = True, **kwargs) -> DataLoader:

@@ -5,16 +5,12 @@ The runs are bounded, so a stuck collective fails the tests instead of hanging t
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.processes import ROOT, run_at_once
+
 DDP_EXAMPLE = ROOT / "examples" / "ddp_train.py"
 
 
@@ -27,29 +23,8 @@ def ddp_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
     assert "sampler=sampler," in source
     unsharded = tmp_path_factory.mktemp("unsharded") / "ddp_train_unsharded.py"
     unsharded.write_text(source.replace("sampler=sampler,", "shuffle=True,"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    runs = {
-        name: subprocess.Popen(
-            [*torchrun, str(script)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,  # torchrun's ranks share its session: a hang kills all of them
-        )
-        for name, script in (("sharded", DDP_EXAMPLE), ("unsharded", unsharded))
-    }
-    deadline = time.monotonic() + 240
-    results = {}
-    try:
-        for name, process in runs.items():
-            output = process.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
-            results[name] = (process.returncode, output)
-        return results
-    finally:
-        for process in runs.values():
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    return run_at_once({"sharded": [*torchrun, str(DDP_EXAMPLE)], "unsharded": [*torchrun, str(unsharded)]})
 
 
 @pytest.mark.slow

@@ -14,10 +14,8 @@ import json
 import multiprocessing
 import os
 import pickle
-import signal
 import subprocess
 import sys
-import time
 from functools import partial
 
 import pytest
@@ -33,6 +31,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter  # noqa: E402
 
 import fastcollate.lightning as fastcollate_lightning  # noqa: E402
 from fastcollate.lightning import DeviceLoaderCallback  # noqa: E402
+from tests.processes import run_at_once  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "lightning_train.py")
@@ -286,32 +285,12 @@ def ddp_runs(tmp_path_factory):
     wrapped by hand without it (1 epoch): {name: (exit status, output, folder of the ranks' files)}.
     Both at once: Lightning's import dominates, and each run imports it twice, one rank after the other."""
     flags = {"with_callback": ["--epochs", "2"], "without_callback": ["--epochs", "1", "--without-callback"]}
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for name, extra in flags.items():
-        out = tmp_path_factory.mktemp(name)
-        # A session of its own: rank 0 starts rank 1, and a hang kills both, by the session's group.
-        process = subprocess.Popen(
-            [sys.executable, EXAMPLE, str(out), "--accelerator", "cpu", "--devices", "2", *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        runs[name] = (process, out)
-    results = {}
-    deadline = time.monotonic() + 240
-    try:
-        for name, (process, out) in runs.items():
-            # rank 1 inherits the pipe: its end comes when both ranks have exited
-            output = process.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
-            results[name] = (process.returncode, output, out)
-    finally:
-        for process, _ in runs.values():
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return results
+    folders = {name: tmp_path_factory.mktemp(name) for name in flags}
+    done = run_at_once({
+        name: [sys.executable, EXAMPLE, str(folders[name]), "--accelerator", "cpu", "--devices", "2", *extra]
+        for name, extra in flags.items()
+    })
+    return {name: (status, output, folders[name]) for name, (status, output) in done.items()}
 
 
 def rank_files(out, epochs: int) -> list[list[dict]]:

@@ -1,0 +1,41 @@
+"""Commands run side by side, as multi-process tests need them: each in a session of its own, bounded
+together, and killed with everything it started, so a hang fails the test instead of stopping the suite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_at_once(commands: dict[str, list[str]], timeout_s: float = 240) -> dict[str, tuple[int, str]]:
+    """Starts every command at once (with the repository on PYTHONPATH and one OpenMP thread each) and
+    waits for all of them: {name: (exit status, stdout and stderr)}. Past ``timeout_s`` in all, the wait
+    raises ``subprocess.TimeoutExpired``; either way nothing a command started outlives this call."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    started = {
+        # A session of its own: the processes a command starts (torchrun's ranks, the ranks Lightning's
+        # launcher starts) are in its group, and killing the group ends them all.
+        name: subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+        for name, command in commands.items()
+    }
+    deadline = time.monotonic() + timeout_s
+    results = {}
+    try:
+        for name, process in started.items():
+            # A child that inherited the pipe holds it open: the output ends when all of them have exited.
+            output = process.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
+            results[name] = (process.returncode, output)
+        return results
+    finally:
+        for process in started.values():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -327,6 +327,8 @@ std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, Stagi
 
 void bind_batch_plan(py::module_& m) {
   bind_field_spec(m);
+  m.attr("SMALL_FIELD_BYTES") = kSmallFieldBytes;
+  m.attr("LARGE_BATCH_BYTES") = kLargeBatchBytes;
   py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
       .def_property_readonly("nbytes", &BatchPlan::nbytes)
       .def("execute", &BatchPlan::execute, py::arg("buffer"));

@@ -21,6 +21,17 @@ namespace fastcollate {
 
 namespace py = pybind11;
 
+// Batch lifetimes: the fields of a batch are views of one buffer, so keeping one field keeps them all.
+// A small field of a large batch (ids, labels, lengths, the masks of small batches) therefore gets
+// storage of its own, on the host when the batch is built or received and on the device after its copy:
+// keeping it keeps only its own bytes. Batches under kLargeBatchBytes stay whole (a kept field keeps at
+// most that much), so batches of many small fields pay no allocation per field.
+constexpr int64_t kSmallFieldBytes = int64_t{64} << 10;
+constexpr int64_t kLargeBatchBytes = int64_t{1} << 20;
+inline bool needs_own_storage(int64_t field_bytes, int64_t batch_bytes) {
+  return field_bytes <= kSmallFieldBytes && batch_bytes >= kLargeBatchBytes;
+}
+
 struct Node;
 
 class BatchPlan {

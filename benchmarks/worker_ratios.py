@@ -196,7 +196,7 @@ def receive_cost_ms(name: str, repeats: int = 200) -> dict:
     times = []
     for _ in range(repeats):
         plan = collator.plan(samples)
-        batch = plan.execute(pool.native.claim(plan.nbytes, 1))
+        batch = plan.execute(pool.native.claim(plan.nbytes, 1)[0], small_fields_apart=False)
         message = ForkingPickler.dumps((0, batch))
         del batch
         start = time.perf_counter()

@@ -34,18 +34,24 @@ at::Tensor view_over(const at::Storage& storage, size_t offset, at::ScalarType d
   return view;
 }
 
-void make_views(Node& node, const at::Storage& storage, size_t offset) {
+// `batch_bytes` is the buffer's size when small fields get their own storage (needs_own_storage), else 0.
+void make_views(Node& node, const at::Storage& storage, size_t offset, int64_t batch_bytes) {
   for (auto& child : node.children) {
-    make_views(*child, storage, offset);
+    make_views(*child, storage, offset, batch_bytes);
   }
   if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
-    node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
+    const int64_t field_bytes = c10::multiply_integers(node.shape) * static_cast<int64_t>(c10::elementSize(node.dtype));
+    if (needs_own_storage(field_bytes, batch_bytes)) {
+      node.out = at::empty(node.shape, at::TensorOptions().dtype(node.dtype));  // its region stays unused
+    } else {
+      node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
+    }
   }
   if (node.padded) {
     if (node.mask) {
-      make_views(*node.mask, storage, offset);
+      make_views(*node.mask, storage, offset, batch_bytes);
     }
-    make_views(*node.lengths, storage, offset);
+    make_views(*node.lengths, storage, offset, batch_bytes);
   }
 }
 
@@ -222,7 +228,7 @@ size_t BatchPlan::reserve(size_t bytes) {
   return offset;
 }
 
-py::object BatchPlan::execute(const at::Tensor& buffer) {
+py::object BatchPlan::execute(const at::Tensor& buffer, bool small_fields_apart) {
   TORCH_CHECK(
       buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
       "BatchPlan.execute: buffer must be a 1-D contiguous uint8 CPU tensor");
@@ -230,14 +236,14 @@ py::object BatchPlan::execute(const at::Tensor& buffer) {
               " bytes, the batch needs ", nbytes());
   TORCH_CHECK(buffer.storage_offset() % static_cast<int64_t>(kFieldAlignment) == 0,
               "BatchPlan.execute: buffer must start at a multiple of ", kFieldAlignment, " bytes in its storage");
-  return execute_into(buffer.storage(), static_cast<size_t>(buffer.storage_offset()));
+  return execute_into(buffer.storage(), static_cast<size_t>(buffer.storage_offset()), small_fields_apart);
 }
 
-py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset) {
+py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bool small_fields_apart) {
   TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
   TORCH_INTERNAL_ASSERT(offset % kFieldAlignment == 0 && storage.nbytes() >= offset + total_bytes_);
   executed_ = true;
-  make_views(*root, storage, offset);
+  make_views(*root, storage, offset, small_fields_apart ? static_cast<int64_t>(total_bytes_) : 0);
   CopyJobs jobs;
   collect_jobs(*root, jobs);
   {
@@ -314,7 +320,8 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
-std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, StagingRing& ring) const {
+std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, StagingRing& ring,
+                                                       bool small_fields_apart) const {
   std::shared_ptr<BatchPlan> planned = plan(samples);
   bool overflowed = false;
   at::Storage slot;
@@ -322,7 +329,7 @@ std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, Stagi
     py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
     slot = ring.acquire_storage(planned->nbytes(), overflowed);
   }
-  return {planned->execute_into(slot, 0), overflowed};
+  return {planned->execute_into(slot, 0, small_fields_apart), overflowed};
 }
 
 void bind_batch_plan(py::module_& m) {
@@ -331,12 +338,13 @@ void bind_batch_plan(py::module_& m) {
   m.attr("LARGE_BATCH_BYTES") = kLargeBatchBytes;
   py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
       .def_property_readonly("nbytes", &BatchPlan::nbytes)
-      .def("execute", &BatchPlan::execute, py::arg("buffer"));
+      .def("execute", &BatchPlan::execute, py::arg("buffer"), py::arg("small_fields_apart") = true);
   py::class_<Collator>(m, "Collator")
       .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
            py::arg("has_contract"))
       .def("plan", &Collator::plan, py::arg("samples"))
-      .def("assemble_in_ring", &Collator::assemble_in_ring, py::arg("samples"), py::arg("ring"));
+      .def("assemble_in_ring", &Collator::assemble_in_ring, py::arg("samples"), py::arg("ring"),
+           py::arg("small_fields_apart") = true);
 }
 
 }  // namespace fastcollate

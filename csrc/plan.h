@@ -39,11 +39,12 @@ class BatchPlan {
   // Bytes the buffer given to execute() must hold.
   int64_t nbytes() const { return static_cast<int64_t>(total_bytes_); }
   // Copies every sample into `buffer` (a 1-D uint8 CPU tensor of at least nbytes()) and returns the
-  // batch. The buffer's storage is shared by every tensor of the batch.
-  py::object execute(const at::Tensor& buffer);
+  // batch. The buffer's storage is shared by every tensor of the batch, but for its small fields when
+  // `small_fields_apart` (needs_own_storage): those get storage of their own.
+  py::object execute(const at::Tensor& buffer, bool small_fields_apart);
   // The same into `storage` from byte `offset` (a multiple of kFieldAlignment) on; the caller has checked
   // that it holds nbytes() more. (`_into`, here as in stack_into: writes into memory the caller gives.)
-  py::object execute_into(const at::Storage& storage, size_t offset);
+  py::object execute_into(const at::Storage& storage, size_t offset, bool small_fields_apart);
 
   // Reserves an aligned region and returns its offset.
   size_t reserve(size_t bytes);
@@ -65,7 +66,7 @@ class Collator {
   // plan(), a slot of `ring`, then execute() into it, all under the GIL but the copy: the main process's
   // collate in one call. Returns the batch and whether the ring was full (the slot is then a fresh
   // buffer outside it).
-  std::pair<py::object, bool> assemble_in_ring(py::handle samples, StagingRing& ring) const;
+  std::pair<py::object, bool> assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const;
 
   const std::string& id_key() const { return id_key_; }
   bool has_contract() const { return has_contract_; }

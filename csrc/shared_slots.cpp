@@ -13,7 +13,6 @@
 #include <new>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it and the pages fault in as written
@@ -26,12 +25,14 @@ namespace py = pybind11;
 namespace {
 
 constexpr uint64_t kMagic = 0x73746f6c73636621ULL;  // "!fcslots"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kPage = 4096;
-// Address space, not memory: the file is sparse, so a slot costs only the pages its batches wrote. It
-// bounds one batch (a larger one takes the fresh-shared-memory path) and lets a slot grow in place.
-constexpr uint64_t kRegionBytes = uint64_t{1} << 38;  // 256 GiB
+// The largest batch a slot takes (a larger one takes the fresh-shared-memory path).
+constexpr uint64_t kMaxBatchBytes = uint64_t{1} << 38;  // 256 GiB
 constexpr size_t kSlotsOffset = 128;
+// Mappings a writer keeps for slots no batch of its own uses now, so that a slot it writes again needs no
+// new mapping (and no page-table faults). More would only cost address space: RLIMIT_AS counts every one.
+constexpr size_t kWriterIdleMappings = 4;
 
 enum State : uint64_t { kFree = 0, kWriting = 1, kDelivered = 2, kLent = 3 };
 constexpr uint64_t kStateMask = 3;
@@ -109,16 +110,22 @@ struct SharedSlots::Header {
   uint64_t magic;
   uint32_t version;
   uint32_t capacity;
-  uint64_t region_bytes;
+  uint64_t max_batch_bytes;
   int64_t token;
   int64_t owner_pid;
   std::atomic<int64_t> claims;
   std::atomic<int64_t> fresh_fallbacks;
   std::atomic<int64_t> reclaimed;
+  // Regions are appended at the file's end as slots are first written or outgrown, so the file is only
+  // as large as the slots in use (a file-size limit, `ulimit -f`, counts its size, sparse or not).
+  std::atomic<uint64_t> file_end;
 
+  // A slot's region fields are written only by the writer that claimed it, before the compare-and-swap
+  // that sends the batch, and read by the others after theirs.
   struct Slot {
-    std::atomic<uint64_t> word;        // see shared_slots.h
-    std::atomic<uint64_t> high_water;  // the largest batch written (page-rounded): the memory it holds
+    std::atomic<uint64_t> word;           // see shared_slots.h
+    std::atomic<uint64_t> region_offset;  // where its region starts in the file (0: none yet)
+    std::atomic<uint64_t> region_bytes;   // the region's size: the largest batch written, page-rounded, + 1/16
   };
   Slot& slot(int64_t index) { return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + kSlotsOffset)[index]; }
 };
@@ -129,6 +136,8 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are share
 struct SharedSlots::Mapping {
   void* base = nullptr;
   size_t length = 0;
+  uint64_t offset = 0;                  // the region it maps: a slot that moved needs a new mapping
+  uint64_t last_claim = 0;              // the writer's claim count when it last wrote here (least recent goes)
   pid_t pid = 0;                        // a forked child inherits the mapping but not the CUDA registration
   std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
   bool registration_failed = false;     // tried once: not again on every batch
@@ -173,12 +182,16 @@ SharedSlots::~SharedSlots() {
 
 std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
   TORCH_CHECK(capacity >= 1 && capacity <= 4096, "SharedSlots: capacity must be in [1, 4096], got ", capacity);
-  const int fd = ::memfd_create("fastcollate-slots", MFD_CLOEXEC);
+  const int fd = ::memfd_create("fastcollate-slots", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   TORCH_CHECK(fd >= 0, "fastcollate: memfd_create failed (", std::strerror(errno), ")");
   const size_t header_bytes = round_up_page(kSlotsOffset + static_cast<size_t>(capacity) * sizeof(Header::Slot));
   void* header = MAP_FAILED;
-  if (::fchmod(fd, 0600) == 0 &&
-      ::ftruncate(fd, static_cast<off_t>(header_bytes + static_cast<uint64_t>(capacity) * kRegionBytes)) == 0) {
+  // Sealed against shrinking: whoever holds the descriptor (a worker, a program it started) can no longer
+  // truncate the file under a batch still in use, which would read zeros or raise SIGBUS. It can still
+  // write any byte: the design trusts every process that holds the descriptor. F_SEAL_SEAL: no one can
+  // add a seal later (F_SEAL_GROW would stop every slot from growing).
+  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, static_cast<off_t>(header_bytes)) == 0 &&
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) == 0) {
     header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   if (header == MAP_FAILED) {
@@ -193,7 +206,8 @@ std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
   std::random_device entropy;
   fields->token = static_cast<int64_t>(((uint64_t{entropy()} << 32) | entropy()) >> 1);
   fields->owner_pid = ::getpid();
-  fields->region_bytes = kRegionBytes;
+  fields->max_batch_bytes = kMaxBatchBytes;
+  fields->file_end.store(header_bytes);
   fields->capacity = static_cast<uint32_t>(capacity);
   fields->version = kVersion;
   fields->magic = kMagic;
@@ -201,6 +215,9 @@ std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
 }
 
 std::shared_ptr<SharedSlots> SharedSlots::attach(int fd) {
+  // spawnv_passfds and recvfds hand the descriptor over inheritable: a program this process starts
+  // (os.system, a subprocess with close_fds=False) must not get every batch with it.
+  (void)::fcntl(fd, F_SETFD, FD_CLOEXEC);
   void* first = ::mmap(nullptr, kPage, PROT_READ, MAP_SHARED, fd, 0);
   if (first == MAP_FAILED) {
     const int error = errno;
@@ -238,49 +255,102 @@ int64_t SharedSlots::capacity() const {
 
 std::shared_ptr<SharedSlots::Mapping> SharedSlots::mapping_for(std::vector<std::shared_ptr<Mapping>>& maps,
                                                                int64_t slot, size_t bytes) {
+  auto& entry = header_->slot(slot);
+  const uint64_t offset = entry.region_offset.load(std::memory_order_relaxed);
+  const uint64_t length = entry.region_bytes.load(std::memory_order_relaxed);
   auto& current = maps[static_cast<size_t>(slot)];
-  if (current && current->length >= bytes) {
+  if (current && current->offset == offset) {
     return current;
   }
-  // 1/16 headroom, so that batches of creeping size remap (and re-register) rarely.
-  const size_t length = std::min<size_t>(round_up_page(bytes + bytes / 16), header_->region_bytes);
-  const off_t offset = static_cast<off_t>(header_bytes_ + static_cast<uint64_t>(slot) * header_->region_bytes);
-  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
-  TORCH_CHECK(base != MAP_FAILED, "fastcollate: mapping shared slot ", slot, " (", length, " bytes) failed (",
-              std::strerror(errno), ")");
+  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(offset));
+  if (base == MAP_FAILED) {
+    return nullptr;  // errno says why
+  }
   auto mapping = std::make_shared<Mapping>();
   mapping->base = base;
   mapping->length = length;
+  mapping->offset = offset;
   mapping->pid = ::getpid();
   // Fault the pages in with one call instead of one fault per 4 KiB: the writer is about to write them,
   // the reader to read what was written. Advice only: an older kernel refuses it harmlessly.
-  (void)::madvise(base, round_up_page(bytes), MADV_POPULATE_WRITE);
+  (void)::madvise(base, std::min<size_t>(round_up_page(bytes), length), MADV_POPULATE_WRITE);
   current = mapping;
   ++mappings_;
   return mapping;
 }
 
-at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound) {
+void SharedSlots::trim_writer_mappings(size_t keep) {
+  for (;;) {
+    std::shared_ptr<Mapping>* oldest = nullptr;
+    size_t idle = 0;
+    for (auto& mapping : writer_maps_) {
+      if (mapping && mapping.use_count() == 1) {  // only this cache holds it: no batch of ours is over it
+        ++idle;
+        if (oldest == nullptr || mapping->last_claim < (*oldest)->last_claim) {
+          oldest = &mapping;
+        }
+      }
+    }
+    if (idle <= keep) {
+      return;
+    }
+    oldest->reset();
+  }
+}
+
+namespace {
+
+// Grows the file to at least `target` bytes. Two writers may grow it at once: the shrink seal makes the
+// smaller of two ftruncates fail (EPERM) rather than cut the other's region off, and that is success.
+int grow_file(int fd, uint64_t target) {
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    struct stat info{};
+    if (::fstat(fd, &info) != 0) {
+      return errno;
+    }
+    if (static_cast<uint64_t>(info.st_size) >= target) {
+      return 0;
+    }
+    if (::ftruncate(fd, static_cast<off_t>(target)) == 0) {
+      return 0;
+    }
+    if (errno != EPERM && errno != EINTR) {
+      return errno;
+    }
+  }
+  return EPERM;
+}
+
+}  // namespace
+
+at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, ClaimRefusal& refusal) {
   TORCH_CHECK(nbytes >= 0, "SharedSlots.claim: nbytes must be >= 0, got ", nbytes);
   const size_t need = round_up_page(static_cast<size_t>(nbytes));
-  if (need > header_->region_bytes) {
+  if (need > header_->max_batch_bytes) {
+    refusal = {"too large", "a batch of " + std::to_string(nbytes) + " bytes is larger than a slot takes"};
     return {};
   }
   bound = std::clamp<int64_t>(bound, 1, capacity());
   const int64_t me = ::getpid();
+  std::lock_guard<std::mutex> lock(writer_mutex_);
   int64_t chosen = -1;
   uint32_t seq = 0;
   for (int attempt = 0; attempt < 2 && chosen < 0; ++attempt) {
-    // Lowest index first, so the slots in use stay as few as the batches in flight; among the free ones
-    // first those already large enough, so a slot grows only when a larger batch arrives.
-    for (int pass = 0; pass < 2 && chosen < 0; ++pass) {
+    // Lowest index first, so the slots in use stay as few as the batches in flight. Among the free ones:
+    // first those this process already maps and that are large enough (no new mapping), then those large
+    // enough (a slot grows only when a larger batch arrives), then any.
+    for (int pass = 0; pass < 3 && chosen < 0; ++pass) {
       for (int64_t i = 0; i < bound && chosen < 0; ++i) {
         auto& entry = header_->slot(i);
         uint64_t word = entry.word.load(std::memory_order_acquire);
         if (state_of(word) != kFree || writer_holds(word)) {
           continue;
         }
-        if (pass == 0 && entry.high_water.load(std::memory_order_relaxed) < need) {
+        const bool large_enough = entry.region_bytes.load(std::memory_order_relaxed) >= need;
+        const auto& mapped = writer_maps_[static_cast<size_t>(i)];
+        if ((pass == 0 && !(large_enough && mapped &&
+                            mapped->offset == entry.region_offset.load(std::memory_order_relaxed))) ||
+            (pass == 1 && !large_enough)) {
           continue;
         }
         const uint32_t next_seq = seq_of(word) + 1;
@@ -296,21 +366,47 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound) {
     }
   }
   if (chosen < 0) {
+    refusal = {"bound", ""};
     return {};
   }
   auto& entry = header_->slot(chosen);
-  std::shared_ptr<Mapping> mapping;
-  try {
-    std::lock_guard<std::mutex> lock(writer_mutex_);
+  auto give_back = [&] { entry.word.store(make_word(kFree, false, 0, seq), std::memory_order_release); };
+  const uint64_t old_bytes = entry.region_bytes.load(std::memory_order_relaxed);
+  if (old_bytes < need) {
+    // A new region at the file's end; the old one's pages go back (no one uses them: the slot is ours).
+    const uint64_t bytes = std::min<uint64_t>(round_up_page(need + need / 16), header_->max_batch_bytes);
+    uint64_t offset = header_->file_end.fetch_add(bytes);
+    if (const int error = grow_file(fd_, offset + bytes); error != 0) {
+      uint64_t end = offset + bytes;
+      header_->file_end.compare_exchange_strong(end, offset);  // unless another region followed meanwhile
+      give_back();
+      refusal = {"file", "the pool's file could not grow to " + std::to_string(offset + bytes) + " bytes (" +
+                             std::strerror(error) + (error == EFBIG ? ": a file-size limit, ulimit -f" : "") + ")"};
+      return {};
+    }
+    if (old_bytes > 0) {
+      (void)::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(entry.region_offset.load(std::memory_order_relaxed)),
+                        static_cast<off_t>(old_bytes));
+    }
+    entry.region_offset.store(offset, std::memory_order_relaxed);
+    entry.region_bytes.store(bytes, std::memory_order_relaxed);
+  }
+  std::shared_ptr<Mapping> mapping = mapping_for(writer_maps_, chosen, need);
+  if (!mapping) {
+    trim_writer_mappings(0);  // the address space may be short (RLIMIT_AS): give back what is idle, once
     mapping = mapping_for(writer_maps_, chosen, need);
-  } catch (...) {
-    entry.word.store(make_word(kFree, false, 0, seq), std::memory_order_release);
-    throw;
   }
-  if (entry.high_water.load(std::memory_order_relaxed) < need) {
-    entry.high_water.store(need, std::memory_order_relaxed);  // only the claimer writes it
+  if (!mapping) {
+    const int error = errno;
+    give_back();
+    refusal = {"mapping", "mapping a slot of " + std::to_string(entry.region_bytes.load(std::memory_order_relaxed)) +
+                              " bytes failed (" + std::strerror(error) +
+                              (error == ENOMEM ? ": the address space is short, ulimit -v" : "") + ")"};
+    return {};
   }
-  header_->claims.fetch_add(1, std::memory_order_relaxed);
+  mapping->last_claim = static_cast<uint64_t>(header_->claims.fetch_add(1, std::memory_order_relaxed)) + 1;
+  trim_writer_mappings(kWriterIdleMappings);
   auto* context = new LentBatch{shared_from_this(), mapping, chosen, seq, static_cast<pid_t>(me)};
   at::Storage storage(at::Storage::use_byte_size_t(), nbytes,
                       at::DataPtr(mapping->base, context, &writer_released, at::Device(at::kCPU)),
@@ -322,21 +418,33 @@ void SharedSlots::count_fresh_fallback() {
   header_->fresh_fallbacks.fetch_add(1, std::memory_order_relaxed);
 }
 
-bool SharedSlots::mark_delivered(int64_t slot, uint32_t seq) {
+int SharedSlots::mark_delivered(int64_t slot, uint32_t seq) {
   auto& word = header_->slot(slot).word;
   uint64_t current = word.load(std::memory_order_acquire);
   for (;;) {
     if (seq_of(current) != seq || pid_of(current) != (::getpid() & static_cast<int64_t>(kPidMask))) {
-      return false;
+      return -1;
     }
     if (state_of(current) == kDelivered) {
-      return true;  // another tensor of the same batch
+      return 0;  // another tensor of the message that sent it, or a later message (the caller knows which)
     }
     if (state_of(current) != kWriting) {
-      return false;  // received already: this is the batch sent a second time
+      return -1;  // received already: this is the batch sent a second time
     }
     if (word.compare_exchange_weak(current, with_state(current, kDelivered), std::memory_order_acq_rel)) {
-      return true;
+      return 1;
+    }
+  }
+}
+
+void SharedSlots::undeliver(int64_t slot, uint32_t seq) {
+  TORCH_CHECK(slot >= 0 && slot < capacity(), "SharedSlots: no slot ", slot);
+  auto& word = header_->slot(slot).word;
+  uint64_t current = word.load(std::memory_order_acquire);
+  while (state_of(current) == kDelivered && seq_of(current) == seq && writer_holds(current) &&
+         pid_of(current) == (::getpid() & static_cast<int64_t>(kPidMask))) {
+    if (word.compare_exchange_weak(current, with_state(current, kWriting), std::memory_order_acq_rel)) {
+      return;
     }
   }
 }
@@ -374,7 +482,7 @@ void SharedSlots::release_reader(int64_t slot, uint32_t seq) {
 at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
                                 at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device) {
   TORCH_CHECK(slot >= 0 && slot < capacity(), "fastcollate: a batch names shared slot ", slot, " of ", capacity());
-  TORCH_CHECK(nbytes >= 0 && static_cast<uint64_t>(nbytes) <= header_->region_bytes && sizes.size() == strides.size(),
+  TORCH_CHECK(nbytes >= 0 && static_cast<uint64_t>(nbytes) <= header_->max_batch_bytes && sizes.size() == strides.size(),
               "fastcollate: a batch from a worker describes an impossible view of shared slot ", slot);
   int64_t extent = 1;  // elements the view reaches past its offset
   for (size_t d = 0; d < sizes.size(); ++d) {
@@ -392,29 +500,26 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
     }
   }
   if (!storage) {
-    auto& word = header_->slot(slot).word;
-    uint64_t current = word.load(std::memory_order_acquire);
-    // The previous batch of this write may be dying on another thread right now: let its release land.
-    for (int spins = 0; spins < 1000000 && state_of(current) == kLent && seq_of(current) == static_cast<uint32_t>(seq);
-         ++spins) {
-      std::this_thread::yield();
-      current = word.load(std::memory_order_acquire);
-    }
+    auto& entry = header_->slot(slot);
+    uint64_t current = entry.word.load(std::memory_order_acquire);
     do {
-      // Delivered, or sent again by a worker that kept the batch (its view still holds the slot, so no
-      // one can have written over it). Anything else is a second delivery of a write that the slot no
-      // longer holds: raise rather than hand out bytes another batch may be overwriting.
-      const bool delivered = state_of(current) == kDelivered;
-      const bool kept_by_writer = state_of(current) == kFree && writer_holds(current);
-      TORCH_CHECK((delivered || kept_by_writer) && seq_of(current) == static_cast<uint32_t>(seq),
+      // Only the message that sent a write names its slot (a worker sends a batch again the ordinary
+      // way), so anything but delivered is a write the slot no longer holds: raise rather than hand out
+      // bytes another batch may be overwriting.
+      TORCH_CHECK(state_of(current) == kDelivered && seq_of(current) == static_cast<uint32_t>(seq),
                   "fastcollate: a batch from a DataLoader worker (shared slot ", slot, ", batch #", seq,
                   ") cannot be received: the slot ", describe_word(current),
                   ". A write is received at most once, and only while its slot holds it; this one was sent "
                   "twice, or its worker died and the slot was taken back.");
-    } while (!word.compare_exchange_weak(current, with_state(current, kLent), std::memory_order_acq_rel));
+    } while (!entry.word.compare_exchange_weak(current, with_state(current, kLent), std::memory_order_acq_rel));
     std::shared_ptr<Mapping> mapping;
     try {
+      TORCH_CHECK(static_cast<uint64_t>(nbytes) <= entry.region_bytes.load(std::memory_order_relaxed),
+                  "fastcollate: a batch from a worker is larger than its shared slot ", slot);
       mapping = mapping_for(pin_device >= 0 ? pinned_maps_ : reader_maps_, slot, static_cast<size_t>(nbytes));
+      TORCH_CHECK(mapping, "fastcollate: mapping shared slot ", slot, " (",
+                  entry.region_bytes.load(std::memory_order_relaxed), " bytes) to receive a batch failed (",
+                  std::strerror(errno), ")");
       if (pin_device >= 0 && !mapping->registered.load() && !mapping->registration_failed) {
         try {
           register_host_memory(mapping->base, mapping->length, pin_device);
@@ -472,7 +577,7 @@ SharedSlotStats SharedSlots::stats() const {
   out.capacity = capacity();
   for (int64_t i = 0; i < capacity(); ++i) {
     const uint64_t word = header_->slot(i).word.load(std::memory_order_acquire);
-    out.slots_used += header_->slot(i).high_water.load(std::memory_order_relaxed) > 0 ? 1 : 0;
+    out.slots_used += header_->slot(i).region_bytes.load(std::memory_order_relaxed) > 0 ? 1 : 0;
     switch (state_of(word)) {
       case kFree:
         (writer_holds(word) ? out.lent : out.free) += 1;
@@ -491,6 +596,7 @@ SharedSlotStats SharedSlots::stats() const {
   struct stat info{};
   if (::fstat(fd_, &info) == 0) {
     out.bytes_held = static_cast<int64_t>(info.st_blocks) * 512;
+    out.file_bytes = static_cast<int64_t>(info.st_size);
   }
   out.claims = header_->claims.load(std::memory_order_relaxed);
   out.fresh_fallbacks = header_->fresh_fallbacks.load(std::memory_order_relaxed);
@@ -548,11 +654,15 @@ int64_t shared_slot_kind(const at::Tensor& tensor) {
 
 std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {
   const LentBatch* batch = lent_batch(tensor, &writer_released);
-  if (batch == nullptr || batch->pid != ::getpid() || !batch->pool->mark_delivered(batch->slot, batch->seq)) {
+  if (batch == nullptr || batch->pid != ::getpid()) {
+    return {};
+  }
+  const int marked = batch->pool->mark_delivered(batch->slot, batch->seq);
+  if (marked < 0) {
     return {};
   }
   return {static_cast<int64_t>(batch->pool->token()), batch->slot, static_cast<int64_t>(batch->seq),
-          static_cast<int64_t>(tensor.storage().nbytes())};
+          static_cast<int64_t>(tensor.storage().nbytes()), marked};
 }
 
 void bind_shared_slots(py::module_& m) {
@@ -565,6 +675,7 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("lent", &Stats::lent)
       .def_readonly("slots_used", &Stats::slots_used)
       .def_readonly("bytes_held", &Stats::bytes_held)
+      .def_readonly("file_bytes", &Stats::file_bytes)
       .def_readonly("claims", &Stats::claims)
       .def_readonly("fresh_fallbacks", &Stats::fresh_fallbacks)
       .def_readonly("reclaimed", &Stats::reclaimed)
@@ -584,14 +695,16 @@ void bind_shared_slots(py::module_& m) {
           "claim",
           [](SharedSlots& pool, int64_t nbytes, int64_t bound) -> py::object {
             at::Tensor buffer;
+            ClaimRefusal refusal;
             {
               py::gil_scoped_release no_gil;  // the first claim of a slot maps and faults in its pages
-              buffer = pool.claim(nbytes, bound);
+              buffer = pool.claim(nbytes, bound, refusal);
             }
-            return buffer.defined() ? py::cast(buffer) : py::none();
+            return py::make_tuple(buffer.defined() ? py::cast(buffer) : py::none(), refusal.cause, refusal.detail);
           },
           py::arg("nbytes"), py::arg("bound"))
       .def("count_fresh_fallback", &SharedSlots::count_fresh_fallback)
+      .def("undeliver", &SharedSlots::undeliver, py::arg("slot"), py::arg("seq"))
       .def(
           "receive",
           [](SharedSlots& pool, int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,

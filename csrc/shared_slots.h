@@ -1,8 +1,8 @@
 // Slots shared between the main process and its DataLoader workers (issue 11).
 //
-// The main process owns one memfd (no name in /dev/shm, mode 0600) for each pool: a header page with
-// one state word per slot, then one fixed region per slot. The file is sparse: a region costs memory
-// only for the pages a batch has written. A worker claims a free slot with a compare-and-swap on its
+// The main process owns one memfd (no name in /dev/shm, mode 0600, sealed against shrinking) for each
+// pool: a header page with one state word per slot, then the slots' regions, each appended when its slot
+// is first written or outgrown, so the file is as large as the slots in use (a `ulimit -f` counts it). A worker claims a free slot with a compare-and-swap on its
 // state word, writes the batch through its own long-lived mapping, and sends the main process only
 // (slot, sequence number, views). The main process maps each slot once and lends every batch a storage
 // over its mapping; when that storage dies the slot is free again. So per batch there is no new
@@ -40,6 +40,7 @@ struct SharedSlotStats {
   int64_t lent = 0;                   // received: tensors in this process still use it
   int64_t slots_used = 0;             // slots some batch has been written into
   int64_t bytes_held = 0;             // memory the pool's file holds (touched pages, the header's included)
+  int64_t file_bytes = 0;             // the file's size: what a file-size limit (ulimit -f) counts
   int64_t claims = 0;                 // batches written into a slot, by any worker
   int64_t fresh_fallbacks = 0;        // batches that got fresh shared memory because no slot was free
   int64_t reclaimed = 0;              // slots taken back from a writer that died
@@ -47,6 +48,14 @@ struct SharedSlotStats {
   int64_t mappings = 0;               // slot mappings this process made (new slots and grown ones)
   int64_t registrations = 0;          // of those, registered with CUDA (page-locked)
   int64_t registration_failures = 0;  // mappings left pageable because page-locking them failed
+};
+
+// Why claim() gave no slot: `cause` is "bound" (every slot below the bound is held, after taking back
+// those of writers that died), "file" (the pool's file could not grow: a file-size limit), "mapping"
+// (mmap failed: an address-space limit) or "too large"; `detail` says it with the numbers.
+struct ClaimRefusal {
+  std::string cause;
+  std::string detail;
 };
 
 class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
@@ -65,9 +74,8 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   int64_t capacity() const;
 
   // Writer side (a worker). A 1-D uint8 tensor of `nbytes` over the lowest free slot below `bound`
-  // (one already large enough first), or an undefined tensor when none is free (after taking back the
-  // slots of writers that died) or the batch is larger than a slot region.
-  at::Tensor claim(int64_t nbytes, int64_t bound);
+  // (one this process maps and large enough first), or an undefined tensor and why in `refusal`.
+  at::Tensor claim(int64_t nbytes, int64_t bound, ClaimRefusal& refusal);
   // Counts a batch that went to fresh shared memory because claim() found no slot.
   void count_fresh_fallback();
 
@@ -86,7 +94,12 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::string describe_slot(int64_t slot) const;
 
   // State changes made by the storages lent over slots (see the state word above).
-  bool mark_delivered(int64_t slot, uint32_t seq);  // writer: its batch is being sent
+  // Writer: its batch is being sent. 1: the first message to name it; 0: delivered already (by the message
+  // being pickled, or by an earlier one); -1: not this writer's current write, or received already.
+  int mark_delivered(int64_t slot, uint32_t seq);
+  // Writer: the message that marked the batch delivered was never sent (pickling it failed), so the slot
+  // is back to being written, and free again once the writer's view dies.
+  void undeliver(int64_t slot, uint32_t seq);
   void release_writer(int64_t slot, uint32_t seq);  // writer: its own view died
   void release_reader(int64_t slot, uint32_t seq);  // reader: the received batch died
 
@@ -95,7 +108,11 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
 
  private:
   SharedSlots(int fd, void* header, size_t header_bytes);
+  // This process's mapping of the slot's current region, from `maps` or made now (faulting in `bytes`);
+  // null, with errno set, when mmap fails.
   std::shared_ptr<Mapping> mapping_for(std::vector<std::shared_ptr<Mapping>>& maps, int64_t slot, size_t bytes);
+  // Unmaps the least recently written idle writer mappings past `keep` (caller holds writer_mutex_).
+  void trim_writer_mappings(size_t keep);
 
   int fd_;
   Header* header_;
@@ -121,9 +138,10 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
 // writing; 2 a batch received from a worker; 3 the same, page-locked.
 int64_t shared_slot_kind(const at::Tensor& tensor);
 // For a worker's view of a slot it wrote: marks the slot delivered (it is about to be sent) and returns
-// (pool token, slot, sequence number, storage bytes). Empty when the tensor is not such a view, or its
-// batch was received already (a worker's collate sending a batch it kept a second time): the caller then
-// sends the tensor the ordinary way.
+// (pool token, slot, sequence number, storage bytes, first) where first is 1 when this call marked it and
+// 0 when it was delivered already. Empty when the tensor is not such a view, or its batch was received
+// already (a worker's collate sending a batch it kept a second time): the caller then sends the tensor the
+// ordinary way, as it must for a batch an earlier message delivered.
 std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor);
 
 // Page-locks (and unlocks) host memory this process mapped, for CUDA copies. CUDA builds only.

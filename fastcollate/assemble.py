@@ -20,7 +20,7 @@ from ._ext import _C
 from ._torch_compat import new_shared_storage
 from .contract import Contract
 from .errors import ContractEmptyError
-from .staging import StagingRing, main_process_ring
+from .staging import StagingRing, active_ring, main_process_ring
 
 __all__ = ["Assembler", "assemble"]
 
@@ -81,8 +81,9 @@ class Assembler:
         if not worker_slots.slots_switched_on(self.shared_slots):
             return None
         capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
-        self._slots = worker_slots.for_workers(self._slots, capacity)
-        return self._slots
+        with worker_slots.preparing:
+            self._slots = worker_slots.for_workers(self._slots, capacity)
+            return self._slots
 
     def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:
         """The state of the slots shared with this process's workers; None before any worker started."""
@@ -100,11 +101,16 @@ class Assembler:
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
         if get_worker_info() is not None:
             plan = self._collator.plan(batch)
-            return plan.execute(self._worker_buffer(plan.nbytes))
-        ring = self.ring or main_process_ring()  # DeviceLoader's, if active
-        return ring.assemble(self._collator, batch)
+            slot = self._claim_slot(plan.nbytes)
+            if slot is not None:
+                # Small fields stay in the slot: they cross the pipe by value (worker_slots).
+                return plan.execute(slot, small_fields_apart=False)
+            return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
+        ring = self.ring or main_process_ring()
+        # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
+        return ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
 
-    def _worker_buffer(self, nbytes: int) -> torch.Tensor:
+    def _claim_slot(self, nbytes: int) -> torch.Tensor | None:
         slots = self._slots
         if (
             slots is not None
@@ -112,10 +118,8 @@ class Assembler:
             and slots.serves_this_worker()
             and worker_slots.install_reducer()
         ):
-            buffer = slots.claim(nbytes, self.max_shared_slots)
-            if buffer is not None:
-                return buffer
-        return _shared_memory_buffer(nbytes)
+            return slots.claim(nbytes, self.max_shared_slots)
+        return None
 
     def __getstate__(self) -> dict:
         # The compiled collator is per process; a ring is bound to this process's memory. A worker being
@@ -123,7 +127,11 @@ class Assembler:
         state = {"contract": self.contract, "id_key": self.id_key, "shared_slots": self.shared_slots,
                  "max_shared_slots": self.max_shared_slots}
         if worker_slots.being_spawned() and get_worker_info() is None:
-            slots = self.prepare_shared_slots()
+            try:
+                slots = self.prepare_shared_slots()
+            except Exception as error:  # noqa: BLE001 - a failed pool must not fail the worker: batches fall back
+                worker_slots.warn_pool_not_made(error)
+                slots = None
             if slots is not None:
                 state["slots"] = slots.handle_for_child()
         return state

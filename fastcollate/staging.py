@@ -74,10 +74,12 @@ class StagingRing:
             self.warn_overflow()
         return buffer
 
-    def assemble(self, collator: _C.Collator, batch: Sequence) -> Any:
+    def assemble(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
         """Collates ``batch`` with ``collator`` (an Assembler's compiled one) into a slot of this ring: the
-        walk and checks, a slot, then the copy with the GIL released, in one native call."""
-        out, overflowed = collator.assemble_in_ring(batch, self._native)
+        walk and checks, a slot, then the copy with the GIL released, in one native call. With
+        ``small_fields_apart`` a small field of a large batch gets storage of its own
+        (fastcollate.small_fields), so that keeping it does not keep the slot."""
+        out, overflowed = collator.assemble_in_ring(batch, self._native, small_fields_apart)
         if overflowed:
             self.warn_overflow(stacklevel=4)  # the caller of assemble (this, then Assembler.__call__)
         return out

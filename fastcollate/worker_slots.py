@@ -18,9 +18,16 @@ pinned memory. With them (csrc/shared_slots.cpp):
   dropped and a worker writes the next one there (torch's pinned allocator guards only its own blocks
   that way), so with ``pin_memory=True`` DataLoader pins a copy, as it does for ``default_collate``.
 
-A batch falls back to fresh shared memory, with correct data, when every slot is held (with one warning
-per worker, giving the numbers), when the pool was not handed to the worker, or when it is switched off
-(``Assembler(shared_slots=False)`` or ``FASTCOLLATE_SHARED_SLOTS=0``).
+A batch falls back to fresh shared memory, with correct data, when every slot is held, when the pool's
+file cannot grow (a file-size limit), when a slot cannot be mapped (an address-space limit), when the
+pool could not be made, or when it is switched off (``Assembler(shared_slots=False)`` or
+``FASTCOLLATE_SHARED_SLOTS=0``). Each cause but the switch is said once per process, with its numbers and
+what to change, as a RuntimeWarning (shown under Python's default filters, in the worker's stderr).
+
+What crosses the pipe: the first message that sends a batch names its slot, and the slot stays held
+until that message is received. A batch sent again (a collate that caches) goes the ordinary way, as a
+copy, and a message that fails to pickle gives its slots back. A small field of a large batch
+(fastcollate.small_fields) crosses by value, so that the main process gives it storage of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ._ext import _C
+from .small_fields import needs_own_storage
 from .staging import active_ring
 
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
@@ -60,6 +68,7 @@ class SharedSlotStats:
     lent: int
     slots_used: int
     bytes_held: int
+    file_bytes: int
     claims: int
     fresh_fallbacks: int
     reclaimed: int
@@ -76,6 +85,20 @@ def slots_switched_on(requested: bool) -> bool:
 
 _pools: weakref.WeakValueDictionary[int, SlotPool] = weakref.WeakValueDictionary()  # by token
 
+_warned: set[tuple[int, str]] = set()  # (pid, cause): a forked child says its own
+_warned_lock = threading.Lock()
+
+
+def warn_once(cause: str, message: str, stacklevel: int = 3) -> None:
+    """Says ``message`` the first time ``cause`` happens in this process: the slots stopped serving, and
+    batches went to fresh shared memory (correct, slower). A RuntimeWarning, shown by default."""
+    key = (os.getpid(), cause)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(f"fastcollate: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
+
 
 class SlotPool:
     """One pool of shared slots: made by the main process, reached by its workers."""
@@ -83,7 +106,6 @@ class SlotPool:
     def __init__(self, native: Any, handed_over: bool) -> None:
         self.native = native
         self.handed_over = handed_over  # attached from a descriptor its owner sent to this process
-        self._warned = False
         _pools[native.token] = self
 
     @classmethod
@@ -111,23 +133,24 @@ class SlotPool:
         # DataLoader keeps at most prefetch_factor (2 by default) batches per worker in flight; DeviceLoader
         # holds `depth` (2 by default) more while they copy, and the consumer one or two.
         bound = max_slots or 2 * (info.num_workers if info is not None else 1) + 4
-        buffer = self.native.claim(nbytes, bound)
+        buffer, cause, detail = self.native.claim(nbytes, bound)
         if buffer is None:
             self.native.count_fresh_fallback()
-            self._warn_full(bound)
+            self._warn_fallback(bound, cause, detail)
         return buffer
 
-    def _warn_full(self, bound: int) -> None:
-        if self._warned:
+    def _warn_fallback(self, bound: int, cause: str, detail: str) -> None:
+        where = f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower)"
+        if cause != "bound":
+            warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
+                      "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
-        self._warned = True
         s = self.native.stats()
-        warnings.warn(
-            f"fastcollate: all {min(bound, s.capacity)} shared slots are held ({s.lent} by batches the main "
-            f"process still holds, {s.delivered} sent and not yet received, {s.writing} being written); "
-            f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower). "
+        warn_once(
+            "bound",
+            f"all {min(bound, s.capacity)} shared slots are held ({s.lent} by batches the main process still "
+            f"holds, {s.delivered} sent and not yet received, {s.writing} being written); {where}. "
             "Drop batches sooner, or raise Assembler(max_shared_slots=...).",
-            RuntimeWarning,  # shown by default (a ResourceWarning is not), in the worker's stderr
             stacklevel=4,
         )
 
@@ -135,6 +158,11 @@ class SlotPool:
         self.native.reclaim_dead_writers()
         s = self.native.stats()
         return SharedSlotStats(**{name: getattr(s, name) for name in SharedSlotStats.__dataclass_fields__})
+
+
+# Two threads starting workers at once (two loaders sharing an Assembler) must get one pool: the one that
+# lost would be orphaned, and its workers' batches named slots this process does not hold.
+preparing = threading.Lock()
 
 
 def for_workers(current: SlotPool | None, capacity: int) -> SlotPool:
@@ -178,7 +206,71 @@ def _receive(
     return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device())
 
 
+def _own_copy(data: bytearray, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A small field of a large batch, sent by value: storage of its own, so keeping it keeps no slot."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
 # A worker: sending slot tensors as views.
+
+WRITING = 1  # _C.shared_slot_kind: a worker's view of the slot it writes
+
+
+class _Message(threading.local):
+    # The (token, slot, seq) of the batches the message being pickled on this thread is the first to
+    # send; None outside ForkingPickler.dumps.
+    delivered: list[tuple[int, int, int]] | None = None
+
+
+_message = _Message()
+
+
+def _track_messages(pickler: type) -> None:
+    """Wraps ``pickler.dumps`` (what every multiprocessing queue and connection sends with) so that the
+    reducer knows which message it is pickling: a batch an earlier message sent takes the ordinary path,
+    and a message that fails to pickle (an object after the tensors cannot be) gives back the slots it
+    marked delivered, instead of leaving them held for the life of the worker."""
+    original = pickler.__dict__["dumps"].__func__
+
+    def dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
+        outer, _message.delivered = _message.delivered, []
+        try:
+            return original(cls, obj, protocol)
+        except BaseException:
+            for token, slot, seq in _message.delivered:
+                pool = _pools.get(token)
+                if pool is not None:
+                    pool.native.undeliver(slot, seq)
+            raise
+        finally:
+            _message.delivered = outer
+
+    dumps.tracks_messages = True  # type: ignore[attr-defined]
+    pickler.dumps = classmethod(dumps)
+
+
+def _reduce_slot_tensor(tensor: torch.Tensor) -> tuple | None:
+    """How a tensor over a slot this worker wrote crosses the pipe, or None for the ordinary way."""
+    if needs_own_storage(tensor.nbytes, tensor.untyped_storage().nbytes()):
+        data = bytearray(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return _own_copy, (data, tensor.dtype, tuple(tensor.shape))
+    message = _message.delivered
+    if message is None:
+        return None  # pickled outside ForkingPickler.dumps: nothing would tell when the message ends
+    sent = _C.deliver_slot_tensor(tensor)
+    if not sent:
+        return None  # received already: a batch sent again
+    token, slot, seq, nbytes, first = sent
+    if first:
+        message.append((token, slot, seq))
+    elif (token, slot, seq) not in message:
+        return None  # an earlier message sent it: that one holds the slot until it is received
+    return _receive, (
+        token, slot, seq, nbytes, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+    )
+
 
 _reducer_lock = threading.Lock()
 _reducer_installed_in: int | None = None  # the pid: a forked child installs its own
@@ -187,8 +279,8 @@ _reducer_installed_in: int | None = None  # the pid: a forked child installs its
 def install_reducer() -> bool:
     """Makes this worker's queue send slot tensors as views, and every other tensor as torch does.
 
-    The one place that reaches into torch's multiprocessing reductions; if they ever change shape, the
-    worker sends every batch the ordinary way (False).
+    The one place that reaches into torch's multiprocessing reductions (and multiprocessing's pickler);
+    if they ever change shape, the worker sends every batch the ordinary way (False).
     """
     global _reducer_installed_in
     if _reducer_installed_in == os.getpid():
@@ -196,28 +288,24 @@ def install_reducer() -> bool:
     with _reducer_lock:
         if _reducer_installed_in == os.getpid():
             return True
+        pickler = multiprocessing.reduction.ForkingPickler
         try:
             from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
         except ImportError:
             return False
+        if not isinstance(pickler.__dict__.get("dumps"), classmethod):
+            return False
 
         def reduce_tensor(tensor: torch.Tensor) -> Any:
-            sent = _C.deliver_slot_tensor(tensor) if not tensor.requires_grad else []
-            if not sent:
-                return torch_reduce_tensor(tensor)
-            token, slot, seq, nbytes = sent
-            return _receive, (
-                token,
-                slot,
-                seq,
-                nbytes,
-                tensor.dtype,
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tensor.stride(),
-            )
+            if not tensor.requires_grad and _C.shared_slot_kind(tensor) == WRITING:
+                reduced = _reduce_slot_tensor(tensor)
+                if reduced is not None:
+                    return reduced
+            return torch_reduce_tensor(tensor)
 
-        multiprocessing.reduction.ForkingPickler.register(torch.Tensor, reduce_tensor)
+        if not getattr(pickler.dumps, "tracks_messages", False):  # a forked child inherits the wrapper
+            _track_messages(pickler)
+        pickler.register(torch.Tensor, reduce_tensor)
         _reducer_installed_in = os.getpid()
         return True
 
@@ -239,11 +327,12 @@ def _before_fork() -> None:
         try:
             assembler.prepare_shared_slots()
         except Exception as error:  # noqa: BLE001 - a failed pool must not fail the fork: batches fall back
-            warnings.warn(
-                f"fastcollate: shared slots unavailable, batches use fresh shared memory ({error})",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            warn_pool_not_made(error)
+
+
+def warn_pool_not_made(error: Exception) -> None:
+    warn_once("pool", f"the shared slots could not be made ({error}); workers write batches into fresh "
+              "shared memory instead (slower). Switch them off with FASTCOLLATE_SHARED_SLOTS=0.")
 
 
 os.register_at_fork(before=_before_fork)

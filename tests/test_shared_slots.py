@@ -45,6 +45,13 @@ def new_fds(before: dict[str, str]) -> dict[str, str]:
             if before.get(fd) != target and not TORCH_FD_PROBE.fullmatch(target)}
 
 
+def claimed(native, nbytes: int, bound: int) -> torch.Tensor:
+    """A writer's buffer over a free slot (the test's pool has one)."""
+    buffer, cause, detail = native.claim(nbytes, bound)
+    assert buffer is not None, (cause, detail)
+    return buffer
+
+
 def settled_stats(collate: Assembler, timeout: float = 20.0):
     """The pool's stats once no slot is being written or waits to be received (workers exiting)."""
     deadline = time.monotonic() + timeout
@@ -194,10 +201,11 @@ def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():
 def test_each_write_is_received_at_most_once():
     pool = SlotPool.create(4)
     native = pool.native
-    buffer = native.claim(64, 4)
+    buffer = claimed(native, 64, 4)
     buffer.fill_(7)
-    token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
-    assert token == native.token
+    token, slot, seq, nbytes, first = _C.deliver_slot_tensor(buffer)
+    assert token == native.token and first == 1
+    assert _C.deliver_slot_tensor(buffer)[4] == 0  # delivered already: by this message, or an earlier one
     first = native.receive(slot, seq, nbytes, torch.uint8, 0, [64], [1], -1)
     again = native.receive(slot, seq, nbytes, torch.uint8, 0, [8], [1], -1)  # another tensor of the batch
     assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
@@ -211,7 +219,7 @@ def test_each_write_is_received_at_most_once():
     del first, again
     with pytest.raises(RuntimeError, match="received at most once"):
         native.receive(slot, seq, nbytes, torch.uint8, 0, [64], [1], -1)  # the same write delivered twice
-    unsent = native.claim(64, 4)
+    unsent = claimed(native, 64, 4)
     with pytest.raises(RuntimeError, match="being written"):
         native.receive(0, seq + 1, 64, torch.uint8, 0, [64], [1], -1)
     del unsent
@@ -336,9 +344,9 @@ def test_a_slot_that_cannot_be_page_locked_is_received_pageable_on_a_mapping_of_
     pool = SlotPool.create(2)
     native = pool.native
     for round_index in range(2):
-        buffer = native.claim(4096, 1)
+        buffer = claimed(native, 4096, 1)
         buffer.fill_(round_index + 1)
-        token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
+        token, slot, seq, nbytes, first = _C.deliver_slot_tensor(buffer)
         del buffer
         # As under DeviceLoader: page-locking asked for. Without a driver it fails; the batch still arrives.
         got = native.receive(slot, seq, nbytes, torch.uint8, 0, [nbytes], [1], 0)
@@ -346,8 +354,8 @@ def test_a_slot_that_cannot_be_page_locked_is_received_pageable_on_a_mapping_of_
         del got
     stats = native.stats()
     assert stats.registration_failures == 1 and stats.registrations == 0  # tried once, not per batch
-    buffer = native.claim(4096, 1)
-    token, slot, seq, nbytes = _C.deliver_slot_tensor(buffer)
+    buffer = claimed(native, 4096, 1)
+    token, slot, seq, nbytes, first = _C.deliver_slot_tensor(buffer)
     del buffer
     pageable = native.receive(slot, seq, nbytes, torch.uint8, 0, [nbytes], [1], -1)
     assert _C.shared_slot_kind(pageable) == RECEIVED

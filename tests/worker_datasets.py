@@ -84,3 +84,46 @@ class ChangesTheBatch:
         if self.kept is None:
             self.kept = out
         return out
+
+
+class SlotDescriptorsInheritable(Dataset):
+    """``n`` samples; each says how many descriptors of a fastcollate slot pool this worker holds that a
+    program it started would inherit (those without close-on-exec)."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        import fcntl
+        import os
+
+        inheritable = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                flags = fcntl.fcntl(int(fd), fcntl.F_GETFD)
+            except OSError:
+                continue  # the listing's own descriptor, closed already
+            if "fastcollate-slots" in target and not flags & fcntl.FD_CLOEXEC:
+                inheritable += 1
+        return {"id": index, "inheritable": inheritable, "x": torch.zeros(4)}
+
+
+class UnpicklableAt:
+    """A collate_fn: ``assemble``, plus a lock (which cannot be pickled) in the batch that holds sample
+    ``bad``: the worker's queue fails to send that batch after pickling its slot tensors."""
+
+    def __init__(self, assembler, bad: int) -> None:
+        self.assembler = assembler
+        self.bad = bad
+
+    def __call__(self, samples):
+        import threading
+
+        batch = self.assembler(samples)
+        if any(sample["id"] == self.bad for sample in samples):
+            batch["lock"] = threading.Lock()
+        return batch

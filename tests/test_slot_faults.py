@@ -1,0 +1,255 @@
+"""The shared slots under faults and limits (issue 22): a batch sent twice, a message that fails to
+pickle, descriptors a worker's programs would inherit, a file-size limit, an address-space limit, a file
+shrunk under a batch, two threads starting workers at once. Each falls back or holds on with the right
+data, leaks nothing, and says so once where the slots stop serving."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from fastcollate import assemble
+from fastcollate._ext import _C
+from fastcollate.worker_slots import SlotPool, install_reducer
+from tests.fault_datasets import Numbered
+from tests.test_shared_slots import RECEIVED, claimed, settled_stats
+from tests.worker_datasets import SlotDescriptorsInheritable, UnpicklableAt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a fresh interpreter (a limit set there stays there); its warnings reach stderr as
+    a user's would."""
+    code = f"import sys\nsys.path.insert(0, {ROOT!r})\n" + textwrap.dedent(script)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_batch_sent_twice_arrives_after_the_first_was_received_and_dropped():
+    # A worker's collate that caches sends one batch in two messages. The first holds the slot until it
+    # is received; the second must not name the slot (it may arrive after the slot is free again).
+    install_reducer()  # this process sends slot tensors as a worker does
+    pool = SlotPool.create(4)
+    buffer = claimed(pool.native, 4096, 4)
+    buffer.fill_(7)
+    batch = {"x": buffer.view(torch.float32)}
+    first_message = ForkingPickler.dumps(batch)
+    second_message = ForkingPickler.dumps(batch)  # sent again, before the first is received
+    first = pickle.loads(first_message)
+    assert _C.shared_slot_kind(first["x"]) == RECEIVED
+    del batch, buffer  # the worker drops its cache
+    del first  # the user drops the first batch: the slot is free
+    assert pool.native.stats().free == 4
+    second = pickle.loads(second_message)
+    assert _C.shared_slot_kind(second["x"]) == 0  # a copy, sent the ordinary way
+    assert torch.equal(second["x"].view(torch.uint8), torch.full((4096,), 7, dtype=torch.uint8))
+
+
+def test_a_message_that_fails_to_pickle_gives_its_slot_back():
+    install_reducer()
+    pool = SlotPool.create(4)
+    buffer = claimed(pool.native, 4096, 4)
+    with pytest.raises(TypeError, match="pickle"):
+        ForkingPickler.dumps({"x": buffer, "lock": threading.Lock()})  # the tensor first, then the lock
+    assert "being written" in pool.native.describe_slot(0)  # not delivered: no message holds it
+    del buffer
+    stats = pool.native.stats()
+    assert stats.free == 4 and stats.delivered == 0
+
+
+def test_a_batch_a_worker_failed_to_send_leaves_no_slot_held_in_a_persistent_worker():
+    collate = assemble.using()
+    loader = DataLoader(Numbered(64, shape=(16,)), batch_size=8, num_workers=1, persistent_workers=True,
+                        collate_fn=UnpicklableAt(collate, bad=21), timeout=3)
+    with pytest.raises(RuntimeError, match="timed out"):
+        list(loader)  # the queue's feeder drops the batch it cannot pickle: DataLoader waits for it
+    stats = settled_stats(collate, timeout=5)
+    assert stats.delivered == 0 and stats.writing == 0, stats
+    assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in DataLoader(
+        Numbered(16, shape=(16,)), batch_size=8, num_workers=1, collate_fn=collate))  # the pool still serves
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_a_program_a_worker_starts_does_not_inherit_the_pool(context):
+    batches = list(DataLoader(SlotDescriptorsInheritable(4), batch_size=2, num_workers=1,
+                              collate_fn=assemble.using(), multiprocessing_context=context))
+    assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in batches)  # the worker held the pool
+    assert [b["inheritable"].tolist() for b in batches] == [[0, 0], [0, 0]]
+
+
+def test_the_pools_file_is_sealed_against_shrinking():
+    pool = SlotPool.create(4)
+    fd = pool.native.fd
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    buffer = claimed(pool.native, 1 << 20, 4)
+    buffer.fill_(3)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)  # what a worker, or a program holding the descriptor, could otherwise do
+    assert torch.all(buffer == 3)
+
+
+def test_the_file_grows_with_the_slots_in_use_not_with_the_capacity():
+    pool = SlotPool.create(64)
+    held = [claimed(pool.native, 1 << 20, 64) for _ in range(3)]
+    stats = pool.native.stats()
+    # The header page, then three regions of 1 MiB + 1/16 (not 64 x 256 GiB up front).
+    assert stats.file_bytes == 4096 + 3 * ((1 << 20) + (1 << 16))
+    del held
+    bigger = claimed(pool.native, 2 << 20, 1)  # slot 0 outgrows its region: a new one at the end
+    assert pool.native.stats().file_bytes == 4096 + 3 * ((1 << 20) + (1 << 16)) + (2 << 20) + (2 << 16)
+    bigger.fill_(1)
+    del bigger
+
+
+def test_a_writer_keeps_few_idle_mappings():
+    # Every slot stays held by its batch (delivered, never received), so each claim takes a new slot; the
+    # writer's views die once sent. Only the mappings of batches it still holds, and four idle ones, stay.
+    install_reducer()
+    pool = SlotPool.create(16)
+    token = pool.native.token
+    messages = []
+    for _ in range(10):
+        buffer = claimed(pool.native, 64 << 10, 16)
+        messages.append(ForkingPickler.dumps(buffer))
+        del buffer
+    inode = str(os.fstat(pool.native.fd).st_ino)
+    mapped = sum(line.split()[4] == inode for line in open("/proc/self/maps"))
+    # The header, four idle slot mappings and the last batch's (trimmed at the next claim); eleven before.
+    assert mapped == 1 + 4 + 1, mapped
+    for message in messages:  # received at last: each slot is lent, then free again
+        assert pickle.loads(message).numel() == 64 << 10
+    assert pool.native.stats().free == 16 and pool.native.token == token
+
+
+FILE_SIZE_LIMIT = """
+import resource, warnings
+import torch
+from torch.utils.data import DataLoader, default_collate
+from fastcollate import assemble
+from fastcollate._ext import _C
+from tests.fault_datasets import Numbered
+from tests.test_assemble_dropin import assert_same
+
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))  # the workers inherit it
+dataset = Numbered(96, shape=(16384,))  # 64 KiB samples: batches of 512 KiB
+collate = assemble.using()
+expected = list(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=default_collate))
+in_slots = count = 0
+for batch, reference in zip(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate), expected):
+    assert_same(batch, reference)  # each batch dropped after: the slots in use stay few
+    in_slots += _C.shared_slot_kind(batch["x"]) == 2
+    count += 1
+assert count == len(expected) == 12
+stats = collate.shared_slot_stats()
+print(in_slots, stats.fresh_fallbacks, stats.file_bytes)
+"""
+
+
+def test_under_a_file_size_limit_the_slots_serve_and_past_it_fall_back_visibly():
+    # Room for the slots in use: every batch arrives over a slot.
+    roomy = run_script(FILE_SIZE_LIMIT.format(limit=32 << 20))
+    assert roomy.returncode == 0, roomy.stderr
+    in_slots, fallbacks, file_bytes = (int(v) for v in roomy.stdout.split())
+    assert in_slots == 12 and fallbacks == 0 and file_bytes <= 32 << 20
+    assert "fastcollate" not in roomy.stderr
+    # Room for two slots only: the same batches as default_collate, the rest in fresh shared memory, said
+    # once per worker with the cause and the fix.
+    tight = run_script(FILE_SIZE_LIMIT.format(limit=(1 << 20) + (1 << 19)))
+    assert tight.returncode == 0, tight.stderr
+    in_slots, fallbacks, file_bytes = (int(v) for v in tight.stdout.split())
+    assert in_slots >= 1 and fallbacks >= 1 and in_slots + fallbacks == 12
+    assert 1 <= tight.stderr.count("RuntimeWarning: fastcollate: a shared slot could not serve") <= 2
+    assert "a file-size limit, ulimit -f" in tight.stderr
+
+
+ADDRESS_SPACE_LIMIT = """
+import resource
+import torch
+from torch.utils.data import DataLoader, default_collate
+from fastcollate import assemble
+from tests.fault_datasets import Numbered
+from tests.test_assemble_dropin import assert_same
+
+def limit_address_space(worker_id):
+    # What the worker has mapped now, plus room for a few batches in flight (as the issue's repro did).
+    size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + {headroom}, resource.RLIM_INFINITY))
+
+dataset = Numbered(12 * 4, shape=(1 << 20,))  # 4 MiB samples: batches of 16 MiB, every one kept
+for collate in (default_collate, assemble.using()):
+    kept = list(DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=collate,
+                           worker_init_fn=limit_address_space, timeout=60))
+    if collate is default_collate:
+        expected = kept
+        print("default_collate:", len(expected), flush=True)
+print("assemble:", len(kept))
+for batch, reference in zip(kept, expected):
+    assert_same(batch, reference)
+"""
+
+
+def test_under_an_address_space_limit_kept_batches_arrive_as_with_default_collate():
+    done = run_script(ADDRESS_SPACE_LIMIT.format(headroom=264 << 20), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["default_collate:", "12", "assemble:", "12"]
+
+
+MAPPING_FAILS = """
+import resource, warnings
+from fastcollate.worker_slots import SlotPool
+
+pool = SlotPool.create(4)
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (16 << 20), resource.RLIM_INFINITY))
+for _ in range(2):
+    assert pool.claim(64 << 20, None) is None  # no room to map a 64 MiB slot: the batch falls back
+stats = pool.native.stats()
+print(stats.free, stats.fresh_fallbacks)
+"""
+
+
+def test_a_slot_that_cannot_be_mapped_falls_back_once_said():
+    done = run_script(MAPPING_FAILS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4", "2"]  # the slot given back, both batches counted
+    assert done.stderr.count("RuntimeWarning: fastcollate: a shared slot could not serve: mapping a slot") == 1
+    assert "the address space is short, ulimit -v" in done.stderr
+
+
+def test_two_threads_starting_workers_at_once_share_one_pool(monkeypatch):
+    create = SlotPool.create.__func__
+
+    def slow_create(cls, capacity):
+        time.sleep(0.3)  # widens the window in which a second thread would make a second pool
+        return create(cls, capacity)
+
+    monkeypatch.setattr(SlotPool, "create", classmethod(slow_create))
+    collate = assemble.using()
+    results: dict[int, object] = {}
+    start = threading.Barrier(2)
+
+    def run(index: int) -> None:
+        try:
+            start.wait()
+            batches = list(DataLoader(Numbered(32), batch_size=8, num_workers=1, collate_fn=collate))
+            results[index] = sorted(i for b in batches for i in b["id"].tolist())
+        except Exception as error:  # noqa: BLE001 - the thread's failure is the test's
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results == {0: list(range(32)), 1: list(range(32))}

@@ -714,6 +714,7 @@ void bind_shared_slots(py::module_& m) {
           py::arg("strides"), py::arg("pin_device"), release_gil)
       .def("reclaim_dead_writers", &SharedSlots::reclaim_dead_writers, release_gil)
       .def("stats", &SharedSlots::stats, release_gil)
+      .def_property_readonly("registration_failures", &SharedSlots::registration_failures)
       .def("describe_slot", &SharedSlots::describe_slot, py::arg("slot"));
   m.def("shared_slot_kind", &shared_slot_kind, py::arg("tensor"),
         "0: not a shared slot; 1: a worker's view of the slot it writes; 2: a batch received from a worker; "

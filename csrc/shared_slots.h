@@ -91,6 +91,7 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // Frees every slot whose writer died while writing it or before it was received; returns how many.
   int64_t reclaim_dead_writers();
   SharedSlotStats stats() const;
+  int64_t registration_failures() const { return registration_failures_.load(); }  // cheap: read per batch
   std::string describe_slot(int64_t slot) const;
 
   // State changes made by the storages lent over slots (see the state word above).

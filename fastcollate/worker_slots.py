@@ -203,7 +203,13 @@ def _receive(
             "its Assembler was deleted while the batch was in flight, or the batch was sent on to another "
             "process"
         )
-    return pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, _pin_device())
+    pin_device = _pin_device()
+    tensor = pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, pin_device)
+    if pin_device >= 0 and pool.native.registration_failures:
+        warn_once("page-locking", "a shared slot could not be page-locked (cudaHostRegister failed: the "
+                  "memlock limit, ulimit -l, or no GPU memory for it); its batches are received pageable and "
+                  "DeviceLoader packs them into its pinned ring (one more host copy each). Raise ulimit -l.")
+    return tensor
 
 
 def _own_copy(data: bytearray, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -253,3 +253,35 @@ def test_two_threads_starting_workers_at_once_share_one_pool(monkeypatch):
     for thread in threads:
         thread.join(120)
     assert results == {0: list(range(32)), 1: list(range(32))}
+
+
+def test_a_slot_that_cannot_be_page_locked_is_said_once(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: page-locking succeeds there")
+    from fastcollate import worker_slots
+
+    monkeypatch.setattr(worker_slots, "_pin_device", lambda: 0)  # as under DeviceLoader
+    monkeypatch.setattr(worker_slots, "_warned", set())
+    pool = SlotPool.create(2)
+    with pytest.warns(RuntimeWarning, match="could not be page-locked") as caught:
+        for _ in range(3):
+            buffer = claimed(pool.native, 4096, 1)
+            token, slot, seq, nbytes, _ = _C.deliver_slot_tensor(buffer)
+            del buffer
+            received = worker_slots._receive(token, slot, seq, nbytes, torch.uint8, 0, (nbytes,), (1,))
+            assert _C.shared_slot_kind(received) == RECEIVED  # received all the same, pageable
+            del received
+    assert len([w for w in caught if "page-locked" in str(w.message)]) == 1
+
+
+def test_a_batch_over_a_slot_is_not_shared_memory_and_share_memory_copies_it_out():
+    collate = assemble.using()
+    batch = next(iter(DataLoader(Numbered(8, shape=(64,)), batch_size=8, num_workers=1, collate_fn=collate)))
+    x = batch["x"]
+    assert _C.shared_slot_kind(x) == RECEIVED and not x.is_shared()  # the pinned behaviour (README: Limits)
+    expected = x.clone()
+    assert collate.shared_slot_stats().lent == 1
+    x.share_memory_()  # torch copies it into fresh shared memory: the slot is no longer used
+    assert x.is_shared() and _C.shared_slot_kind(x) == 0 and torch.equal(x, expected)
+    del batch, x
+    assert settled_stats(collate).lent == 0

@@ -3,7 +3,10 @@
 import gc
 import subprocess
 import sys
+import threading
 import time
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
-from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
+from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble, tree
+from fastcollate.device_loader import _copy_out_hidden, _device_fields, _tensors_inside
+from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import BadFourth, Records
@@ -186,6 +191,155 @@ def test_pack_puts_tensors_at_aligned_offsets_in_one_slot():
         view = buffer[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         assert torch.equal(view, tensor)
     assert not ring.owns(torch.zeros(3))
+
+
+# ---- Lifetimes DeviceLoader guards, on the CPU (a CompletionFlag or a ring stands in for CUDA) ------
+
+
+@dataclass
+class Wrapped:
+    """A custom batch class: one leaf to tree.flatten, so DeviceLoader does not move what it holds."""
+
+    images: torch.Tensor
+    meta: dict
+
+
+class Slotted:
+    __slots__ = ("pair",)
+
+    def __init__(self, pair):
+        self.pair = pair
+
+
+def samples(n, side=16, value=0):
+    return [{"id": i, "image": torch.full((3, side, side), value + i, dtype=torch.uint8)} for i in range(n)]
+
+
+def test_tensors_inside_a_custom_leaf_are_found_and_the_program_is_not_searched():
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    leaf = Wrapped(images=a, meta={"nested": [Slotted((b, "x")), {"c": c}], "fn": print, "mod": torch,
+                                   "cls": Wrapped})
+    found = _tensors_inside(leaf)
+    assert sorted(id(t) for t in found) == sorted(id(t) for t in (a, b, c))
+    assert _tensors_inside("a name") == [] and _tensors_inside(types) == []
+
+
+def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
+    # Item 8 of issue 22: a worker-side wrapper returns a dataclass; its tensors reach the user as they
+    # are. Over a slot DeviceLoader recycles, the user's .to("cuda", non_blocking=True) could still be
+    # reading it by DMA when the slot gets the next batch. A pageable ring stands in for DeviceLoader's
+    # pinned one (a worker's page-locked shared slot is recycled the same way), and a CompletionFlag for
+    # the CUDA event after DeviceLoader's own copy.
+    ring = StagingRing(max_slots=1)
+    batch = assemble.using(ring=ring)(samples(4, value=3))
+    hidden = Wrapped(images=batch["image"], meta={"ids": [batch["id"]]})
+    leaves, _ = tree.flatten({"wrapped": hidden, "name": "kept", "count": 4})
+    slot = torch.empty(0, dtype=torch.uint8).set_(batch["image"].untyped_storage())
+    copy = _C.CompletionFlag()
+    assert ring.hold_until_flag_set(slot, copy)  # DeviceLoader's copy of the fields it found
+
+    assert _copy_out_hidden(leaves, ring.owns) == 2
+    assert not ring.owns(hidden.images) and not ring.owns(hidden.meta["ids"][0])
+    assert torch.equal(hidden.images[:, 0, 0, 0], torch.arange(3, 7, dtype=torch.uint8))
+    assert hidden.meta["ids"][0].tolist() == [0, 1, 2, 3]
+
+    del batch, slot, leaves
+    assert ring.stats().in_use == 1  # only DeviceLoader's own copy holds the slot now
+    copy.set()
+    assert ring.stats().in_use == 0  # the user's batch does not: the slot is recycled...
+    assemble.using(ring=ring)(samples(4, value=100))
+    assert ring.stats().reuses == 1
+    assert hidden.images[0, 0, 0, 0].item() == 3  # ...and what the user holds is not overwritten
+
+
+def test_a_leaf_without_tensors_over_recycled_memory_is_left_as_it_is():
+    kept = torch.arange(4)
+    leaves = ["name", 3, None, Wrapped(images=kept, meta={})]
+    assert _copy_out_hidden(leaves, lambda tensor: False) == 0
+    assert leaves[3].images is kept and leaves[3].images.data_ptr() == kept.data_ptr()
+
+
+def test_small_fields_of_a_large_batch_get_storage_of_their_own():
+    # The device side of item 7: after the one copy, ids and labels are cloned out of the batch's
+    # buffer, so keeping them does not keep the images. A pageable ring slot stands in for the device
+    # buffer; its in_use says whether anything still references it.
+    images = torch.randint(0, 256, (32, 3, 128, 128), dtype=torch.uint8)  # 1.5 MiB: a large batch
+    ids, labels = torch.arange(32), torch.arange(32) % 10
+    host = [images, ids, labels]
+    packed, offsets = StagingRing(max_slots=1).pack(host)
+    nbytes = max(offset + t.nbytes for t, offset in zip(host, offsets, strict=True))
+    assert nbytes >= LARGE_BATCH_BYTES and ids.nbytes <= SMALL_FIELD_BYTES < images.nbytes
+    device = StagingRing(max_slots=1)
+    device_bytes = device.acquire(nbytes)
+    device_bytes.copy_(packed[:nbytes])
+    fields, clones = _device_fields(device_bytes, host, offsets)
+    assert all(torch.equal(got, want) for got, want in zip(fields, host, strict=True))
+    assert [id(t) for t in clones] == [id(fields[1]), id(fields[2])]
+    assert device.owns(fields[0]) and not device.owns(fields[1]) and not device.owns(fields[2])
+    kept = fields[1:]
+    del fields, clones, device_bytes
+    assert device.stats().in_use == 0  # the kept ids and labels do not hold the batch's buffer
+    assert kept[0].tolist() == list(range(32))
+
+    small = [images[:2].contiguous(), ids[:2]]  # a small batch: its fields stay views
+    packed, offsets = StagingRing(max_slots=1).pack(small)
+    fields, clones = _device_fields(packed, small, offsets)
+    assert clones == [] and all(f.untyped_storage().data_ptr() == packed.data_ptr() for f in fields)
+
+
+class FlagEvent:
+    """Stands in for the CUDA event DeviceLoader records after a copy: done once the flag is set."""
+
+    def __init__(self) -> None:
+        self.flag = _C.CompletionFlag()
+
+    def query(self) -> bool:
+        return self.flag.is_set()
+
+    def synchronize(self) -> None:
+        while not self.flag.is_set():
+            time.sleep(0.001)
+
+
+def test_a_device_loader_dropped_without_close_frees_a_shared_slot_only_after_its_copy():
+    # Item 9 of issue 22: DeviceLoader keeps a worker's shared slot (its received batch) until the copy
+    # reading it has run. Dropped without close(), it must still wait, or the slot is free at once and a
+    # sibling loader's worker may write there while the DMA reads it.
+    pool = _C.SharedSlots.create(2)
+    written = pool.claim(4096, 2)
+    written.fill_(5)
+    token, slot, seq, nbytes = _C.deliver_slot_tensor(written)
+    received = pool.receive(slot, seq, nbytes, torch.uint8, 0, [4096], [1], -1)
+    del written
+    device_loader = DeviceLoader([], device="cpu")
+    copied = FlagEvent()
+    device_loader._unpooled.append((copied, received))  # as _stage keeps a slot while its copy runs
+    del received
+    lent_when_the_copy_ended = []
+
+    def copy_ends():
+        lent_when_the_copy_ended.append(pool.stats().lent)
+        copied.flag.set()
+
+    finisher = threading.Timer(0.3, copy_ends)
+    finisher.start()
+    started = time.monotonic()
+    del device_loader
+    waited = time.monotonic() - started
+    finisher.join()
+    assert lent_when_the_copy_ended == [1], "the slot was freed before the copy reading it ended"
+    assert waited >= 0.25
+    stats = pool.stats()
+    assert stats.lent == 0 and stats.free == 2
+
+
+def test_close_waits_for_nothing_more_and_detaches_the_wait():
+    device_loader = DeviceLoader([], device="cpu")
+    done = FlagEvent()
+    done.flag.set()
+    device_loader._unpooled.append((done, torch.zeros(1)))
+    device_loader.close()
+    assert device_loader.stats()["unpooled_in_flight"] == 0 and not device_loader._finalizer.alive
 
 
 # ---- On a GPU -------------------------------------------------------------------------------------

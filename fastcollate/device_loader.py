@@ -276,8 +276,17 @@ class DeviceLoader:
 
     # Staging and hand-over, on the producing side and the consuming side of one batch.
 
+    def _release_copied(self) -> None:
+        """Lets go of the host buffers whose copies have run (in order: each copy's event follows the one
+        before it on the copy stream)."""
+        while self._unpooled and self._unpooled[0][0].query():
+            self._unpooled.popleft()
+
     def _next_from(self, source: Iterator[Any]) -> Any:
         ring = self._ring
+        # Before waiting for the next batch: a worker may need one of these shared slots to write it
+        # (with few slots, holding them through the wait would send it to fresh shared memory).
+        self._release_copied()
         with staging_in(ring) if ring is not None else contextlib.nullcontext():
             return next(source)
 
@@ -289,8 +298,7 @@ class DeviceLoader:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
         stream = self._copy_stream
-        while self._unpooled and self._unpooled[0][0].query():
-            self._unpooled.popleft()
+        self._release_copied()
         self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._page_locked_here)
         with torch.cuda.stream(stream):
             if host:

@@ -522,6 +522,155 @@ def test_batches_stay_intact_when_the_copy_stream_or_the_consumer_lags(lagging):
     assert torch.equal(sums, (ids % 251 + added) * 3 * side * side)
 
 
+# Timing of the shared-slot guard test below, in ms. Its reasoning needs
+#   COPY_LAG < STEP < WORKER < STEP + COPY_LAG  and  WORKER < 2 * STEP,
+# each with 40 ms to spare.
+STEP_MS, WORKER_MS, COPY_LAG_MS = 120, 160, 80
+
+
+class PacedConstant(Constant):
+    """Constant, where the first sample of each batch of 16 takes WORKER_MS: a worker's batch is written
+    into a slot WORKER_MS after DataLoader sent it the batch's indices."""
+
+    def __getitem__(self, index: int) -> dict:
+        if index % 16 == 0:
+            time.sleep(WORKER_MS / 1e3)
+        return super().__getitem__(index)
+
+
+def sleep_cycles(ms: float) -> int:
+    """The torch.cuda._sleep argument that keeps a stream busy for about ``ms`` on this GPU (clock rates
+    differ between GPUs, so measured rather than assumed)."""
+    torch.cuda._sleep(1_000_000)  # the first launch pays for loading the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return int(ms * 20_000_000 / start.elapsed_time(end))
+
+
+@needs_cuda
+def test_a_workers_shared_slot_is_kept_until_its_copy_ran():
+    """Issue 22: the guard that keeps a worker's shared slot until DeviceLoader's copy of it has run
+    (DeviceLoader._unpooled), with every batch from one of two slots (max_shared_slots=2, 2 workers,
+    prefetch_factor=1: two batches in flight). Cannot run without a GPU; reasoned here.
+
+    Each step of the loop below: (1) it queues a sleep of COPY_LAG on DeviceLoader's copy stream; (2)
+    next() releases the slots whose copies ran, receives batch j (DataLoader then sends batch j+2's
+    indices to the worker that wrote j), and queues j's copy behind the sleep: the copy reads j's slot
+    from COPY_LAG after the step began; (3) the next step starts STEP after next() returned. A worker
+    writes batch j+2 into the lowest free slot WORKER after the step that received j.
+
+    With the guard: batch j's slot is held until the first step after its copy ran, step j+1
+    (COPY_LAG < STEP), so when batch j+2 is written (WORKER > STEP) only batch j+1's slot is held, and
+    the other one is free: every batch comes from a slot, none from fresh shared memory.
+
+    Without it (a received batch's slot freed as soon as its copy is queued), both slots are free when
+    batch j+2 is written, STEP + (WORKER - STEP) after j was received, and the lowest one is taken:
+    the one of batch j+1 (each batch takes it), whose copy reads it until STEP + COPY_LAG > WORKER
+    after j was received. So batch j+1 arrives on the device with batch j+2's bytes, and the sums below
+    fail for most batches.
+
+    The first two batches are written at once, into both slots: the release in (2) frees both (their
+    copies ran in the first step) before the next two are written."""
+    side, batch_size, batches = 128, 16, 20
+    collate = Assembler(max_shared_slots=2)
+    source = DataLoader(PacedConstant(batch_size * batches, side), batch_size=batch_size, num_workers=2,
+                        prefetch_factor=1, collate_fn=collate)
+    device_loader = DeviceLoader(source, depth=1)
+    lag = sleep_cycles(COPY_LAG_MS)
+    sums, ids = [], []
+    iterator = iter(device_loader)
+    while True:
+        with torch.cuda.stream(device_loader._copy_stream):
+            torch.cuda._sleep(lag)  # the copy next() queues reads its slot COPY_LAG_MS from now
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        returned = time.monotonic()
+        images = batch["image"]
+        sums.append(images.reshape(images.shape[0], -1).sum(1))
+        ids.append(batch["id"].clone())
+        del batch, images
+        time.sleep(max(0.0, STEP_MS / 1e3 - (time.monotonic() - returned)))
+    torch.cuda.synchronize()
+    stats, slots = device_loader.stats(), collate.shared_slot_stats()
+    assert stats["direct_from_slot"] == stats["batches"] == batches and slots.fresh_fallbacks == 0, (
+        f"not every batch came from a shared slot ({stats}; {slots}): the timing this test relies on "
+        "did not hold, so it did not test the guard")
+    ids = torch.cat(ids).cpu()
+    assert ids.tolist() == list(range(batch_size * batches))
+    assert torch.equal(torch.cat(sums).cpu(), (ids % 251) * 3 * side * side), \
+        "a batch reached the device with bytes a worker wrote into its slot while its copy was pending"
+    # Page-locked now: the two slots, each mapped with 1/16 headroom (the bound (2w+4) x batch bytes
+    # with the default max_shared_slots; 2 x here).
+    batch_bytes = batch_size * (3 * side * side + 8)
+    assert slots.slots_used == 2 and 0 < slots.registered_bytes <= 2 * (batch_bytes * 17 // 16 + 2 * 4096)
+    device_loader.close()
+
+
+class Labelled(Constant):
+    def __getitem__(self, index: int) -> dict:
+        return {**super().__getitem__(index), "label": index % 10}
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ids_and_labels_kept_for_an_epoch_hold_only_their_own_device_memory(workers):
+    # Issue 22, item 7 on the device: a batch's fields were views of its one device copy, so keeping
+    # the ids and labels (for metrics) kept every batch's images on the device too.
+    side, batch_size, batches = 128, 32, 12  # 1.5 MiB a batch: ids and labels are small fields of it
+    source = DataLoader(Labelled(batch_size * batches, side), batch_size=batch_size, num_workers=workers,
+                        collate_fn=assemble.using())
+    device_loader = DeviceLoader(source, depth=2)
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    kept = []
+    for batch in device_loader:
+        kept += [batch["id"], batch["label"]]
+        assert batch["image"].is_cuda and batch["id"].is_cuda
+        del batch
+    torch.cuda.synchronize()
+    gc.collect()
+    held = torch.cuda.memory_allocated() - before
+    own = sum((t.nbytes + 511) // 512 * 512 for t in kept)  # the caching allocator rounds to 512 bytes
+    assert held <= own, f"{len(kept)} ids and labels ({own} bytes, rounded) hold {held} bytes of device memory"
+    assert device_loader.stats()["small_field_clones"] == len(kept)
+    assert torch.equal(torch.cat(kept[::2]).cpu(), torch.arange(batch_size * batches))
+    device_loader.close()
+
+
+def collate_into_a_custom_leaf(samples):
+    """A worker-side wrapper: the batch's images, and a custom object holding a view of them and the ids."""
+    batch = assemble(samples)
+    return {"image": batch["image"], "extra": Wrapped(images=batch["image"][:2], meta={"ids": batch["id"]})}
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_tensors_in_a_custom_leaf_never_reach_the_user_page_locked(workers):
+    # Issue 22, item 8: over a recycled page-locked slot, the user's own non_blocking copy of them could
+    # still be reading when the slot gets the next batch.
+    source = DataLoader(Constant(64, 32), batch_size=8, num_workers=workers,
+                        collate_fn=collate_into_a_custom_leaf)
+    device_loader = DeviceLoader(source, depth=2)
+    count = 0
+    for batch in device_loader:
+        extra = batch["extra"]
+        assert batch["image"].is_cuda and not extra.images.is_cuda
+        for tensor in (extra.images, extra.meta["ids"]):
+            assert not tensor.is_pinned() and _C.shared_slot_kind(tensor) == 0
+            assert not device_loader._ring.owns(tensor)
+        assert torch.equal(extra.images, batch["image"][:2].cpu())
+        assert extra.meta["ids"].tolist() == list(range(8 * count, 8 * count + 8))
+        count += 1
+    assert device_loader.stats()["hidden_pinned_copies"] == 2 * count == 16
+    device_loader.close()
+
+
 def keeps_the_first_batch(loader):
     """A source that holds on to its first host batch (as a logging wrapper might), so the ring's one
     slot stays taken and every later batch goes through a fresh buffer outside the ring."""

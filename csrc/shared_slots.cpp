@@ -141,9 +141,10 @@ struct SharedSlots::Mapping {
   pid_t pid = 0;                        // a forked child inherits the mapping but not the CUDA registration
   std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
   bool registration_failed = false;     // tried once: not again on every batch
+  int64_t device = -1;                  // the CUDA device it was registered with: unregistered there too
   ~Mapping() {
     if (registered.load() && ::getpid() == pid) {
-      unregister_host_memory(base);
+      unregister_host_memory(base, device);
     }
     ::munmap(base, length);
   }
@@ -523,6 +524,7 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
       if (pin_device >= 0 && !mapping->registered.load() && !mapping->registration_failed) {
         try {
           register_host_memory(mapping->base, mapping->length, pin_device);
+          mapping->device = pin_device;
           mapping->registered.store(true);
           ++registrations_;
         } catch (const std::exception&) {
@@ -605,6 +607,16 @@ SharedSlotStats SharedSlots::stats() const {
   out.mappings = mappings_.load();
   out.registrations = registrations_.load();
   out.registration_failures = registration_failures_.load();
+  // Only the owner receives (and so page-locks). A worker forked while a thread here was receiving
+  // inherits reader_mutex_ locked, so it must not take it: its inherited mappings are not locked in it.
+  if (owner_pid() == ::getpid()) {
+    std::lock_guard<std::mutex> lock(reader_mutex_);
+    for (const auto& mapping : pinned_maps_) {
+      if (mapping && mapping->registered.load() && mapping->pid == ::getpid()) {
+        out.registered_bytes += static_cast<int64_t>(mapping->length);
+      }
+    }
+  }
   return out;
 }
 
@@ -682,7 +694,8 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("receipts", &Stats::receipts)
       .def_readonly("mappings", &Stats::mappings)
       .def_readonly("registrations", &Stats::registrations)
-      .def_readonly("registration_failures", &Stats::registration_failures);
+      .def_readonly("registration_failures", &Stats::registration_failures)
+      .def_readonly("registered_bytes", &Stats::registered_bytes);
   const py::call_guard<py::gil_scoped_release> release_gil;
   py::class_<SharedSlots, std::shared_ptr<SharedSlots>>(m, "SharedSlots")
       .def_static("create", &SharedSlots::create, py::arg("capacity"))

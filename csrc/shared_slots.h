@@ -48,6 +48,7 @@ struct SharedSlotStats {
   int64_t mappings = 0;               // slot mappings this process made (new slots and grown ones)
   int64_t registrations = 0;          // of those, registered with CUDA (page-locked)
   int64_t registration_failures = 0;  // mappings left pageable because page-locking them failed
+  int64_t registered_bytes = 0;       // bytes of this process's mappings page-locked now
 };
 
 // Why claim() gave no slot: `cause` is "bound" (every slot below the bound is held, after taking back
@@ -121,7 +122,7 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // This process's mappings and receipts (the header is lock-free). The writer's side has its own lock,
   // which the main process never takes: a worker forked while a main-process thread is receiving
   // inherits `reader_mutex_` locked, and must not need it.
-  std::mutex reader_mutex_;
+  mutable std::mutex reader_mutex_;  // mutable: stats() reads the pinned mappings under it
   std::mutex writer_mutex_;
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
   std::vector<std::shared_ptr<Mapping>> reader_maps_;
@@ -147,7 +148,7 @@ std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor);
 
 // Page-locks (and unlocks) host memory this process mapped, for CUDA copies. CUDA builds only.
 void register_host_memory(void* ptr, size_t bytes, int64_t device);
-void unregister_host_memory(void* ptr);
+void unregister_host_memory(void* ptr, int64_t device);  // `device`: the one it was registered with
 
 void bind_shared_slots(pybind11::module_& m);
 

@@ -63,7 +63,7 @@ void register_host_memory(void*, size_t, int64_t) {
   TORCH_CHECK(false, "fastcollate was built without CUDA: shared slots cannot be page-locked");
 }
 
-void unregister_host_memory(void*) {}
+void unregister_host_memory(void*, int64_t) {}
 #endif
 
 void CompletionFlag::set() {

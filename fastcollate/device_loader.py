@@ -13,10 +13,13 @@ no tensor references it; device memory is tied to the consumer stream with ``rec
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing.connection
 import signal
 import threading
 import time
+import types
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from torch.profiler import record_function
 from . import tree
 from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
+from .small_fields import needs_own_storage
 from .staging import StagingRing, staging_in
 from .transforms import apply_to_fields
 
@@ -50,6 +54,85 @@ def _read_through(name: str) -> property:
             ) from None
 
     return property(get, doc=f"The wrapped loader's ``{name}``.")
+
+
+# Leaves that hold no tensor: not searched (see _tensors_inside).
+_PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+# Objects not entered while searching a leaf for tensors: they lead to the whole program (a type to its
+# module, a function to its globals), not to the batch.
+_NOT_ENTERED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                types.CodeType, types.FrameType, weakref.ref)
+_SEARCH_LIMIT = 100_000  # objects visited per leaf at most
+
+
+def _tensors_inside(leaf: Any) -> list[torch.Tensor]:
+    """The tensors a leaf ``tree.flatten`` does not open (a dataclass, a custom batch class) refers to,
+    directly or through its attributes and containers, as the garbage collector sees them."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [leaf]
+    while todo and len(seen) < _SEARCH_LIMIT:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif not isinstance(item, _NOT_ENTERED):
+            todo.extend(gc.get_referents(item))
+    return found
+
+
+def _copy_out_hidden(leaves: list[Any], page_locked: Callable[[torch.Tensor], bool]) -> int:
+    """Moves every tensor hidden in a leaf DeviceLoader does not open out of page-locked memory this
+    loader recycles (its ring's slots; workers' shared slots it page-locked), in place; returns how many.
+
+    DeviceLoader copies to the device only the tensors ``tree.flatten`` finds, and guards their memory
+    until its own copy ran. A tensor inside a custom object reaches the user as it is: if it were over a
+    recycled page-locked slot, the user's ``.to("cuda", non_blocking=True)`` would read it by DMA after
+    the call returned, and once the user dropped the batch a worker (or the ring) could write the next
+    batch into the slot while that DMA still reads it: torch guards only its own pinned allocator's
+    blocks that way. Over pageable memory (a plain clone) such a copy is staged by the driver before the
+    call returns, as with ``default_collate``'s batches."""
+    moved = 0
+    for leaf in leaves:
+        if isinstance(leaf, (torch.Tensor, *_PLAIN_LEAVES)):
+            continue
+        for tensor in _tensors_inside(leaf):
+            if tensor.device.type == "cpu" and page_locked(tensor):
+                tensor.data = tensor.clone()  # the same Python object, over memory of its own
+                moved += 1
+    return moved
+
+
+def _device_fields(device_bytes: torch.Tensor, host: list[torch.Tensor],
+                   offsets: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The device tensors of ``host`` (at ``offsets`` in ``device_bytes``, the batch's one copy), and
+    those of them that got storage of their own. A small field of a large batch (ids, labels, lengths:
+    ``small_fields.needs_own_storage``) is cloned, so that keeping it for metrics does not keep the
+    whole batch (its images) on the device; every other field is a view of the one copy. Runs on the
+    copy stream, after the copy."""
+    batch_bytes = device_bytes.numel()
+    fields, clones = [], []
+    for leaf, offset in zip(host, offsets, strict=True):
+        field = device_bytes[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+        if needs_own_storage(leaf.nbytes, batch_bytes):
+            field = field.clone()
+            clones.append(field)
+        fields.append(field)
+    return fields, clones
+
+
+def _wait_for_copies(unpooled: deque) -> None:
+    """Lets the host buffers that DeviceLoader's copies still read go only once those copies ran: run
+    when a DeviceLoader is dropped without ``close()`` (and at exit), as the staging ring's destructor
+    waits for its slots' copies. Without it a worker's shared slot would be free at once, and a sibling
+    loader sharing the Assembler could have a worker write into it while the DMA still reads it."""
+    while unpooled:
+        event, _ = unpooled[0]
+        with contextlib.suppress(Exception):  # at exit the CUDA runtime may be gone: nothing to wait for
+            event.synchronize()
+        unpooled.popleft()
 
 
 @dataclass
@@ -116,10 +199,13 @@ class DeviceLoader:
                 self.copy_events = deque(maxlen=4096)
         elif self.device.type != "cpu":
             raise ValueError(f"DeviceLoader: device must be 'cuda' or 'cpu', got {self.device}")
-        self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0}
+        self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0, "small_field_clones": 0,
+                        "hidden_pinned_copies": 0}
         # Host buffers from outside the ring (it overflowed, or a worker's shared slot) that a copy may
-        # still read: each is kept with the event recorded after its copy until that event completes.
+        # still read: each is kept with the event recorded after its copy until that event completes,
+        # also when this loader is dropped without close() (the finalizer waits for the events).
         self._unpooled: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._finalizer = weakref.finalize(self, _wait_for_copies, self._unpooled)
         self._closed = False
 
     def __len__(self) -> int:
@@ -159,6 +245,7 @@ class DeviceLoader:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
         self._unpooled.clear()
+        self._finalizer.detach()
         if self._ring is not None:
             self._ring.trim()
         self._ring = None
@@ -173,7 +260,9 @@ class DeviceLoader:
     def stats(self) -> dict[str, int]:
         """batches handed out; host_packs (batches copied into a slot on the host) and
         direct_from_slot (batches already in a pinned slot: this ring's, or a worker's shared one);
-        pinned_bytes held and pinned_allocations made."""
+        small_field_clones (small fields of large batches given device storage of their own);
+        hidden_pinned_copies (tensors inside leaves DeviceLoader does not open, copied out of page-locked
+        slots); pinned_bytes held and pinned_allocations made."""
         ring = self._ring.stats() if self._ring is not None else None
         return {
             **self._counts,
@@ -187,8 +276,17 @@ class DeviceLoader:
 
     # Staging and hand-over, on the producing side and the consuming side of one batch.
 
+    def _release_copied(self) -> None:
+        """Lets go of the host buffers whose copies have run (in order: each copy's event follows the one
+        before it on the copy stream)."""
+        while self._unpooled and self._unpooled[0][0].query():
+            self._unpooled.popleft()
+
     def _next_from(self, source: Iterator[Any]) -> Any:
         ring = self._ring
+        # Before waiting for the next batch: a worker may need one of these shared slots to write it
+        # (with few slots, holding them through the wait would send it to fresh shared memory).
+        self._release_copied()
         with staging_in(ring) if ring is not None else contextlib.nullcontext():
             return next(source)
 
@@ -200,16 +298,17 @@ class DeviceLoader:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
         stream = self._copy_stream
-        while self._unpooled and self._unpooled[0][0].query():
-            self._unpooled.popleft()
+        self._release_copied()
+        self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._page_locked_here)
         with torch.cuda.stream(stream):
             if host:
                 buffer, offsets = self._into_slot([leaves[i] for i in host])
                 nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
+                device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 if self.copy_events is not None:
+                    # After the allocation: the interval is the copy's, for h2d_efficiency.
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(stream)
-                device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 device_bytes.copy_(buffer[:nbytes], non_blocking=True)
                 if self.copy_events is not None:
                     end.record(stream)
@@ -218,10 +317,14 @@ class DeviceLoader:
                     copied = torch.cuda.Event()
                     copied.record(stream)
                     self._unpooled.append((copied, buffer))  # not the ring's: keep it alive until then
-                for i, offset in zip(host, offsets, strict=True):
-                    leaf = leaves[i]
-                    leaves[i] = device_bytes[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+                fields, clones = _device_fields(device_bytes, [leaves[i] for i in host], offsets)
+                for i, field in zip(host, fields, strict=True):
+                    leaves[i] = field
+                # The clones were made on the copy stream too: tied to the consumer's like the batch.
                 staged.device_tensors.append(device_bytes)
+                staged.device_tensors.extend(clones)
+                self._counts["small_field_clones"] += len(clones)
+                del fields, clones
             out = rebuild(leaves)
             del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
             out = apply_to_fields(out, self.transforms)
@@ -236,6 +339,12 @@ class DeviceLoader:
             staged.ready = torch.cuda.Event()
             staged.ready.record(stream)
         return staged
+
+    def _page_locked_here(self, tensor: torch.Tensor) -> bool:
+        """True for a tensor over page-locked memory this loader recycles: its ring's slots, or a
+        worker's shared slot page-locked when DeviceLoader received the batch."""
+        return _C.shared_slot_kind(tensor) == _PINNED_SHARED_SLOT or (
+            self._ring is not None and self._ring.owns(tensor))
 
     def _into_slot(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The slot holding ``tensors`` and their byte offsets: the one ``assemble`` already wrote them

@@ -76,6 +76,7 @@ class SharedSlotStats:
     mappings: int
     registrations: int
     registration_failures: int
+    registered_bytes: int  # bytes of this process's slot mappings page-locked now (DeviceLoader's)
 
 
 def slots_switched_on(requested: bool) -> bool:

@@ -3,7 +3,10 @@
 import gc
 import subprocess
 import sys
+import threading
 import time
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
-from fastcollate import ContractError, DeviceLoader, Normalize, StagingRing, assemble
+from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble, tree
+from fastcollate.device_loader import _copy_out_hidden, _device_fields, _tensors_inside
+from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
 from tests.test_assemble_dropin import assert_same
 from tests.worker_datasets import BadFourth, Records
@@ -186,6 +191,155 @@ def test_pack_puts_tensors_at_aligned_offsets_in_one_slot():
         view = buffer[offset: offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         assert torch.equal(view, tensor)
     assert not ring.owns(torch.zeros(3))
+
+
+# ---- Lifetimes DeviceLoader guards, on the CPU (a CompletionFlag or a ring stands in for CUDA) ------
+
+
+@dataclass
+class Wrapped:
+    """A custom batch class: one leaf to tree.flatten, so DeviceLoader does not move what it holds."""
+
+    images: torch.Tensor
+    meta: dict
+
+
+class Slotted:
+    __slots__ = ("pair",)
+
+    def __init__(self, pair):
+        self.pair = pair
+
+
+def samples(n, side=16, value=0):
+    return [{"id": i, "image": torch.full((3, side, side), value + i, dtype=torch.uint8)} for i in range(n)]
+
+
+def test_tensors_inside_a_custom_leaf_are_found_and_the_program_is_not_searched():
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    leaf = Wrapped(images=a, meta={"nested": [Slotted((b, "x")), {"c": c}], "fn": print, "mod": torch,
+                                   "cls": Wrapped})
+    found = _tensors_inside(leaf)
+    assert sorted(id(t) for t in found) == sorted(id(t) for t in (a, b, c))
+    assert _tensors_inside("a name") == [] and _tensors_inside(types) == []
+
+
+def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
+    # Item 8 of issue 22: a worker-side wrapper returns a dataclass; its tensors reach the user as they
+    # are. Over a slot DeviceLoader recycles, the user's .to("cuda", non_blocking=True) could still be
+    # reading it by DMA when the slot gets the next batch. A pageable ring stands in for DeviceLoader's
+    # pinned one (a worker's page-locked shared slot is recycled the same way), and a CompletionFlag for
+    # the CUDA event after DeviceLoader's own copy.
+    ring = StagingRing(max_slots=1)
+    batch = assemble.using(ring=ring)(samples(4, value=3))
+    hidden = Wrapped(images=batch["image"], meta={"ids": [batch["id"]]})
+    leaves, _ = tree.flatten({"wrapped": hidden, "name": "kept", "count": 4})
+    slot = torch.empty(0, dtype=torch.uint8).set_(batch["image"].untyped_storage())
+    copy = _C.CompletionFlag()
+    assert ring.hold_until_flag_set(slot, copy)  # DeviceLoader's copy of the fields it found
+
+    assert _copy_out_hidden(leaves, ring.owns) == 2
+    assert not ring.owns(hidden.images) and not ring.owns(hidden.meta["ids"][0])
+    assert torch.equal(hidden.images[:, 0, 0, 0], torch.arange(3, 7, dtype=torch.uint8))
+    assert hidden.meta["ids"][0].tolist() == [0, 1, 2, 3]
+
+    del batch, slot, leaves
+    assert ring.stats().in_use == 1  # only DeviceLoader's own copy holds the slot now
+    copy.set()
+    assert ring.stats().in_use == 0  # the user's batch does not: the slot is recycled...
+    assemble.using(ring=ring)(samples(4, value=100))
+    assert ring.stats().reuses == 1
+    assert hidden.images[0, 0, 0, 0].item() == 3  # ...and what the user holds is not overwritten
+
+
+def test_a_leaf_without_tensors_over_recycled_memory_is_left_as_it_is():
+    kept = torch.arange(4)
+    leaves = ["name", 3, None, Wrapped(images=kept, meta={})]
+    assert _copy_out_hidden(leaves, lambda tensor: False) == 0
+    assert leaves[3].images is kept and leaves[3].images.data_ptr() == kept.data_ptr()
+
+
+def test_small_fields_of_a_large_batch_get_storage_of_their_own():
+    # The device side of item 7: after the one copy, ids and labels are cloned out of the batch's
+    # buffer, so keeping them does not keep the images. A pageable ring slot stands in for the device
+    # buffer; its in_use says whether anything still references it.
+    images = torch.randint(0, 256, (32, 3, 128, 128), dtype=torch.uint8)  # 1.5 MiB: a large batch
+    ids, labels = torch.arange(32), torch.arange(32) % 10
+    host = [images, ids, labels]
+    packed, offsets = StagingRing(max_slots=1).pack(host)
+    nbytes = max(offset + t.nbytes for t, offset in zip(host, offsets, strict=True))
+    assert nbytes >= LARGE_BATCH_BYTES and ids.nbytes <= SMALL_FIELD_BYTES < images.nbytes
+    device = StagingRing(max_slots=1)
+    device_bytes = device.acquire(nbytes)
+    device_bytes.copy_(packed[:nbytes])
+    fields, clones = _device_fields(device_bytes, host, offsets)
+    assert all(torch.equal(got, want) for got, want in zip(fields, host, strict=True))
+    assert [id(t) for t in clones] == [id(fields[1]), id(fields[2])]
+    assert device.owns(fields[0]) and not device.owns(fields[1]) and not device.owns(fields[2])
+    kept = fields[1:]
+    del fields, clones, device_bytes
+    assert device.stats().in_use == 0  # the kept ids and labels do not hold the batch's buffer
+    assert kept[0].tolist() == list(range(32))
+
+    small = [images[:2].contiguous(), ids[:2]]  # a small batch: its fields stay views
+    packed, offsets = StagingRing(max_slots=1).pack(small)
+    fields, clones = _device_fields(packed, small, offsets)
+    assert clones == [] and all(f.untyped_storage().data_ptr() == packed.data_ptr() for f in fields)
+
+
+class FlagEvent:
+    """Stands in for the CUDA event DeviceLoader records after a copy: done once the flag is set."""
+
+    def __init__(self) -> None:
+        self.flag = _C.CompletionFlag()
+
+    def query(self) -> bool:
+        return self.flag.is_set()
+
+    def synchronize(self) -> None:
+        while not self.flag.is_set():
+            time.sleep(0.001)
+
+
+def test_a_device_loader_dropped_without_close_frees_a_shared_slot_only_after_its_copy():
+    # Item 9 of issue 22: DeviceLoader keeps a worker's shared slot (its received batch) until the copy
+    # reading it has run. Dropped without close(), it must still wait, or the slot is free at once and a
+    # sibling loader's worker may write there while the DMA reads it.
+    pool = _C.SharedSlots.create(2)
+    written = pool.claim(4096, 2)
+    written.fill_(5)
+    token, slot, seq, nbytes = _C.deliver_slot_tensor(written)
+    received = pool.receive(slot, seq, nbytes, torch.uint8, 0, [4096], [1], -1)
+    del written
+    device_loader = DeviceLoader([], device="cpu")
+    copied = FlagEvent()
+    device_loader._unpooled.append((copied, received))  # as _stage keeps a slot while its copy runs
+    del received
+    lent_when_the_copy_ended = []
+
+    def copy_ends():
+        lent_when_the_copy_ended.append(pool.stats().lent)
+        copied.flag.set()
+
+    finisher = threading.Timer(0.3, copy_ends)
+    finisher.start()
+    started = time.monotonic()
+    del device_loader
+    waited = time.monotonic() - started
+    finisher.join()
+    assert lent_when_the_copy_ended == [1], "the slot was freed before the copy reading it ended"
+    assert waited >= 0.25
+    stats = pool.stats()
+    assert stats.lent == 0 and stats.free == 2
+
+
+def test_close_waits_for_nothing_more_and_detaches_the_wait():
+    device_loader = DeviceLoader([], device="cpu")
+    done = FlagEvent()
+    done.flag.set()
+    device_loader._unpooled.append((done, torch.zeros(1)))
+    device_loader.close()
+    assert device_loader.stats()["unpooled_in_flight"] == 0 and not device_loader._finalizer.alive
 
 
 # ---- On a GPU -------------------------------------------------------------------------------------
@@ -366,6 +520,155 @@ def test_batches_stay_intact_when_the_copy_stream_or_the_consumer_lags(lagging):
     assert ids.tolist() == list(range(n))
     added = 1 if lagging == "copy_stream" else 0
     assert torch.equal(sums, (ids % 251 + added) * 3 * side * side)
+
+
+# Timing of the shared-slot guard test below, in ms. Its reasoning needs
+#   COPY_LAG < STEP < WORKER < STEP + COPY_LAG  and  WORKER < 2 * STEP,
+# each with 40 ms to spare.
+STEP_MS, WORKER_MS, COPY_LAG_MS = 120, 160, 80
+
+
+class PacedConstant(Constant):
+    """Constant, where the first sample of each batch of 16 takes WORKER_MS: a worker's batch is written
+    into a slot WORKER_MS after DataLoader sent it the batch's indices."""
+
+    def __getitem__(self, index: int) -> dict:
+        if index % 16 == 0:
+            time.sleep(WORKER_MS / 1e3)
+        return super().__getitem__(index)
+
+
+def sleep_cycles(ms: float) -> int:
+    """The torch.cuda._sleep argument that keeps a stream busy for about ``ms`` on this GPU (clock rates
+    differ between GPUs, so measured rather than assumed)."""
+    torch.cuda._sleep(1_000_000)  # the first launch pays for loading the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return int(ms * 20_000_000 / start.elapsed_time(end))
+
+
+@needs_cuda
+def test_a_workers_shared_slot_is_kept_until_its_copy_ran():
+    """Issue 22: the guard that keeps a worker's shared slot until DeviceLoader's copy of it has run
+    (DeviceLoader._unpooled), with every batch from one of two slots (max_shared_slots=2, 2 workers,
+    prefetch_factor=1: two batches in flight). Cannot run without a GPU; reasoned here.
+
+    Each step of the loop below: (1) it queues a sleep of COPY_LAG on DeviceLoader's copy stream; (2)
+    next() releases the slots whose copies ran, receives batch j (DataLoader then sends batch j+2's
+    indices to the worker that wrote j), and queues j's copy behind the sleep: the copy reads j's slot
+    from COPY_LAG after the step began; (3) the next step starts STEP after next() returned. A worker
+    writes batch j+2 into the lowest free slot WORKER after the step that received j.
+
+    With the guard: batch j's slot is held until the first step after its copy ran, step j+1
+    (COPY_LAG < STEP), so when batch j+2 is written (WORKER > STEP) only batch j+1's slot is held, and
+    the other one is free: every batch comes from a slot, none from fresh shared memory.
+
+    Without it (a received batch's slot freed as soon as its copy is queued), both slots are free when
+    batch j+2 is written, STEP + (WORKER - STEP) after j was received, and the lowest one is taken:
+    the one of batch j+1 (each batch takes it), whose copy reads it until STEP + COPY_LAG > WORKER
+    after j was received. So batch j+1 arrives on the device with batch j+2's bytes, and the sums below
+    fail for most batches.
+
+    The first two batches are written at once, into both slots: the release in (2) frees both (their
+    copies ran in the first step) before the next two are written."""
+    side, batch_size, batches = 128, 16, 20
+    collate = Assembler(max_shared_slots=2)
+    source = DataLoader(PacedConstant(batch_size * batches, side), batch_size=batch_size, num_workers=2,
+                        prefetch_factor=1, collate_fn=collate)
+    device_loader = DeviceLoader(source, depth=1)
+    lag = sleep_cycles(COPY_LAG_MS)
+    sums, ids = [], []
+    iterator = iter(device_loader)
+    while True:
+        with torch.cuda.stream(device_loader._copy_stream):
+            torch.cuda._sleep(lag)  # the copy next() queues reads its slot COPY_LAG_MS from now
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        returned = time.monotonic()
+        images = batch["image"]
+        sums.append(images.reshape(images.shape[0], -1).sum(1))
+        ids.append(batch["id"].clone())
+        del batch, images
+        time.sleep(max(0.0, STEP_MS / 1e3 - (time.monotonic() - returned)))
+    torch.cuda.synchronize()
+    stats, slots = device_loader.stats(), collate.shared_slot_stats()
+    assert stats["direct_from_slot"] == stats["batches"] == batches and slots.fresh_fallbacks == 0, (
+        f"not every batch came from a shared slot ({stats}; {slots}): the timing this test relies on "
+        "did not hold, so it did not test the guard")
+    ids = torch.cat(ids).cpu()
+    assert ids.tolist() == list(range(batch_size * batches))
+    assert torch.equal(torch.cat(sums).cpu(), (ids % 251) * 3 * side * side), \
+        "a batch reached the device with bytes a worker wrote into its slot while its copy was pending"
+    # Page-locked now: the two slots, each mapped with 1/16 headroom (the bound (2w+4) x batch bytes
+    # with the default max_shared_slots; 2 x here).
+    batch_bytes = batch_size * (3 * side * side + 8)
+    assert slots.slots_used == 2 and 0 < slots.registered_bytes <= 2 * (batch_bytes * 17 // 16 + 2 * 4096)
+    device_loader.close()
+
+
+class Labelled(Constant):
+    def __getitem__(self, index: int) -> dict:
+        return {**super().__getitem__(index), "label": index % 10}
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ids_and_labels_kept_for_an_epoch_hold_only_their_own_device_memory(workers):
+    # Issue 22, item 7 on the device: a batch's fields were views of its one device copy, so keeping
+    # the ids and labels (for metrics) kept every batch's images on the device too.
+    side, batch_size, batches = 128, 32, 12  # 1.5 MiB a batch: ids and labels are small fields of it
+    source = DataLoader(Labelled(batch_size * batches, side), batch_size=batch_size, num_workers=workers,
+                        collate_fn=assemble.using())
+    device_loader = DeviceLoader(source, depth=2)
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    kept = []
+    for batch in device_loader:
+        kept += [batch["id"], batch["label"]]
+        assert batch["image"].is_cuda and batch["id"].is_cuda
+        del batch
+    torch.cuda.synchronize()
+    gc.collect()
+    held = torch.cuda.memory_allocated() - before
+    own = sum((t.nbytes + 511) // 512 * 512 for t in kept)  # the caching allocator rounds to 512 bytes
+    assert held <= own, f"{len(kept)} ids and labels ({own} bytes, rounded) hold {held} bytes of device memory"
+    assert device_loader.stats()["small_field_clones"] == len(kept)
+    assert torch.equal(torch.cat(kept[::2]).cpu(), torch.arange(batch_size * batches))
+    device_loader.close()
+
+
+def collate_into_a_custom_leaf(samples):
+    """A worker-side wrapper: the batch's images, and a custom object holding a view of them and the ids."""
+    batch = assemble(samples)
+    return {"image": batch["image"], "extra": Wrapped(images=batch["image"][:2], meta={"ids": batch["id"]})}
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_tensors_in_a_custom_leaf_never_reach_the_user_page_locked(workers):
+    # Issue 22, item 8: over a recycled page-locked slot, the user's own non_blocking copy of them could
+    # still be reading when the slot gets the next batch.
+    source = DataLoader(Constant(64, 32), batch_size=8, num_workers=workers,
+                        collate_fn=collate_into_a_custom_leaf)
+    device_loader = DeviceLoader(source, depth=2)
+    count = 0
+    for batch in device_loader:
+        extra = batch["extra"]
+        assert batch["image"].is_cuda and not extra.images.is_cuda
+        for tensor in (extra.images, extra.meta["ids"]):
+            assert not tensor.is_pinned() and _C.shared_slot_kind(tensor) == 0
+            assert not device_loader._ring.owns(tensor)
+        assert torch.equal(extra.images, batch["image"][:2].cpu())
+        assert extra.meta["ids"].tolist() == list(range(8 * count, 8 * count + 8))
+        count += 1
+    assert device_loader.stats()["hidden_pinned_copies"] == 2 * count == 16
+    device_loader.close()
 
 
 def keeps_the_first_batch(loader):

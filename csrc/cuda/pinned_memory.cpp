@@ -15,14 +15,41 @@ namespace fastcollate {
 
 namespace {
 
-void free_pinned(void* ptr) {
-  cudaFreeHost(ptr);
-}
-
 // The device to make current for a runtime call (an OptionalCUDAGuard restores the previous one), so
 // that the call creates no context on GPU 0 for a process that works on another GPU; -1: the current.
 std::optional<c10::DeviceIndex> device_or_current(int64_t device) {
   return device < 0 ? std::nullopt : std::optional<c10::DeviceIndex>(static_cast<c10::DeviceIndex>(device));
+}
+
+// Runs a freeing call with `device` current. Frees run from deleters and destructors, on any thread
+// (a finalizer, DataLoader's pin thread), possibly at exit: with no device current there, the runtime
+// would make a context on GPU 0 for them. They must not throw: if the guard cannot be set (the runtime
+// is shutting down), the call runs without it.
+template <typename Call>
+void on_device_noexcept(int64_t device, Call call) noexcept {
+  try {
+    const c10::cuda::OptionalCUDAGuard guard(device_or_current(device));
+    call();
+    return;
+  } catch (...) {
+  }
+  call();
+}
+
+// A pinned allocation and the device whose context made it (the DataPtr's context).
+struct PinnedBlock {
+  void* ptr;
+  int64_t device;
+};
+
+void free_pinned(void* context) {
+  auto* block = static_cast<PinnedBlock*>(context);
+  on_device_noexcept(block->device, [block] {
+    if (cudaFreeHost(block->ptr) != cudaSuccess) {
+      cudaGetLastError();  // at exit the runtime may be gone already; nothing to do then
+    }
+  });
+  delete block;
 }
 
 }  // namespace
@@ -42,7 +69,14 @@ at::DataPtr allocate_host_memory(size_t bytes, bool pinned, int64_t device) {
                 "). Pinned memory is limited by RAM and the memlock limit (ulimit -l); lower DeviceLoader's depth "
                 "or the batch size, or free pinned memory held elsewhere (e.g. DataLoader(pin_memory=True)).");
   }
-  return at::DataPtr(ptr, ptr, &free_pinned, at::Device(at::kCPU));
+  // The device current now (the guard's, or the caller's): freed with it current, whichever thread
+  // drops the last reference.
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    current = -1;
+  }
+  return at::DataPtr(ptr, new PinnedBlock{ptr, current}, &free_pinned, at::Device(at::kCPU));
 }
 
 bool pinned_memory_available() {
@@ -87,10 +121,12 @@ void register_host_memory(void* ptr, size_t bytes, int64_t device) {
   }
 }
 
-void unregister_host_memory(void* ptr) {
-  if (cudaHostUnregister(ptr) != cudaSuccess) {
-    cudaGetLastError();  // at exit the runtime may be gone already; nothing to do then
-  }
+void unregister_host_memory(void* ptr, int64_t device) {
+  on_device_noexcept(device, [ptr] {
+    if (cudaHostUnregister(ptr) != cudaSuccess) {
+      cudaGetLastError();  // at exit the runtime may be gone already; nothing to do then
+    }
+  });
 }
 
 int64_t built_cuda_version() {

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from . import tree
 from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
-from .small_fields import needs_own_storage
+from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
 from .staging import StagingRing, staging_in
 from .transforms import apply_to_fields
 
@@ -200,7 +200,7 @@ class DeviceLoader:
         elif self.device.type != "cpu":
             raise ValueError(f"DeviceLoader: device must be 'cuda' or 'cpu', got {self.device}")
         self._counts = {"batches": 0, "host_packs": 0, "direct_from_slot": 0, "small_field_clones": 0,
-                        "hidden_pinned_copies": 0}
+                        "small_fields_apart": 0, "hidden_pinned_copies": 0}
         # Host buffers from outside the ring (it overflowed, or a worker's shared slot) that a copy may
         # still read: each is kept with the event recorded after its copy until that event completes,
         # also when this loader is dropped without close() (the finalizer waits for the events).
@@ -261,6 +261,7 @@ class DeviceLoader:
         """batches handed out; host_packs (batches copied into a slot on the host) and
         direct_from_slot (batches already in a pinned slot: this ring's, or a worker's shared one);
         small_field_clones (small fields of large batches given device storage of their own);
+        small_fields_apart (small fields that arrived beside a batch's slot, copied on their own);
         hidden_pinned_copies (tensors inside leaves DeviceLoader does not open, copied out of page-locked
         slots); pinned_bytes held and pinned_allocations made."""
         ring = self._ring.stats() if self._ring is not None else None
@@ -299,8 +300,15 @@ class DeviceLoader:
         staged = _Staged(batch)
         stream = self._copy_stream
         self._release_copied()
-        self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._page_locked_here)
+        self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._direct_slot)
         with torch.cuda.stream(stream):
+            apart = self._small_fields_apart([leaves[i] for i in host]) if host else []
+            for k in apart:
+                # From pageable memory: the driver has read the source when the call returns.
+                leaves[host[k]] = leaves[host[k]].to(self.device, non_blocking=True)
+                staged.device_tensors.append(leaves[host[k]])
+            self._counts["small_fields_apart"] += len(apart)
+            host = [i for k, i in enumerate(host) if k not in apart]
             if host:
                 buffer, offsets = self._into_slot([leaves[i] for i in host])
                 nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
@@ -340,11 +348,22 @@ class DeviceLoader:
             staged.ready.record(stream)
         return staged
 
-    def _page_locked_here(self, tensor: torch.Tensor) -> bool:
-        """True for a tensor over page-locked memory this loader recycles: its ring's slots, or a
-        worker's shared slot page-locked when DeviceLoader received the batch."""
-        return _C.shared_slot_kind(tensor) == _PINNED_SHARED_SLOT or (
-            self._ring is not None and self._ring.owns(tensor))
+    def _direct_slot(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor`` is in a slot a copy can read directly: this ring's, or a shared slot a
+        worker wrote and this process page-locked when it received the batch."""
+        return self._ring.owns(tensor) or _C.shared_slot_kind(tensor) == _PINNED_SHARED_SLOT
+
+    def _small_fields_apart(self, tensors: list[torch.Tensor]) -> list[int]:
+        """The positions of the small tensors beside a batch in a direct slot: a worker sends a large
+        batch's small fields by value (worker_slots), so they arrive with storage of their own. Each
+        crosses as its own small copy and the rest of the batch as one from its slot, instead of packing
+        the whole batch on the host. Empty unless every tensor outside the slot is small."""
+        largest = max(tensors, key=lambda t: t.nbytes)
+        if not self._direct_slot(largest):
+            return []
+        in_slot = largest.untyped_storage().data_ptr()
+        outside = [k for k, t in enumerate(tensors) if t.untyped_storage().data_ptr() != in_slot]
+        return outside if all(tensors[k].nbytes <= SMALL_FIELD_BYTES for k in outside) else []
 
     def _into_slot(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The slot holding ``tensors`` and their byte offsets: the one ``assemble`` already wrote them
@@ -354,7 +373,7 @@ class DeviceLoader:
         # A slot of this ring, or a shared slot a worker wrote and this process page-locked when it
         # received the batch (kept alive by the caller until the copy's event completes).
         if (
-            (self._ring.owns(first) or _C.shared_slot_kind(first) == _PINNED_SHARED_SLOT)
+            self._direct_slot(first)
             and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous()
                     for t in tensors)
         ):

@@ -1,8 +1,9 @@
-"""Did a change move the collate ratios? Runs ``collate_ratios.py`` from two checkouts, alternating
-(before, after, before, after, ...), and sets each target's ratio before against after.
+"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``worker_ratios.py``) from two
+checkouts, alternating (before, after, before, after, ...), and sets each ratio before against after.
 
     python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
-                                      [--json PATH] [-- collate_ratios options, e.g. --threads 1]
+                                      [--bench collate_ratios|worker_ratios]
+                                      [--json PATH] [-- the bench's options, e.g. --threads 1]
 
 Each checkout needs its extension built in place (``make build`` there, or a copied ``fastcollate/_C*.so``
 for a change that touched no C++). A ratio is already a side-by-side measurement within one run
@@ -25,14 +26,40 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_once(checkout: Path, extra: list[str], scratch: Path, label: str) -> dict[str, float]:
-    """One collate_ratios run from ``checkout``: target name -> ratio."""
+def collate_ratios(report: dict) -> dict[str, float]:
+    """Target name -> ratio, from a collate_ratios.py JSON."""
+    return {f"{t['case']} @{t['threads']}t: {t['rule']}": t["ratio"] for t in report["targets"]}
+
+
+def worker_ratios(report: dict) -> dict[str, float]:
+    """Each contender's samples/s over default_collate's at each worker count (median of the per-round
+    paired ratios, warm-up left out), from a worker_ratios.py JSON."""
+    ratios = {}
+    for result in report["results"]:
+        by_round: dict[tuple[int, int], dict[str, float]] = {}
+        for run in result["runs"]:
+            if not run["warmup"]:
+                by_round.setdefault((run["workers"], run["round"]), {})[run["contender"]] = run["samples_per_s"]
+        paired: dict[str, list[float]] = {}
+        for (workers, _), rates in sorted(by_round.items()):
+            for contender, rate in rates.items():
+                if contender != "default_collate":
+                    name = f"{result['dataset']} workers={workers}: {contender} / default_collate"
+                    paired.setdefault(name, []).append(rate / rates["default_collate"])
+        ratios.update({name: statistics.median(values) for name, values in paired.items()})
+    return ratios
+
+
+BENCHES = {"collate_ratios": collate_ratios, "worker_ratios": worker_ratios}
+
+
+def run_once(checkout: Path, bench: str, extra: list[str], scratch: Path, label: str) -> dict[str, float]:
+    """One run of ``bench`` from ``checkout``: ratio name -> ratio."""
     out = scratch / f"{label}.json"
-    command = [sys.executable, str(checkout / "benchmarks" / "collate_ratios.py"), "--json", str(out), *extra]
+    command = [sys.executable, str(checkout / "benchmarks" / f"{bench}.py"), "--json", str(out), *extra]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     subprocess.run(command, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
-    targets = json.loads(out.read_text())["targets"]
-    return {f"{t['case']} @{t['threads']}t: {t['rule']}": t["ratio"] for t in targets}
+    return BENCHES[bench](json.loads(out.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, required=True, help="the checkout before the change")
     parser.add_argument("--after", type=Path, default=HERE.parent, help="the checkout after it (this one)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each checkout, alternating")
+    parser.add_argument("--bench", choices=sorted(BENCHES), default="collate_ratios")
     parser.add_argument("--json", type=Path, default=None, help="write every run's ratios here")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: options for collate_ratios.py")
     args = parser.parse_args(argv)
@@ -52,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.runs):
             for label, checkout in checkouts.items():
                 print(f"run {index + 1}/{args.runs}: {label} ({checkout})", flush=True)
-                runs[label].append(run_once(checkout, extra, Path(scratch), f"{label}-{index}"))
+                runs[label].append(run_once(checkout, args.bench, extra, Path(scratch), f"{label}-{index}"))
     rows = []
     print(f"\n{'target':<78} {'before':>7} {'after':>7} {'after/before':>13}")
     for target in runs["before"][0]:

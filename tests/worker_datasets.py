@@ -48,9 +48,8 @@ class Stream(torch.utils.data.IterableDataset):
             yield {"id": index, "x": torch.full((4, 16), float(index))}
 
 
-class KillsItselfAfterAssembling:
-    """A collate_fn: ``assemble``, then SIGKILL on the batch that holds sample ``bad`` (the slot is
-    claimed and written, not yet sent: a worker dying mid-write, as to the main process it is)."""
+class _FaultAfterAssembling:
+    """A collate_fn: ``assemble``, then ``fault`` on the batch that holds sample ``bad``."""
 
     def __init__(self, assembler, bad: int) -> None:
         self.assembler = assembler
@@ -59,11 +58,19 @@ class KillsItselfAfterAssembling:
     def __call__(self, samples):
         batch = self.assembler(samples)
         if any(sample["id"] == self.bad for sample in samples):
-            import os
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
+            batch = self.fault(batch)
         return batch
+
+
+class KillsItselfAfterAssembling(_FaultAfterAssembling):
+    """SIGKILL on the batch that holds sample ``bad`` (the slot is claimed and written, not yet sent: a
+    worker dying mid-write, as to the main process it is)."""
+
+    def fault(self, batch):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ChangesTheBatch:
@@ -112,18 +119,12 @@ class SlotDescriptorsInheritable(Dataset):
         return {"id": index, "inheritable": inheritable, "x": torch.zeros(4)}
 
 
-class UnpicklableAt:
-    """A collate_fn: ``assemble``, plus a lock (which cannot be pickled) in the batch that holds sample
-    ``bad``: the worker's queue fails to send that batch after pickling its slot tensors."""
+class UnpicklableAt(_FaultAfterAssembling):
+    """A lock (which cannot be pickled) added to the batch that holds sample ``bad``: the worker's queue
+    fails to send that batch after pickling its slot tensors."""
 
-    def __init__(self, assembler, bad: int) -> None:
-        self.assembler = assembler
-        self.bad = bad
-
-    def __call__(self, samples):
+    def fault(self, batch):
         import threading
 
-        batch = self.assembler(samples)
-        if any(sample["id"] == self.bad for sample in samples):
-            batch["lock"] = threading.Lock()
+        batch["lock"] = threading.Lock()
         return batch

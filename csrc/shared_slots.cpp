@@ -442,9 +442,13 @@ void SharedSlots::undeliver(int64_t slot, uint32_t seq) {
   TORCH_CHECK(slot >= 0 && slot < capacity(), "SharedSlots: no slot ", slot);
   auto& word = header_->slot(slot).word;
   uint64_t current = word.load(std::memory_order_acquire);
-  while (state_of(current) == kDelivered && seq_of(current) == seq && writer_holds(current) &&
+  while (state_of(current) == kDelivered && seq_of(current) == seq &&
          pid_of(current) == (::getpid() & static_cast<int64_t>(kPidMask))) {
-    if (word.compare_exchange_weak(current, with_state(current, kWriting), std::memory_order_acq_rel)) {
+    // Back to being written while the writer's view lives (it frees the slot when it dies); free at once
+    // when that view is gone already (torch moved the storage to fresh shared memory earlier in the same
+    // message, for a tensor subclass say).
+    const uint64_t next = writer_holds(current) ? with_state(current, kWriting) : with_state(current, kFree);
+    if (word.compare_exchange_weak(current, next, std::memory_order_acq_rel)) {
       return;
     }
   }
@@ -582,7 +586,7 @@ SharedSlotStats SharedSlots::stats() const {
     out.slots_used += header_->slot(i).region_bytes.load(std::memory_order_relaxed) > 0 ? 1 : 0;
     switch (state_of(word)) {
       case kFree:
-        (writer_holds(word) ? out.lent : out.free) += 1;
+        (writer_holds(word) ? out.kept_by_writers : out.free) += 1;
         break;
       case kWriting:
         out.writing += 1;
@@ -685,6 +689,7 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("writing", &Stats::writing)
       .def_readonly("delivered", &Stats::delivered)
       .def_readonly("lent", &Stats::lent)
+      .def_readonly("kept_by_writers", &Stats::kept_by_writers)
       .def_readonly("slots_used", &Stats::slots_used)
       .def_readonly("bytes_held", &Stats::bytes_held)
       .def_readonly("file_bytes", &Stats::file_bytes)

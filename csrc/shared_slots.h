@@ -38,6 +38,7 @@ struct SharedSlotStats {
   int64_t writing = 0;                // claimed by a worker, being written
   int64_t delivered = 0;              // written and sent, not yet received
   int64_t lent = 0;                   // received: tensors in this process still use it
+  int64_t kept_by_writers = 0;        // received and dropped here, but a worker still holds its own view
   int64_t slots_used = 0;             // slots some batch has been written into
   int64_t bytes_held = 0;             // memory the pool's file holds (touched pages, the header's included)
   int64_t file_bytes = 0;             // the file's size: what a file-size limit (ulimit -f) counts

@@ -357,13 +357,17 @@ class DeviceLoader:
         """The positions of the small tensors beside a batch in a direct slot: a worker sends a large
         batch's small fields by value (worker_slots), so they arrive with storage of their own. Each
         crosses as its own small copy and the rest of the batch as one from its slot, instead of packing
-        the whole batch on the host. Empty unless every tensor outside the slot is small."""
+        the whole batch on the host. Empty unless every tensor outside the slot is small and pageable."""
         largest = max(tensors, key=lambda t: t.nbytes)
         if not self._direct_slot(largest):
             return []
         in_slot = largest.untyped_storage().data_ptr()
         outside = [k for k, t in enumerate(tensors) if t.untyped_storage().data_ptr() != in_slot]
-        return outside if all(tensors[k].nbytes <= SMALL_FIELD_BYTES for k in outside) else []
+        # Pageable ones only: a copy from page-locked memory (another slot) still reads it after the call
+        # returns, and nothing would hold that memory until then. Those are packed with the rest.
+        small_and_pageable = all(tensors[k].nbytes <= SMALL_FIELD_BYTES and not tensors[k].is_pinned()
+                                 for k in outside)
+        return outside if small_and_pageable else []
 
     def _into_slot(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The slot holding ``tensors`` and their byte offsets: the one ``assemble`` already wrote them

@@ -66,6 +66,7 @@ class SharedSlotStats:
     writing: int
     delivered: int
     lent: int
+    kept_by_writers: int
     slots_used: int
     bytes_held: int
     file_bytes: int
@@ -150,8 +151,9 @@ class SlotPool:
         warn_once(
             "bound",
             f"all {min(bound, s.capacity)} shared slots are held ({s.lent} by batches the main process still "
-            f"holds, {s.delivered} sent and not yet received, {s.writing} being written); {where}. "
-            "Drop batches sooner, or raise Assembler(max_shared_slots=...).",
+            f"holds, {s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
+            f"{s.writing} being written); {where}. Drop batches sooner, or raise "
+            "Assembler(max_shared_slots=...) (its default, 2 x num_workers + 4, assumes prefetch_factor 2).",
             stacklevel=4,
         )
 
@@ -261,7 +263,9 @@ def _track_messages(pickler: type) -> None:
 def _reduce_slot_tensor(tensor: torch.Tensor) -> tuple | None:
     """How a tensor over a slot this worker wrote crosses the pipe, or None for the ordinary way."""
     if needs_own_storage(tensor.nbytes, tensor.untyped_storage().nbytes()):
-        data = bytearray(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        # resolve_conj/resolve_neg: a conjugate or negative view has no plain bytes to view as uint8.
+        plain = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        data = bytearray(plain.reshape(-1).view(torch.uint8).numpy())
         return _own_copy, (data, tensor.dtype, tuple(tensor.shape))
     message = _message.delivered
     if message is None:

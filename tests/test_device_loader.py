@@ -774,3 +774,25 @@ def test_a_dataset_error_without_workers_is_raised_as_it_is_and_at_once():
         list(loader)
     assert time.monotonic() - started < 4.0  # the lost-worker path waits 5 s for a worker to exit
     assert getattr(caught.value, "__notes__", []) == []
+
+
+def collate_in_two_parts(samples):
+    """A main-process collate that calls assemble twice: under DeviceLoader both parts land in its pinned
+    ring, in two slots."""
+    images = assemble([{"image": sample["image"]} for sample in samples])
+    labels = assemble([{"id": sample["id"], "label": sample["label"]} for sample in samples])
+    return {**images, **labels}
+
+
+@needs_cuda
+def test_small_fields_in_a_second_pinned_slot_are_packed_not_sent_apart():
+    # Only pageable small fields (those a worker sent by value) may cross on their own: a copy from a
+    # second pinned slot would still read it after the call returned, with nothing holding that slot.
+    side, batch_size = 128, 32  # 1.5 MiB batches
+    source = DataLoader(Labelled(batch_size * 4, side), batch_size=batch_size, collate_fn=collate_in_two_parts)
+    device_loader = DeviceLoader(source, depth=2)
+    for batch in device_loader:
+        assert batch["image"].is_cuda and batch["label"].is_cuda
+    stats = device_loader.stats()
+    assert stats["small_fields_apart"] == 0 and stats["host_packs"] == stats["batches"] == 4
+    device_loader.close()

@@ -298,3 +298,31 @@ def test_a_batch_over_a_slot_is_not_shared_memory_and_share_memory_copies_it_out
     assert x.is_shared() and _C.shared_slot_kind(x) == 0 and torch.equal(x, expected)
     del batch, x
     assert settled_stats(collate).lent == 0
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (as torchvision's tv_tensors.Image is): torch's own reducer pickles it, and moves
+    its storage to fresh shared memory on the way."""
+
+
+def test_a_failed_message_gives_its_slot_back_after_torch_moved_the_storage_out():
+    install_reducer()
+    pool = SlotPool.create(4)
+    buffer = claimed(pool.native, 4096, 4)
+    with pytest.raises(TypeError, match="pickle"):
+        ForkingPickler.dumps({"x": buffer, "sub": buffer.as_subclass(_Subclass), "lock": threading.Lock()})
+    del buffer
+    stats = pool.native.stats()
+    assert stats.free == 4 and stats.delivered == 0, stats
+
+
+def test_a_conjugate_view_of_a_small_field_crosses_by_value():
+    install_reducer()
+    pool = SlotPool.create(4)
+    buffer = claimed(pool.native, 2 << 20, 4)  # a large batch: its small fields cross by value
+    values = buffer[:64].view(torch.complex64)
+    values.copy_(torch.full((8,), 1 + 2j, dtype=torch.complex64))
+    conjugate = values.conj()  # a view with the conjugate bit: no plain bytes to send as they are
+    got = pickle.loads(ForkingPickler.dumps(conjugate))
+    assert torch.equal(got, torch.full((8,), 1 - 2j, dtype=torch.complex64))
+    assert got.untyped_storage().nbytes() == got.nbytes  # its own storage

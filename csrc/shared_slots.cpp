@@ -1,6 +1,7 @@
 #include "shared_slots.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -138,6 +139,7 @@ struct SharedSlots::Mapping {
   size_t length = 0;
   uint64_t offset = 0;                  // the region it maps: a slot that moved needs a new mapping
   uint64_t last_claim = 0;              // the writer's claim count when it last wrote here (least recent goes)
+  std::atomic<int64_t> lent_batches{0};  // received batches over it alive in this process
   pid_t pid = 0;                        // a forked child inherits the mapping but not the CUDA registration
   std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
   bool registration_failed = false;     // tried once: not again on every batch
@@ -164,7 +166,58 @@ struct LentBatch {
 void writer_released(void* context);
 void reader_released(void* context);
 
+// Every pool of this process, for the fork handler below. Leaked: it must outlive static destruction.
+std::mutex& pools_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::vector<std::weak_ptr<SharedSlots>>& pools() {
+  static auto* all = new std::vector<std::weak_ptr<SharedSlots>>;
+  return *all;
+}
+
+// In a forked child: every received batch alive at the fork is moved onto private memory at the same
+// address. The child inherits those batches (a dataset that kept one, a replay buffer) but holds none
+// of their slots: once the parent drops its own, a worker may write the next batch there while the
+// child still reads the kept one. With default_collate such a batch is shared memory the child keeps
+// mapped; here it costs a copy of each batch alive at the fork, made by the child.
+void copy_received_batches_in_child() {
+  // Single-threaded now; a lock some parent thread held at the fork would never be released.
+  for (const auto& weak : pools()) {
+    if (auto pool = weak.lock()) {
+      pool->privatize_received_batches();
+    }
+  }
+}
+
+void register_pool(const std::shared_ptr<SharedSlots>& pool) {
+  static std::once_flag handler;
+  std::call_once(handler, [] { ::pthread_atfork(nullptr, nullptr, &copy_received_batches_in_child); });
+  std::lock_guard<std::mutex> lock(pools_mutex());
+  auto& all = pools();
+  all.erase(std::remove_if(all.begin(), all.end(), [](const auto& weak) { return weak.expired(); }), all.end());
+  all.push_back(pool);
+}
+
 }  // namespace
+
+void SharedSlots::privatize_received_batches() {
+  for (const auto& weak : received_mappings_) {
+    auto mapping = weak.lock();
+    if (!mapping || mapping->lent_batches.load() == 0) {
+      continue;
+    }
+    void* copy = ::mmap(nullptr, mapping->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) {
+      continue;  // no memory for it: the batch stays a view of the slot, as before
+    }
+    std::memcpy(copy, mapping->base, mapping->length);
+    if (::mremap(copy, mapping->length, mapping->length, MREMAP_MAYMOVE | MREMAP_FIXED, mapping->base) ==
+        MAP_FAILED) {
+      ::munmap(copy, mapping->length);
+    }
+  }
+}
 
 SharedSlots::SharedSlots(int fd, void* header, size_t header_bytes)
     : fd_(fd), header_(static_cast<Header*>(header)), header_bytes_(header_bytes) {
@@ -212,7 +265,9 @@ std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
   fields->capacity = static_cast<uint32_t>(capacity);
   fields->version = kVersion;
   fields->magic = kMagic;
-  return std::shared_ptr<SharedSlots>(new SharedSlots(fd, header, header_bytes));
+  std::shared_ptr<SharedSlots> pool(new SharedSlots(fd, header, header_bytes));
+  register_pool(pool);
+  return pool;
 }
 
 std::shared_ptr<SharedSlots> SharedSlots::attach(int fd) {
@@ -239,7 +294,9 @@ std::shared_ptr<SharedSlots> SharedSlots::attach(int fd) {
     ::close(fd);
     TORCH_CHECK(false, "fastcollate: could not map the shared slots' header (", std::strerror(error), ")");
   }
-  return std::shared_ptr<SharedSlots>(new SharedSlots(fd, header, header_bytes));
+  std::shared_ptr<SharedSlots> pool(new SharedSlots(fd, header, header_bytes));
+  register_pool(pool);
+  return pool;
 }
 
 uint64_t SharedSlots::token() const {
@@ -521,10 +578,17 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
     try {
       TORCH_CHECK(static_cast<uint64_t>(nbytes) <= entry.region_bytes.load(std::memory_order_relaxed),
                   "fastcollate: a batch from a worker is larger than its shared slot ", slot);
+      const int64_t made = mappings_.load();
       mapping = mapping_for(pin_device >= 0 ? pinned_maps_ : reader_maps_, slot, static_cast<size_t>(nbytes));
       TORCH_CHECK(mapping, "fastcollate: mapping shared slot ", slot, " (",
                   entry.region_bytes.load(std::memory_order_relaxed), " bytes) to receive a batch failed (",
                   std::strerror(errno), ")");
+      if (mappings_.load() != made) {  // a new mapping: known to the fork handler
+        received_mappings_.erase(std::remove_if(received_mappings_.begin(), received_mappings_.end(),
+                                                [](const auto& weak) { return weak.expired(); }),
+                                 received_mappings_.end());
+        received_mappings_.push_back(mapping);
+      }
       if (pin_device >= 0 && !mapping->registered.load() && !mapping->registration_failed) {
         try {
           register_host_memory(mapping->base, mapping->length, pin_device);
@@ -541,6 +605,7 @@ at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::S
       release_reader(slot, static_cast<uint32_t>(seq));  // the batch is lost loudly, the slot kept
       throw;
     }
+    ++mapping->lent_batches;
     auto* context = new LentBatch{shared_from_this(), mapping, slot, static_cast<uint32_t>(seq), ::getpid()};
     storage = at::Storage(at::Storage::use_byte_size_t(), nbytes,
                           at::DataPtr(mapping->base, context, &reader_released, at::Device(at::kCPU)),
@@ -641,6 +706,7 @@ void writer_released(void* context) {
 
 void reader_released(void* context) {
   auto* batch = static_cast<LentBatch*>(context);
+  --batch->mapping->lent_batches;
   if (::getpid() == batch->pid) {
     batch->pool->release_reader(batch->slot, batch->seq);
   }

@@ -95,6 +95,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   SharedSlotStats stats() const;
   int64_t registration_failures() const { return registration_failures_.load(); }  // cheap: read per batch
   std::string describe_slot(int64_t slot) const;
+  // In a forked child: moves the batches this process received and still holds onto private memory
+  // (see the fork handler in shared_slots.cpp).
+  void privatize_received_batches();
 
   // State changes made by the storages lent over slots (see the state word above).
   // Writer: its batch is being sent. 1: the first message to name it; 0: delivered already (by the message
@@ -128,6 +131,7 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
   std::vector<std::shared_ptr<Mapping>> reader_maps_;
   std::vector<std::shared_ptr<Mapping>> pinned_maps_;
+  std::vector<std::weak_ptr<Mapping>> received_mappings_;  // every reader mapping made, for the fork handler
   std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>>
       received_;  // the live storage of each slot's batch
   std::vector<int64_t> received_seq_;

@@ -326,3 +326,41 @@ def test_a_conjugate_view_of_a_small_field_crosses_by_value():
     got = pickle.loads(ForkingPickler.dumps(conjugate))
     assert torch.equal(got, torch.full((8,), 1 - 2j, dtype=torch.complex64))
     assert got.untyped_storage().nbytes() == got.nbytes  # its own storage
+
+
+class _Filled(torch.utils.data.Dataset):
+    """4 samples of 1 MiB, each full of its index + 1."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return {"x": torch.full((1 << 20,), index + 1, dtype=torch.uint8)}
+
+
+class _ReadsAKeptBatch(torch.utils.data.Dataset):
+    """Reads a batch it was given (a replay buffer's, say) in its worker, after the main process let go."""
+
+    kept = None
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        time.sleep(0.3)  # the main process drops its reference, and the slot is written again, meanwhile
+        values = self.kept["x"].unique().tolist()
+        return {"seen": torch.tensor((values + [0, 0, 0, 0])[:4]), "pad": torch.full((1 << 20,), 200, dtype=torch.uint8)}
+
+
+def test_a_batch_a_forked_worker_inherited_keeps_its_data_after_the_main_process_drops_it():
+    collate = assemble.using()
+    iterator = iter(DataLoader(_Filled(), batch_size=1, num_workers=1, collate_fn=collate))
+    kept = next(iterator)  # all ones, over a slot
+    del iterator
+    dataset = _ReadsAKeptBatch()
+    dataset.kept = kept
+    iterator = iter(DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=collate))  # forks: inherits it
+    dataset.kept = None
+    del kept  # the slot is free: the new worker writes its batches there
+    seen = [next(iterator)["seen"][0].tolist() for _ in range(4)]
+    assert seen == [[1, 0, 0, 0]] * 4  # the inherited batch, as default_collate's shared memory keeps it

@@ -35,9 +35,11 @@ at::Tensor view_over(const at::Storage& storage, size_t offset, at::ScalarType d
 }
 
 // `batch_bytes` is the buffer's size when small fields get their own storage (needs_own_storage), else 0.
-void make_views(Node& node, const at::Storage& storage, size_t offset, int64_t batch_bytes) {
+// Returns how many views of `storage` it made.
+int64_t make_views(Node& node, const at::Storage& storage, size_t offset, int64_t batch_bytes) {
+  int64_t views = 0;
   for (auto& child : node.children) {
-    make_views(*child, storage, offset, batch_bytes);
+    views += make_views(*child, storage, offset, batch_bytes);
   }
   if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
     const int64_t field_bytes = c10::multiply_integers(node.shape) * static_cast<int64_t>(c10::elementSize(node.dtype));
@@ -45,14 +47,16 @@ void make_views(Node& node, const at::Storage& storage, size_t offset, int64_t b
       node.out = at::empty(node.shape, at::TensorOptions().dtype(node.dtype));  // its region stays unused
     } else {
       node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
+      ++views;
     }
   }
   if (node.padded) {
     if (node.mask) {
-      make_views(*node.mask, storage, offset, batch_bytes);
+      views += make_views(*node.mask, storage, offset, batch_bytes);
     }
-    make_views(*node.lengths, storage, offset, batch_bytes);
+    views += make_views(*node.lengths, storage, offset, batch_bytes);
   }
+  return views;
 }
 
 void write_numbers(Node& node) {
@@ -243,7 +247,7 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
   TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
   TORCH_INTERNAL_ASSERT(offset % kFieldAlignment == 0 && storage.nbytes() >= offset + total_bytes_);
   executed_ = true;
-  make_views(*root, storage, offset, small_fields_apart ? static_cast<int64_t>(total_bytes_) : 0);
+  views_ = make_views(*root, storage, offset, small_fields_apart ? static_cast<int64_t>(total_bytes_) : 0);
   CopyJobs jobs;
   collect_jobs(*root, jobs);
   {
@@ -320,8 +324,7 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
-std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, StagingRing& ring,
-                                                       bool small_fields_apart) const {
+py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const {
   std::shared_ptr<BatchPlan> planned = plan(samples);
   bool overflowed = false;
   at::Storage slot;
@@ -329,7 +332,8 @@ std::pair<py::object, bool> Collator::assemble_in_ring(py::handle samples, Stagi
     py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
     slot = ring.acquire_storage(planned->nbytes(), overflowed);
   }
-  return {planned->execute_into(slot, 0, small_fields_apart), overflowed};
+  py::object out = planned->execute_into(slot, 0, small_fields_apart);
+  return py::make_tuple(out, overflowed, planned->views());
 }
 
 void bind_batch_plan(py::module_& m) {

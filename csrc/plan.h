@@ -46,6 +46,9 @@ class BatchPlan {
   // that it holds nbytes() more. (`_into`, here as in stack_into: writes into memory the caller gives.)
   py::object execute_into(const at::Storage& storage, size_t offset, bool small_fields_apart);
 
+  // The tensors execute() made as views of the buffer (the others have storage of their own).
+  int64_t views() const { return views_; }
+
   // Reserves an aligned region and returns its offset.
   size_t reserve(size_t bytes);
 
@@ -57,6 +60,7 @@ class BatchPlan {
  private:
   size_t total_bytes_ = 0;
   bool executed_ = false;
+  int64_t views_ = 0;
 };
 
 class Collator {
@@ -64,9 +68,9 @@ class Collator {
   Collator(std::string id_key, std::vector<FieldSpec> fields, bool has_contract);
   std::shared_ptr<BatchPlan> plan(py::handle samples) const;
   // plan(), a slot of `ring`, then execute() into it, all under the GIL but the copy: the main process's
-  // collate in one call. Returns the batch and whether the ring was full (the slot is then a fresh
-  // buffer outside it).
-  std::pair<py::object, bool> assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const;
+  // collate in one call. Returns (the batch, whether the ring was full: the slot is then a fresh buffer
+  // outside it, the number of the batch's tensors that are views of the slot).
+  py::tuple assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const;
 
   const std::string& id_key() const { return id_key_; }
   bool has_contract() const { return has_contract_; }

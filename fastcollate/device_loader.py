@@ -65,27 +65,32 @@ _NOT_ENTERED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctio
 _SEARCH_LIMIT = 100_000  # objects visited per leaf at most
 
 
-def _tensors_inside(leaf: Any) -> list[torch.Tensor]:
+def _tensors_inside(leaf: Any, wanted: Callable[[torch.Tensor], bool] | None = None,
+                    enough: int | None = None) -> list[torch.Tensor]:
     """The tensors a leaf ``tree.flatten`` does not open (a dataclass, a custom batch class) refers to,
-    directly or through its attributes and containers, as the garbage collector sees them."""
+    directly or through its attributes and containers, as the garbage collector sees them: those
+    ``wanted`` accepts (all by default), the search ending once ``enough`` are found."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     todo = [leaf]
-    while todo and len(seen) < _SEARCH_LIMIT:
+    while todo and len(seen) < _SEARCH_LIMIT and (enough is None or len(found) < enough):
         item = todo.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            found.append(item)
+            if wanted is None or wanted(item):
+                found.append(item)
         elif not isinstance(item, _NOT_ENTERED):
             todo.extend(gc.get_referents(item))
     return found
 
 
-def _copy_out_hidden(leaves: list[Any], page_locked: Callable[[torch.Tensor], bool]) -> int:
+def _copy_out_hidden(leaves: list[Any], page_locked: Callable[[torch.Tensor], bool],
+                     hidden: int | None = None) -> int:
     """Moves every tensor hidden in a leaf DeviceLoader does not open out of page-locked memory this
     loader recycles (its ring's slots; workers' shared slots it page-locked), in place; returns how many.
+    ``hidden``: how many there are, when known (the search ends once they are found).
 
     DeviceLoader copies to the device only the tensors ``tree.flatten`` finds, and guards their memory
     until its own copy ran. A tensor inside a custom object reaches the user as it is: if it were over a
@@ -98,10 +103,10 @@ def _copy_out_hidden(leaves: list[Any], page_locked: Callable[[torch.Tensor], bo
     for leaf in leaves:
         if isinstance(leaf, (torch.Tensor, *_PLAIN_LEAVES)):
             continue
-        for tensor in _tensors_inside(leaf):
-            if tensor.device.type == "cpu" and page_locked(tensor):
-                tensor.data = tensor.clone()  # the same Python object, over memory of its own
-                moved += 1
+        left = None if hidden is None else hidden - moved
+        for tensor in _tensors_inside(leaf, lambda t: t.device.type == "cpu" and page_locked(t), left):
+            tensor.data = tensor.clone()  # the same Python object, over memory of its own
+            moved += 1
     return moved
 
 
@@ -300,7 +305,13 @@ class DeviceLoader:
         staged = _Staged(batch)
         stream = self._copy_stream
         self._release_copied()
-        self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._direct_slot)
+        # Only when the fetch handed out tensors over recycled page-locked memory that the batch does not
+        # show: searching custom leaves costs (they may lead to a vocabulary, a dataset), seeing does not.
+        seen = sum(isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and self._direct_slot(leaf)
+                   for leaf in leaves)
+        hidden, self._ring.views_handed_out = self._ring.views_handed_out - seen, 0
+        if hidden > 0:
+            self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._direct_slot, hidden)
         with torch.cuda.stream(stream):
             apart = self._small_fields_apart([leaves[i] for i in host]) if host else []
             for k in apart:

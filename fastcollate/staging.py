@@ -66,6 +66,9 @@ class StagingRing:
         # Locked natively: two threads may collate at once.
         self._native = _C.StagingRing(max_slots, pinned, self.device_index)
         self._warned = False
+        # Tensors over slots this ring's owner recycles (its own, and shared slots page-locked for it),
+        # handed out since its owner last looked: DeviceLoader compares them with those it sees.
+        self.views_handed_out = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of ``nbytes`` over a free slot (or a fresh buffer when all are busy)."""
@@ -79,7 +82,8 @@ class StagingRing:
         walk and checks, a slot, then the copy with the GIL released, in one native call. With
         ``small_fields_apart`` a small field of a large batch gets storage of its own
         (fastcollate.small_fields), so that keeping it does not keep the slot."""
-        out, overflowed = collator.assemble_in_ring(batch, self._native, small_fields_apart)
+        out, overflowed, views = collator.assemble_in_ring(batch, self._native, small_fields_apart)
+        self.views_handed_out += views
         if overflowed:
             self.warn_overflow(stacklevel=4)  # the caller of assemble (this, then Assembler.__call__)
         return out

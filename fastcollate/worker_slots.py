@@ -208,6 +208,8 @@ def _receive(
         )
     pin_device = _pin_device()
     tensor = pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, pin_device)
+    if pin_device >= 0:
+        active_ring().views_handed_out += 1  # DeviceLoader's: it looks for any it does not see
     if pin_device >= 0 and pool.native.registration_failures:
         warn_once("page-locking", "a shared slot could not be page-locked (cudaHostRegister failed: the "
                   "memlock limit, ulimit -l, or no GPU memory for it); its batches are received pageable and "

@@ -87,18 +87,18 @@ def slots_switched_on(requested: bool) -> bool:
 
 _pools: weakref.WeakValueDictionary[int, SlotPool] = weakref.WeakValueDictionary()  # by token
 
-_warned: set[tuple[int, str]] = set()  # (pid, cause): a forked child says its own
-_warned_lock = threading.Lock()
+# (pid, cause): a forked child says its own. No lock: one a thread held at a fork would never be released
+# in the child, and two threads racing here at worst both say it.
+_warned: set[tuple[int, str]] = set()
 
 
 def warn_once(cause: str, message: str, stacklevel: int = 3) -> None:
     """Says ``message`` the first time ``cause`` happens in this process: the slots stopped serving, and
     batches went to fresh shared memory (correct, slower). A RuntimeWarning, shown by default."""
     key = (os.getpid(), cause)
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
+    if key in _warned:
+        return
+    _warned.add(key)
     warnings.warn(f"fastcollate: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
@@ -208,9 +208,10 @@ def _receive(
         )
     pin_device = _pin_device()
     tensor = pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, pin_device)
-    if pin_device >= 0:
-        active_ring().views_handed_out += 1  # DeviceLoader's: it looks for any it does not see
-    if pin_device >= 0 and pool.native.registration_failures:
+    if pin_device < 0:
+        return tensor
+    active_ring().views_handed_out += 1  # DeviceLoader's: it looks for any it does not see
+    if pool.native.registration_failures:
         warn_once("page-locking", "a shared slot could not be page-locked (cudaHostRegister failed: the "
                   "memlock limit, ulimit -l, or no GPU memory for it); its batches are received pageable and "
                   "DeviceLoader packs them into its pinned ring (one more host copy each). Raise ulimit -l.")

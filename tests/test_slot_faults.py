@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from fastcollate import assemble
+from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
+from fastcollate.staging import staging_in
 from fastcollate.worker_slots import SlotPool, install_reducer
 from tests.fault_datasets import Numbered
 from tests.test_shared_slots import RECEIVED, claimed, settled_stats
@@ -142,8 +143,9 @@ FILE_SIZE_LIMIT = """
 import resource, warnings
 import torch
 from torch.utils.data import DataLoader, default_collate
-from fastcollate import assemble
+from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
+from fastcollate.staging import staging_in
 from tests.fault_datasets import Numbered
 from tests.test_assemble_dropin import assert_same
 
@@ -273,10 +275,11 @@ def test_a_slot_that_cannot_be_page_locked_is_said_once(monkeypatch):
         pytest.skip("a GPU is visible: page-locking succeeds there")
     from fastcollate import worker_slots
 
-    monkeypatch.setattr(worker_slots, "_pin_device", lambda: 0)  # as under DeviceLoader
+    monkeypatch.setattr(worker_slots, "_pin_device", lambda: 0)  # as under DeviceLoader, whose ring is active
     monkeypatch.setattr(worker_slots, "_warned", set())
     pool = SlotPool.create(2)
-    with pytest.warns(RuntimeWarning, match="could not be page-locked") as caught:
+    ring = StagingRing()
+    with staging_in(ring), pytest.warns(RuntimeWarning, match="could not be page-locked") as caught:
         for _ in range(3):
             buffer = claimed(pool.native, 4096, 1)
             token, slot, seq, nbytes, _ = _C.deliver_slot_tensor(buffer)
@@ -285,6 +288,7 @@ def test_a_slot_that_cannot_be_page_locked_is_said_once(monkeypatch):
             assert _C.shared_slot_kind(received) == RECEIVED  # received all the same, pageable
             del received
     assert len([w for w in caught if "page-locked" in str(w.message)]) == 1
+    assert ring.views_handed_out == 3  # counted for DeviceLoader, which looks for the ones it does not see
 
 
 def test_a_batch_over_a_slot_is_not_shared_memory_and_share_memory_copies_it_out():

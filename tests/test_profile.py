@@ -210,3 +210,10 @@ def test_a_path_with_no_profiled_step_says_why_in_its_panel(tmp_path, monkeypatc
     assert_valid_png(tmp_path / "timeline.png")
     assert "nothing to show (why: below)" in profile.panel_title("assemble + DeviceLoader", {}, 0, "x")
 
+
+@pytest.mark.parametrize("option", ["--preset", "--batch-size", "--model-width", "--seed"])
+def test_options_have_help_naming_their_default(option):
+    action = next(a for a in profile.build_parser()._actions if option in a.option_strings)
+    assert action.help and "default" in action.help
+    if option == "--preset":
+        assert "default: fashion" in action.help

@@ -286,20 +286,46 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=NOT_THROUGHPUT + ".",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="fashion")
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="fashion",
+        help=f"embedded data set (default: fashion, {PRESETS['fashion'].description})",
+    )
     source.add_argument("--dataset", metavar="MODULE:FACTORY", help="your own data set (see bench --help)")
-    parser.add_argument("--size", type=int, help="samples in the embedded data set")
+    parser.add_argument("--size", type=int, help="samples in the embedded data set (default: the preset's)")
     parser.add_argument(
         "--workers", type=int, help="DataLoader workers (default: 2, capped at the usable CPUs)"
     )
-    parser.add_argument("--batch-size", type=int)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="default: the preset's ("
+        + ", ".join(f"{name} {preset.batch_size}" for name, preset in sorted(PRESETS.items()))
+        + "), or a --dataset factory's batch_size (else 256)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per path (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5)")
-    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["default", "device_loader"])
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=sorted(PATHS),
+        default=["default", "device_loader"],
+        help="the paths profiled, in turn (default: both)",
+    )
     parser.add_argument("--no-model", action="store_true", help="no compute: the ranges of the loader alone")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
-    parser.add_argument("--model-width", type=int)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-width",
+        type=int,
+        help="width of the preset's model (default 32 on a GPU, 8 on a CPU); a --dataset brings its own step",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated data, the sample order and the model (default 0)",
+    )
     parser.add_argument(
         "--out",
         type=Path,

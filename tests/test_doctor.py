@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import UserDict, namedtuple
@@ -59,6 +60,21 @@ def test_a_clean_dataset_passes_every_step(capsys, tmp_path):
     ):
         assert step in out
     assert "Verdict: OK" in out
+
+
+@pytest.mark.parametrize(
+    "factory, last_step",
+    [("one_channel_fourth", "2. Reference"), ("fails_in_workers", "3. workers=2")],
+)
+def test_after_a_failure_the_record_sheet_is_numbered_next_to_the_last_step_run(
+    capsys, tmp_path, factory, last_step
+):
+    status, out, _ = run(capsys, tmp_path, factory)
+    assert status == 1
+    headings = re.findall(r"^(\d+)\. (.*)$", out, re.MULTILINE)
+    assert [int(n) for n, _ in headings] == list(range(1, len(headings) + 1))  # no jump from 2 to 5
+    assert f"{headings[-2][0]}. {headings[-2][1]}".startswith(last_step)
+    assert headings[-1][1] == "Record sheet"
 
 
 def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):

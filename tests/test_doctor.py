@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections import UserDict, namedtuple
 
 import pytest
@@ -75,6 +76,40 @@ def test_after_a_failure_the_record_sheet_is_numbered_next_to_the_last_step_run(
     assert [int(n) for n, _ in headings] == list(range(1, len(headings) + 1))  # no jump from 2 to 5
     assert f"{headings[-2][0]}. {headings[-2][1]}".startswith(last_step)
     assert headings[-1][1] == "Record sheet"
+
+
+def test_more_workers_than_cpus_is_said_once_in_step_3_not_as_torchs_warnings(capsys, tmp_path):
+    from fastcollate.audit.setting_run import _cpus
+
+    workers = _cpus() + 1  # as --workers 4 on 2 CPUs: torch warns at the DataLoader and each epoch
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        status, out, report = run(capsys, tmp_path, "clean", "--workers", str(workers))
+    assert status == 0
+    assert not [w for w in shown if "excessive worker creation" in str(w.message)]
+    note = f"{workers} workers for {_cpus()} usable CPUs"
+    assert out.count(note) == 1
+    step3 = out.split("\n3. ")[1].split("\n4. ")[0]
+    assert note in step3  # with the setting that starts the workers
+    said = next(line for line in out.splitlines() if note in line)
+    assert report["steps"][-1]["notes"] == [said.split("note: ", 1)[1]]  # and in the JSON
+
+
+def test_only_torchs_worker_count_warning_is_caught():
+    from fastcollate.audit.setting_run import _worker_count_warning
+
+    torch_text = (
+        "This DataLoader will create 4 worker processes in total. Our suggested max number of worker in "
+        "current system is 2, which is smaller than what this DataLoader is going to create."
+    )
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with _worker_count_warning() as usable:
+            warnings.warn(torch_text, UserWarning, stacklevel=1)
+            warnings.warn(torch_text, UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert usable == [2]
+    assert [str(w.message) for w in shown] == ["something else"]  # shown as ever
 
 
 def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):

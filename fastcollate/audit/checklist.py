@@ -370,6 +370,13 @@ class Doctor:
         self.heading(setting + (", persistent_workers" if self.persistent_workers else ""))
         started = time.perf_counter()
         run = run_setting(self.plan(), workers=self.workers, epochs=2)
+        notes = []
+        if run.usable_cpus is not None:  # torch's warning, caught in run_setting, said once and here
+            notes.append(
+                f"{self.workers} workers for {run.usable_cpus} usable CPUs: they take turns on them, so "
+                f"this setting can be slower than with {run.usable_cpus}"
+            )
+            self.say(f"   note: {notes[-1]}")
         reports = self._compare_with_reference(reference, run)
         self._add_worker_rows(reference, run, reports)
         self.steps.append(
@@ -388,6 +395,7 @@ class Doctor:
                     }
                     for n, (e, r) in enumerate(zip(run.epochs, reports, strict=True), start=1)
                 ],
+                "notes": notes,
             }
         )
         if run.failure is not None:

@@ -11,10 +11,13 @@ import sys
 import warnings
 from collections import UserDict, namedtuple
 
+import numpy as np
 import pytest
 import torch
 
 from fastcollate.audit import doctor
+from fastcollate.audit.epoch import Epoch
+from fastcollate.audit.record_sheet import speed_against
 from fastcollate.audit.setting_run import batch_signature, copy_to_device
 
 DATASETS = "tests.audit_datasets"
@@ -110,6 +113,32 @@ def test_only_torchs_worker_count_warning_is_caught():
             warnings.warn("something else", UserWarning, stacklevel=1)
     assert usable == [2]
     assert [str(w.message) for w in shown] == ["something else"]  # shown as ever
+
+
+def _epoch(samples: int, batches: int, first: float, wait: float) -> Epoch:
+    return Epoch(ids=np.arange(samples), batches=batches, first_batch_seconds=first, wait_seconds=wait)
+
+
+def test_a_gain_from_milliseconds_of_loading_is_too_little_data_to_tell():
+    # the README's run: 12 samples in 2 batches, a ratio from well under 10 ms after start-up
+    reference, workers = _epoch(12, 2, 0.001, 0.0015), _epoch(12, 2, 0.1, 0.10025)
+    detail = speed_against(workers, reference)
+    assert "too little data to tell" in detail and "gain" not in detail
+    # as many batches, but too short; and long enough, but from too few batches
+    assert "too little" in speed_against(_epoch(4000, 100, 0.1, 0.2), _epoch(4000, 100, 0.01, 0.21))
+    assert "too little" in speed_against(_epoch(4000, 3, 0.1, 2.1), _epoch(4000, 3, 0.01, 4.01))
+
+
+def test_a_gain_measured_long_enough_is_called_one():
+    reference = _epoch(4000, 100, 0.01, 2.01)  # 2 s after start-up
+    assert speed_against(_epoch(4000, 100, 0.2, 1.2), reference).endswith(": a real gain")  # x2.0
+    assert speed_against(_epoch(4000, 100, 0.2, 2.2), reference).endswith(": no gain")
+    assert speed_against(_epoch(4000, 100, 0.2, 4.2), reference).endswith(": an overhead")
+
+
+def test_the_readmes_small_run_draws_no_conclusion_on_speed(capsys, tmp_path):
+    _, _, report = run(capsys, tmp_path, "clean")
+    assert "too little data to tell" in row(report, "workers=2")["conclusion"]
 
 
 def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):

@@ -30,7 +30,6 @@ from .record_sheet import (
     duration,
     epoch_time,
     problem_summary,
-    samples_per_second,
     speed_against,
     startup_comparison,
     table_lines,
@@ -428,7 +427,7 @@ class Doctor:
     def _add_worker_rows(self, reference: Epoch, run: SettingRun, reports: list[AuditReport]) -> None:
         if run.epochs:
             first = run.epochs[0]
-            detail = speed_against(first, samples_per_second(reference))
+            detail = speed_against(first, reference)
             self.rows.append(
                 Row(
                     f"workers={self.workers}",

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from collections import UserDict, namedtuple
 
+import numpy as np
 import pytest
 import torch
 
 from fastcollate.audit import doctor
+from fastcollate.audit.epoch import Epoch
+from fastcollate.audit.record_sheet import speed_against
 from fastcollate.audit.setting_run import batch_signature, copy_to_device
 
 DATASETS = "tests.audit_datasets"
@@ -59,6 +64,81 @@ def test_a_clean_dataset_passes_every_step(capsys, tmp_path):
     ):
         assert step in out
     assert "Verdict: OK" in out
+
+
+@pytest.mark.parametrize(
+    "factory, last_step",
+    [("one_channel_fourth", "2. Reference"), ("fails_in_workers", "3. workers=2")],
+)
+def test_after_a_failure_the_record_sheet_is_numbered_next_to_the_last_step_run(
+    capsys, tmp_path, factory, last_step
+):
+    status, out, _ = run(capsys, tmp_path, factory)
+    assert status == 1
+    headings = re.findall(r"^(\d+)\. (.*)$", out, re.MULTILINE)
+    assert [int(n) for n, _ in headings] == list(range(1, len(headings) + 1))  # no jump from 2 to 5
+    assert f"{headings[-2][0]}. {headings[-2][1]}".startswith(last_step)
+    assert headings[-1][1] == "Record sheet"
+
+
+def test_more_workers_than_cpus_is_said_once_in_step_3_not_as_torchs_warnings(capsys, tmp_path):
+    from fastcollate.audit.setting_run import _cpus
+
+    workers = _cpus() + 1  # as --workers 4 on 2 CPUs: torch warns at the DataLoader and each epoch
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        status, out, report = run(capsys, tmp_path, "clean", "--workers", str(workers))
+    assert status == 0
+    assert not [w for w in shown if "excessive worker creation" in str(w.message)]
+    note = f"{workers} workers for {_cpus()} usable CPUs"
+    assert out.count(note) == 1
+    step3 = out.split("\n3. ")[1].split("\n4. ")[0]
+    assert note in step3  # with the setting that starts the workers
+    said = next(line for line in out.splitlines() if note in line)
+    assert report["steps"][-1]["notes"] == [said.split("note: ", 1)[1]]  # and in the JSON
+
+
+def test_only_torchs_worker_count_warning_is_caught():
+    from fastcollate.audit.setting_run import _worker_count_warning
+
+    torch_text = (
+        "This DataLoader will create 4 worker processes in total. Our suggested max number of worker in "
+        "current system is 2, which is smaller than what this DataLoader is going to create."
+    )
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with _worker_count_warning() as usable:
+            warnings.warn(torch_text, UserWarning, stacklevel=1)
+            warnings.warn(torch_text, UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert usable == [2]
+    assert [str(w.message) for w in shown] == ["something else"]  # shown as ever
+
+
+def _epoch(samples: int, batches: int, first: float, wait: float) -> Epoch:
+    return Epoch(ids=np.arange(samples), batches=batches, first_batch_seconds=first, wait_seconds=wait)
+
+
+def test_a_gain_from_milliseconds_of_loading_is_too_little_data_to_tell():
+    # the README's run: 12 samples in 2 batches, a ratio from well under 10 ms after start-up
+    reference, workers = _epoch(12, 2, 0.001, 0.0015), _epoch(12, 2, 0.1, 0.10025)
+    detail = speed_against(workers, reference)
+    assert "too little data to tell" in detail and "gain" not in detail
+    # as many batches, but too short; and long enough, but from too few batches
+    assert "too little" in speed_against(_epoch(4000, 100, 0.1, 0.2), _epoch(4000, 100, 0.01, 0.21))
+    assert "too little" in speed_against(_epoch(4000, 3, 0.1, 2.1), _epoch(4000, 3, 0.01, 4.01))
+
+
+def test_a_gain_measured_long_enough_is_called_one():
+    reference = _epoch(4000, 100, 0.01, 2.01)  # 2 s after start-up
+    assert speed_against(_epoch(4000, 100, 0.2, 1.2), reference).endswith(": a real gain")  # x2.0
+    assert speed_against(_epoch(4000, 100, 0.2, 2.2), reference).endswith(": no gain")
+    assert speed_against(_epoch(4000, 100, 0.2, 4.2), reference).endswith(": an overhead")
+
+
+def test_the_readmes_small_run_draws_no_conclusion_on_speed(capsys, tmp_path):
+    _, _, report = run(capsys, tmp_path, "clean")
+    assert "too little data to tell" in row(report, "workers=2")["conclusion"]
 
 
 def test_string_ids_and_a_sharded_stream_pass(capsys, tmp_path):

@@ -170,3 +170,50 @@ def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
         is None
     )
     assert_valid_png(tmp_path / "t.png")
+
+
+# --- a data set too small for --warmup + --steps: the title, the JSON and the panels say what ran ---
+
+SMALL = ["--preset", "fields", "--size", "512", "--batch-size", "256", "--steps", "5", "--workers", "0",
+         "--no-model"]  # 512 samples at batch 256: 2 batches for 1 or 2 warm-up + 5 profiled steps
+
+
+def test_title_and_json_give_the_steps_profiled_and_why_fewer_than_asked(tmp_path, capsys):
+    assert profile.main([*SMALL, "--warmup", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "profile.json").read_text())
+    assert record["config"]["profiled_steps_asked"] == 5
+    for path in ("default", "device_loader"):
+        ran = record["paths"][path]
+        assert (ran["warmup_steps"], ran["profiled_steps"]) == (1, 1)
+        assert ran["ranges_ms"]["compute"]["count"] == 1  # the JSON's count is the trace's
+        assert "512 samples at batch 256 make 2 batches, 1 used by --warmup 1" in ran["fewer_because"]
+    title = record["timeline_title"]  # the chart's title as drawn
+    assert "1 profiled step (5 asked: the data set ran out)" in title and "5 profiled steps" not in title
+    assert "make 2 batches" in out  # said on the terminal too
+
+
+def test_a_path_with_no_profiled_step_says_why_in_its_panel(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    written: list[str] = []
+    text = Axes.text
+    def recorded(self, x, y, s, *args, **kwargs):
+        written.append(s)
+        return text(self, x, y, s, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "text", recorded)
+    assert profile.main([*SMALL, "--warmup", "2", "--paths", "device_loader", "--out", str(tmp_path)]) == 0
+    ran = json.loads((tmp_path / "profile.json").read_text())["paths"]["device_loader"]
+    assert ran["profiled_steps"] == 0
+    assert ran["fewer_because"] in written  # the empty panel carries the reason, not a blank
+    assert_valid_png(tmp_path / "timeline.png")
+    assert "nothing to show (why: below)" in profile.panel_title("assemble + DeviceLoader", {}, 0, "x")
+
+
+@pytest.mark.parametrize("option", ["--preset", "--batch-size", "--model-width", "--seed"])
+def test_options_have_help_naming_their_default(option):
+    action = next(a for a in profile.build_parser()._actions if option in a.option_strings)
+    assert action.help and "default" in action.help
+    if option == "--preset":
+        assert "default: fashion" in action.help

@@ -1,6 +1,7 @@
 """The doctor's checklist, step by step: representative samples one by one (1), one process, the
-reference (2), then a few workers for two epochs (3 and 4), and the record sheet (5). Each step
-says what it saw as it goes; ``Doctor.run`` returns the whole report as a dict.
+reference (2), then a few workers for two epochs (3 and 4), and the record sheet (5, or the number
+after the last step run: the checklist stops at the first failure). Each step says what it saw as it
+goes; ``Doctor.run`` returns the whole report as a dict.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from .record_sheet import (
     duration,
     epoch_time,
     problem_summary,
-    samples_per_second,
     speed_against,
     startup_comparison,
     table_lines,
@@ -88,6 +88,7 @@ class Doctor:
         self.ids_are_indices = False
         self.stream_ids: list | None = None
         self.findings = Findings()
+        self.headings = 0  # steps printed so far: the next heading's number
 
     # -- the whole checklist ----------------------------------------------------------------------
 
@@ -108,6 +109,12 @@ class Doctor:
 
     def say(self, line: str = "") -> None:
         self.out(line)
+
+    def heading(self, title: str) -> None:
+        """A step's heading, numbered in the order printed: a failure ends the checklist, and the record
+        sheet then follows the last step run (no jump from 2 to 5 over the steps skipped)."""
+        self.headings += 1
+        self.say(f"\n{self.headings}. {title}")
 
     @property
     def unit(self) -> str:
@@ -131,7 +138,7 @@ class Doctor:
     # -- 1. representative samples ----------------------------------------------------------------
 
     def step_samples(self) -> bool:
-        self.say("\n1. Representative samples (first, middle, last), opened one by one")
+        self.heading("Representative samples (first, middle, last), opened one by one")
         started = time.perf_counter()
         picked = self._open_samples()
         if isinstance(picked, Failure):
@@ -302,7 +309,7 @@ class Doctor:
 
     def step_reference(self) -> Epoch | None:
         setting = f"workers=0, shuffle=False, batch {self.batch_size}"
-        self.say(f"\n2. Reference: {setting}")
+        self.heading(f"Reference: {setting}")
         started = time.perf_counter()
         run = run_setting(self.plan(), workers=0, epochs=1, transfer=True)
         if run.failure is not None:
@@ -359,9 +366,16 @@ class Doctor:
 
     def step_workers(self, reference: Epoch) -> None:
         setting = f"workers={self.workers}, same batch, order, transforms"
-        self.say(f"\n3. {setting}" + (", persistent_workers" if self.persistent_workers else ""))
+        self.heading(setting + (", persistent_workers" if self.persistent_workers else ""))
         started = time.perf_counter()
         run = run_setting(self.plan(), workers=self.workers, epochs=2)
+        notes = []
+        if run.usable_cpus is not None:  # torch's warning, caught in run_setting, said once and here
+            notes.append(
+                f"{self.workers} workers for {run.usable_cpus} usable CPUs: they take turns on them, so "
+                f"this setting can be slower than with {run.usable_cpus}"
+            )
+            self.say(f"   note: {notes[-1]}")
         reports = self._compare_with_reference(reference, run)
         self._add_worker_rows(reference, run, reports)
         self.steps.append(
@@ -380,6 +394,7 @@ class Doctor:
                     }
                     for n, (e, r) in enumerate(zip(run.epochs, reports, strict=True), start=1)
                 ],
+                "notes": notes,
             }
         )
         if run.failure is not None:
@@ -400,7 +415,7 @@ class Doctor:
             report = compare(reference, epoch, order=order, what=what)
             reports.append(report)
             if number == 2:
-                self.say("\n4. Same setting, second epoch")
+                self.heading("Same setting, second epoch")
             self.say(f"   {len(epoch)} samples in {epoch.batches} batches, {epoch_time(epoch)}")
             self.say("   " + str(report).replace("\n", "\n   "))
             if not report.ok:
@@ -412,7 +427,7 @@ class Doctor:
     def _add_worker_rows(self, reference: Epoch, run: SettingRun, reports: list[AuditReport]) -> None:
         if run.epochs:
             first = run.epochs[0]
-            detail = speed_against(first, samples_per_second(reference))
+            detail = speed_against(first, reference)
             self.rows.append(
                 Row(
                     f"workers={self.workers}",
@@ -455,7 +470,7 @@ class Doctor:
 
     def finish(self) -> dict:
         text, status = verdict(self.findings, self.workers, self.targets)
-        self.say("\n5. Record sheet")
+        self.heading("Record sheet")
         for line in table_lines(self.rows):
             self.say(f"   {line}")
         for note in self.notes:

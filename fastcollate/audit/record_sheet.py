@@ -13,6 +13,8 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PROBLEM",
     "EXIT_UNVERIFIED",
+    "MIN_MEASURED_BATCHES",
+    "MIN_MEASURED_SECONDS",
     "TIMEOUT_ADVICE",
     "Findings",
     "Row",
@@ -28,6 +30,12 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED = 0, 1, 2
+MIN_MEASURED_SECONDS = 0.5
+MIN_MEASURED_BATCHES = 5
+"""What each side of a speed comparison needs after start-up before it is called a gain or an overhead:
+a scheduling hiccup on a shared machine costs tens of ms, so 10 ms of loading (a 12-sample data set)
+gives a ratio that flips from run to run; half a second over several batches holds to the 10% the
+verdict uses."""
 TIMEOUT_ADVICE = (
     "a timeout makes a wait visible; it repairs nothing (an unavailable source or a stuck worker stays "
     "so). Keep the last step above, and reduce the inputs (that sample alone, --workers 1) rather than "
@@ -141,10 +149,31 @@ def samples_per_second(epoch: Epoch) -> float | None:
     return rate
 
 
-def speed_against(epoch: Epoch, reference_rate: float | None) -> str:
-    rate = samples_per_second(epoch)
+def measured(epoch: Epoch) -> tuple[float, int]:
+    """The loading time and batches a rate is taken from: after start-up where ``samples_per_second``
+    excludes it, else the whole wait."""
+    if epoch.steady_samples_per_second is not None and epoch.first_batch_seconds is not None:
+        return epoch.wait_seconds - epoch.first_batch_seconds, epoch.batches - 1
+    return epoch.wait_seconds, epoch.batches
+
+
+def _batches(n: int) -> str:
+    return f"{n} batch" + ("" if n == 1 else "es")
+
+
+def speed_against(epoch: Epoch, reference: Epoch) -> str:
+    """The setting's samples/s against the reference's, called a gain or an overhead only when both were
+    measured long enough (``MIN_MEASURED_SECONDS``, ``MIN_MEASURED_BATCHES``)."""
+    rate, reference_rate = samples_per_second(epoch), samples_per_second(reference)
     if not rate or not reference_rate:
         return ""
+    (seconds, batches), (ref_seconds, ref_batches) = measured(epoch), measured(reference)
+    if min(seconds, ref_seconds) < MIN_MEASURED_SECONDS or min(batches, ref_batches) < MIN_MEASURED_BATCHES:
+        return (
+            f"speed: too little data to tell ({_batches(batches)} in {duration(seconds)} measured after "
+            f"start-up, the reference {_batches(ref_batches)} in {duration(ref_seconds)}; it takes "
+            f"{MIN_MEASURED_BATCHES} batches and {MIN_MEASURED_SECONDS:g} s each)"
+        )
     ratio = rate / reference_rate
     gain = "a real gain" if ratio >= 1.1 else "an overhead" if ratio < 0.9 else "no gain"
     return f"x{ratio:.2f} the reference's samples/s after start-up: {gain}"

@@ -3,7 +3,11 @@ on (which sample, which stage, each process's last step), and how batch shapes v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +25,8 @@ from .workers import WorkerTagged
 __all__ = ["LoaderPlan", "SettingRun", "batch_signature", "copy_to_device", "cuda_available", "run_setting"]
 
 MAX_SHAPE_NOTES = 5
+TOO_MANY_WORKERS = r"This DataLoader will create \d+ worker processes in total"
+"""The start of torch's warning when a DataLoader has more workers than the CPUs it may use."""
 """Batches whose shapes differ from the first batch's that a run describes; the rest are not noted."""
 
 
@@ -64,11 +70,53 @@ class SettingRun:
     epochs: list[Epoch]
     failure: Failure | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    usable_cpus: int | None = None  # set when torch warned that the workers outnumber them
 
 
 def run_setting(plan: LoaderPlan, workers: int, epochs: int, transfer: bool = False) -> SettingRun:
     """Runs ``epochs`` passes with ``workers`` workers, stopping at the first failure; ``transfer``
-    copies every batch to the GPU when there is one."""
+    copies every batch to the GPU when there is one.
+
+    Torch's warning that the workers outnumber the usable CPUs is kept out of the report: it comes
+    once for the DataLoader and once per epoch, mid-report, in torch's words. ``usable_cpus`` carries
+    it for the checklist to say once, where the workers are."""
+    with _worker_count_warning() as usable:
+        run = _run_setting(plan, workers, epochs, transfer)
+    run.usable_cpus = usable[0] if usable else None
+    return run
+
+
+@contextlib.contextmanager
+def _worker_count_warning() -> Iterator[list[int]]:
+    """Catches torch's too-many-workers warning (yielding the CPU count it names, once); any other
+    warning is shown as it would have been."""
+    usable: list[int] = []
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            caught = recorded
+            warnings.filterwarnings("always", message=TOO_MANY_WORKERS)  # even under -W error or ignore
+            yield usable
+    finally:  # the others are shown once the recording is over (shown inside, they would be recorded)
+        for warning in caught:
+            text = str(warning.message)
+            if not re.match(TOO_MANY_WORKERS, text):
+                warnings.showwarning(
+                    warning.message, warning.category, warning.filename, warning.lineno, warning.file,
+                    warning.line,
+                )
+            elif not usable:
+                named = re.search(r"current system is (\d+)", text)
+                usable.append(int(named.group(1)) if named else _cpus())
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def _run_setting(plan: LoaderPlan, workers: int, epochs: int, transfer: bool) -> SettingRun:
     board = StepBoard(workers)
     if plan.iterable:
         traced: Dataset = TracedStream(plan.dataset, board, plan.show_errors, plan.id_key)  # type: ignore[arg-type]

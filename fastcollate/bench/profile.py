@@ -55,8 +55,11 @@ PATHS = {
 }
 
 
-def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path) -> dict[str, Any]:
+def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path) -> dict[str, int]:
     """Runs ``setup.warmup`` unprofiled steps, then ``setup.steps`` profiled ones; exports the trace.
+
+    Returns the steps that ran of each kind, ``{"warmup_steps": w, "profiled_steps": p}``: fewer than
+    asked when the data set ran out first (its epoch is not repeated).
 
     The default path is wrapped in all three ranges here. DeviceLoader emits ``batch_wait`` and
     ``h2d_transfer`` itself (its copy is issued inside ``next()``), so only ``compute`` is added.
@@ -70,7 +73,7 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     iterator = iter(source)
-    done = 0
+    warmed = profiled = 0
     try:
         for _ in range(setup.warmup):
             batch = _next_batch(iterator, setup, device, device_loader)
@@ -78,7 +81,7 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
                 break
             if step is not None:
                 step(batch)
-            done += 1
+            warmed += 1
         sync(device)
         prof = profile(activities=activities)
         log = trace_path.parent / PROFILER_LOG
@@ -94,7 +97,7 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
                         step(batch)
                 del batch
                 prof.step()
-                done += 1
+                profiled += 1
             sync(device)
         finally:
             with profiler_log_kept_in(log):
@@ -102,7 +105,7 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
                 prof.export_chrome_trace(str(trace_path))
     finally:
         close_loader(loader, source)
-    return {"steps_run": done}
+    return {"warmup_steps": warmed, "profiled_steps": profiled}
 
 
 def _next_batch(iterator: Any, setup: Setup, device: torch.device, device_loader: bool) -> Any:
@@ -178,8 +181,34 @@ def range_summary(trace: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> str | None:
-    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels."""
+def panel_title(
+    label: str, trace: dict[str, Any], profiled: int | None = None, why: str | None = None
+) -> str:
+    """A panel's title: the path, its profiled steps and their median ranges; and why it has fewer steps
+    than asked, or none (an empty panel says why it is empty rather than leaving the reader to guess)."""
+    head = label if profiled is None else f"{label}, {_count(profiled, 'profiled step')}"
+    if profiled == 0:
+        return f"{head}: nothing to show" + (" (why: below)" if why else "")
+    summary = range_summary(trace)
+    parts = [f"{n} {summary[n]['median_ms']:.2f} ms" for n in RANGES if n in summary]
+    text = f"{head}: median per step (profiled): " + ", ".join(parts)
+    return f"{text}\n({why})" if why else text
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def draw_timeline(
+    panels: list[tuple[str, dict[str, Any]]],
+    path: Path,
+    title: str,
+    steps: Sequence[tuple[int | None, str | None]] | None = None,
+) -> str | None:
+    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels.
+
+    ``steps``: per panel, its profiled steps and why they are fewer than asked (None: all ran).
+    """
     try:
         import matplotlib
 
@@ -196,7 +225,12 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
         squeeze=False,
         gridspec_kw={"height_ratios": [h + 1 for h in heights]},
     )
-    for ax, (label, trace) in zip(axes[:, 0], panels, strict=True):
+    steps = list(steps) if steps is not None else [(None, None)] * len(panels)
+    for ax, (label, trace), (profiled, why) in zip(axes[:, 0], panels, steps, strict=True):
+        if profiled == 0:
+            # The trace then holds only the wait that found the epoch over, no step: the panel says
+            # why it is empty instead.
+            trace = {"cpu": {}, "gpu": {}}
         rows: list[tuple[str, list[tuple[str, float, float]]]] = []
         for tid, ranges in sorted(trace["cpu"].items(), key=lambda kv: -len(kv[1])):
             rows.append((f"CPU thread {tid}", ranges))
@@ -221,9 +255,9 @@ def draw_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path, title: s
         ax.set_yticklabels([r[0] for r in rows], fontsize=8)
         ax.set_ylim(-0.8, len(rows) - 0.2)
         ax.invert_yaxis()
-        summary = range_summary(trace)
-        parts = [f"{n} {summary[n]['median_ms']:.2f} ms" for n in RANGES if n in summary]
-        ax.set_title(f"{label}: median per step (profiled): " + ", ".join(parts), fontsize=9)
+        ax.set_title(panel_title(label, trace, profiled, why), fontsize=9)
+        if profiled == 0 and why:
+            ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
         ax.set_xlabel("ms since the first profiled step (each panel has its own scale)", fontsize=8)
     legend = [Patch(color=COLORS[n], label=n) for n in RANGES]
     legend += [
@@ -252,20 +286,46 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=NOT_THROUGHPUT + ".",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="fashion")
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="fashion",
+        help=f"embedded data set (default: fashion, {PRESETS['fashion'].description})",
+    )
     source.add_argument("--dataset", metavar="MODULE:FACTORY", help="your own data set (see bench --help)")
-    parser.add_argument("--size", type=int, help="samples in the embedded data set")
+    parser.add_argument("--size", type=int, help="samples in the embedded data set (default: the preset's)")
     parser.add_argument(
         "--workers", type=int, help="DataLoader workers (default: 2, capped at the usable CPUs)"
     )
-    parser.add_argument("--batch-size", type=int)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="default: the preset's ("
+        + ", ".join(f"{name} {preset.batch_size}" for name, preset in sorted(PRESETS.items()))
+        + "), or a --dataset factory's batch_size (else 256)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per path (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="unprofiled steps first (default 5)")
-    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["default", "device_loader"])
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=sorted(PATHS),
+        default=["default", "device_loader"],
+        help="the paths profiled, in turn (default: both)",
+    )
     parser.add_argument("--no-model", action="store_true", help="no compute: the ranges of the loader alone")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when a GPU is visible)")
-    parser.add_argument("--model-width", type=int)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-width",
+        type=int,
+        help="width of the preset's model (default 32 on a GPU, 8 on a CPU); a --dataset brings its own step",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated data, the sample order and the model (default 0)",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -286,11 +346,9 @@ def run_profile(args: argparse.Namespace, argv: list[str]) -> int:
     out = output_folder("--out", args.out or Path(f"bench-out-profile-{_dt.datetime.now():%Y%m%d-%H%M%S}"))
     print_plan(setup, workers)
     panels, summary = profile_paths(setup, args.paths, workers, out)
-    title = (
-        f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
-        f"device {setup.device}, {setup.steps} profiled steps"
-    )
-    problem = draw_timeline(panels, out / "timeline.png", title) if panels else "nothing profiled"
+    title = timeline_title(setup, workers, summary)
+    steps = [(s["profiled_steps"], s["fewer_because"]) for s in summary.values()]
+    problem = draw_timeline(panels, out / "timeline.png", title, steps) if panels else "nothing profiled"
     record = {
         "command": "python -m fastcollate profile " + " ".join(argv),
         "note": NOT_THROUGHPUT,
@@ -301,10 +359,12 @@ def run_profile(args: argparse.Namespace, argv: list[str]) -> int:
             "batch_size": setup.batch_size,
             "workers": workers,
             "device": str(setup.device),
-            "warmup_steps": setup.warmup,
-            "profiled_steps": setup.steps,
+            # what was asked; what ran is each path's warmup_steps and profiled_steps
+            "warmup_steps_asked": setup.warmup,
+            "profiled_steps_asked": setup.steps,
             "compute": setup.model_note if setup.make_step is not None else None,
         },
+        "timeline_title": title,
         "paths": summary,
     }
     (out / "profile.json").write_text(json.dumps(jsonable(record), indent=1))
@@ -333,6 +393,49 @@ def bench_arguments(args: argparse.Namespace, workers: int) -> argparse.Namespac
         device=args.device,
         model_width=args.model_width,
         seed=args.seed,
+    )
+
+
+def timeline_title(setup: Setup, workers: int, summary: dict[str, Any]) -> str:
+    """The chart's title, with the steps each path profiled (as profile.json has them), not those asked."""
+    counts = {s["profiled_steps"] for s in summary.values()}
+    if len(counts) == 1:
+        steps = _count(counts.pop(), "profiled step")
+    else:
+        steps = "profiled steps " + ", ".join(f"{s['label']} {s['profiled_steps']}" for s in summary.values())
+    if any(s["fewer_because"] for s in summary.values()):
+        steps += f" ({setup.steps} asked: the data set ran out)"
+    return (
+        f"fastcollate profile: {setup.name}, batch {setup.batch_size}, {workers} workers, "
+        f"device {setup.device}, {steps}"
+    )
+
+
+def samples_in(setup: Setup) -> int | None:
+    """The samples a path reads (the fixed subset, or the whole data set); None for a stream."""
+    if setup.indices is not None:
+        return len(setup.indices)
+    try:
+        return len(setup.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def fewer_because(setup: Setup, ran: dict[str, int]) -> str | None:
+    """Why a path profiled fewer steps than asked (the epoch ended first), or None when all ran."""
+    if ran["profiled_steps"] >= setup.steps:
+        return None
+    batches = ran["warmup_steps"] + ran["profiled_steps"]
+    samples = samples_in(setup)
+    made = (
+        f"{samples} samples at batch {setup.batch_size} make {_count(batches, 'batch', 'batches')}"
+        if samples is not None
+        else f"the data set gave {_count(batches, 'batch', 'batches')}"
+    )
+    return (
+        f"{made}, {ran['warmup_steps']} used by --warmup {setup.warmup}, so "
+        f"{ran['profiled_steps']} of --steps {setup.steps} profiled; more samples or a smaller "
+        "--batch-size give more"
     )
 
 
@@ -374,6 +477,13 @@ def print_plan(setup: Setup, workers: int) -> None:
         print(f"  compute: {setup.model_note}")
     for note in setup.notes:
         print(f"  note: {note}")
+    samples = samples_in(setup)
+    if samples is not None:  # said before the run, where the data set is known to be too small
+        batches = -(-samples // setup.batch_size)
+        if batches < setup.warmup + setup.steps:
+            warmup = min(batches, setup.warmup)
+            ran = {"warmup_steps": warmup, "profiled_steps": batches - warmup}
+            print(f"  note: {fewer_because(setup, ran)}")
     print(f"  NOTE: {NOT_THROUGHPUT}.")
 
 
@@ -396,10 +506,13 @@ def profile_paths(
             info = profile_path(setup, variants[variant_key], workers, trace_path)
             trace = read_trace(trace_path)
             ranges = range_summary(trace)
+            why = fewer_because(setup, info)
             summary[key] = {
                 "label": label,
                 "trace": trace_path.name,
-                "steps": info["steps_run"],
+                "warmup_steps": info["warmup_steps"],
+                "profiled_steps": info["profiled_steps"],
+                "fewer_because": why,
                 "ranges_ms": ranges,
                 "gpu_streams": sorted(trace["gpu"]),
             }
@@ -407,7 +520,12 @@ def profile_paths(
             parts = ", ".join(
                 f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items()
             )
+            head = _count(info["profiled_steps"], "profiled step")
+            # with none, a range left is the wait that found the epoch over: not a step's
+            parts = f"{head}: {parts}" if info["profiled_steps"] else head
             print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
+            if why:
+                print(f"    fewer than asked: {why}")
     log = out / PROFILER_LOG
     if log.exists() and log.stat().st_size:
         lines = len(log.read_bytes().splitlines())

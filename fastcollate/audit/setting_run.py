@@ -25,9 +25,9 @@ from .workers import WorkerTagged
 __all__ = ["LoaderPlan", "SettingRun", "batch_signature", "copy_to_device", "cuda_available", "run_setting"]
 
 MAX_SHAPE_NOTES = 5
+"""Batches whose shapes differ from the first batch's that a run describes; the rest are not noted."""
 TOO_MANY_WORKERS = r"This DataLoader will create \d+ worker processes in total"
 """The start of torch's warning when a DataLoader has more workers than the CPUs it may use."""
-"""Batches whose shapes differ from the first batch's that a run describes; the rest are not noted."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""The README's Usage runs as written, and every docs/ page it links to exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_usage_runs_as_written():
+    usage = README.split("## Usage", 1)[1]
+    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("torch.float32 (256, 3, 64, 64)") for line in lines)
+    assert lines[1].endswith("[256, 257, 258]")  # ids name the rows, in order
+
+
+def test_the_error_the_usage_shows_is_the_one_its_contract_gives():
+    import torch
+
+    import fastcollate
+    from fastcollate import Contract, Field
+
+    usage = README.split("## Usage", 1)[1]
+    contract_source = re.search(r"(contract = Contract\(.*?\)\}\))", usage, re.S).group(1)
+    scope = {"Contract": Contract, "Field": Field, "torch": torch}
+    exec(contract_source, scope)  # the README's own contract
+    samples = [{"id": i, "image": torch.zeros((1 if i == 103 else 3, 64, 64), dtype=torch.uint8), "label": i % 10}
+               for i in range(100, 104)]
+    with pytest.raises(fastcollate.ContractError) as raised:
+        fastcollate.assemble.using(scope["contract"])(samples)
+    message = f"{raised.type.__name__}: {raised.value}"
+    shown = re.search(r"```\n(ContractSizeError:.*?)```", usage, re.S).group(1)
+    assert " ".join(shown.split()) == " ".join(message.split())
+
+
+def test_every_linked_page_exists():
+    for link in re.findall(r"\]\((docs/[^)#]+)\)", README):
+        assert (ROOT / link).is_file(), link

@@ -5,12 +5,14 @@ marked as no difference."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from fastcollate.bench import chart, command, configs, report
+from fastcollate.bench import machine as machine_module
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.epoch import run_epoch
 from tests.bench_datasets import Slowed
@@ -158,9 +160,10 @@ def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference
 
 def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_transforms(capsys):
     setup = _setup_with_counting_transform()
-    machine = {"load_average": [0.0, 0.0, 0.0], "cpus_usable": 2}
+    machine = {"load_average": [2.9, 1.0, 0.5], "cpus_busy_at_start": 0.1, "cpus_usable": 2}
     command.print_plan(setup, machine)
     out = capsys.readouterr().out
+    assert "busy" not in out  # a load average left by the build that just ended is not the machine's now
     assert "measured: samples/s and bytes/s delivered in the measured steps, median of 1 runs" in out
     assert "spread: half their min-max range, the machine's noise" in out
     assert "DataLoader workers [0] (0: in the main process) on 2 usable CPUs" in out
@@ -182,3 +185,11 @@ def test_the_chart_title_says_where_the_device_transforms_were_left_out():
     setup = _setup_with_counting_transform()
     assert chart._transforms_left_out(setup) == "; device transforms left out of: loader (no GPU)"
     assert chart._transforms_left_out(dataclasses.replace(setup, device=torch.device("cuda"))) == ""
+
+
+def test_the_plan_says_the_machine_is_busy_only_when_it_is_measured_busy_now(capsys):
+    setup = _setup_with_counting_transform()
+    command.print_plan(setup, {"load_average": [0.1, 0.1, 0.1], "cpus_busy_at_start": 1.8, "cpus_usable": 2})
+    assert "the machine was busy at the start (1.8 of 2 CPUs in use by other work" in capsys.readouterr().out
+    busy = machine_module.cpus_busy_now(0.2)
+    assert busy is not None and 0.0 <= busy <= (os.cpu_count() or 1) + 0.01

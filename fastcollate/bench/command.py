@@ -217,11 +217,11 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
     print(f"  observations: {', '.join(setup.observations)}")
     if "integrated" in setup.observations:
         print(f"  model: {setup.model_note}")
-    load = machine["load_average"]
-    if load and load[0] > machine["cpus_usable"]:
+    busy = machine.get("cpus_busy_at_start")
+    if busy is not None and busy > 0.5 * machine["cpus_usable"]:
         setup.notes.append(
-            f"the machine was busy at the start (load average {load[0]:.1f} on "
-            f"{machine['cpus_usable']} CPUs): expect noisy numbers"
+            f"the machine was busy at the start ({busy:.1f} of {machine['cpus_usable']} CPUs in use by other "
+            "work, measured over 0.5 s just before): expect noisy numbers"
         )
     for note in setup.notes:
         print(f"  note: {note}")

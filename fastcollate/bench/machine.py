@@ -6,6 +6,7 @@ import importlib
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,28 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def cpus_busy_now(seconds: float = 0.5) -> float | None:
+    """How many CPUs' worth of time the whole machine spent busy over the next ``seconds`` (from
+    /proc/stat; None where there is none). Measured now, unlike the load average, which still counts a
+    build that ended a minute ago (``make demo`` builds just before it measures)."""
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
+    try:
+        total, idle = ticks()
+        time.sleep(seconds)
+        total2, idle2 = ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    elapsed = total2 - total
+    cpus = os.cpu_count() or 1
+    return 0.0 if elapsed <= 0 else cpus * (1 - (idle2 - idle) / elapsed)
+
+
 def machine_info() -> dict[str, Any]:
     """The machine the numbers come from."""
     info: dict[str, Any] = {
@@ -41,6 +64,7 @@ def machine_info() -> dict[str, Any]:
         "memory_bytes": None,
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cpus_busy_at_start": cpus_busy_now(),
         "gpu": None,
     }
     try:

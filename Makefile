@@ -14,7 +14,7 @@ endif
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
 
 help:
-	@echo "make demo      build, then python -m fastcollate bench on the embedded data set, then workers on pre-decoded images"
+	@echo "make demo      build, then workers on pre-decoded images (slots on/off), then the PIL-bound bench"
 	@echo "make test      build, then the test suite"
 	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate); COMPARE=1 compares with the last run"
 	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
@@ -50,11 +50,15 @@ build: .stamp-build
 test: .stamp-build
 	$(PY) -m pytest tests -q
 
-# The FashionMNIST-like bench (bound by its PIL transforms), then pre-decoded images with workers
-# (bound by moving bytes: shared slots on and off).
+# First where the data path matters: pre-decoded images with workers (bound by moving bytes: shared slots
+# on and off against default_collate), with a chart; then the FashionMNIST-like bench, bound by its PIL
+# transforms, where no collate can show a gain.
 demo: .stamp-build
+	@echo; echo "1/2  where the data path matters: pre-decoded images, DataLoader workers"
+	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds 3 \
+		--json bench-out-workers/results.json --chart bench-out-workers/chart.png
+	@echo; echo "2/2  bound by its PIL transforms (about 300 us a sample): expect no gain from any collate"
 	$(PY) -m fastcollate bench $(BENCH_ARGS)
-	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds 3
 
 bench: .stamp-build
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \

@@ -76,6 +76,8 @@ def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: 
     loaders = {}
     for contender in CONTENDERS:
         for count in workers:
+            if count == 0 and contender == "assemble, slots off":
+                continue  # without workers the slots play no part: the same path as "slots on"
             loaders[(contender, count)] = DataLoader(
                 dataset,
                 batch_size=preset.batch_size,
@@ -153,29 +155,59 @@ def summarize(result: dict) -> list[str]:
         "  samples/s (median)   " + "".join(f"{f'workers={w}':>22}" for w in workers),
     ]
     for contender in CONTENDERS:
-        cells = "".join(f"{median[(contender, w)]:>14,.0f} {cpu[(contender, w)]:5.2f}ms" for w in workers)
+        cells = "".join(
+            f"{median[(contender, w)]:>14,.0f} {cpu[(contender, w)]:5.2f}ms" if (contender, w) in median
+            else f"{'(as slots on)':>22}" for w in workers
+        )
         lines.append(f"  {contender:<21}{cells}")
-    lines.append("  (each cell: samples/s, then the main process's CPU time per batch)")
+    lines.append("  (each cell: samples/s, then the main process's CPU time per batch; at workers=0 the")
+    lines.append("  slots play no part, so assemble is measured once)")
+    on = "assemble, slots on"
     for w in workers:
         if w == 0:
             continue
-        lines.append(
-            f"  workers={w}: slots on / default_collate "
-            f"{paired(('assemble, slots on', w), ('default_collate', w))}; "
-            f"slots on / slots off {paired(('assemble, slots on', w), ('assemble, slots off', w))}; "
-            f"slots on / assemble at workers=0 {paired(('assemble, slots on', w), ('assemble, slots on', 0))}"
-        )
+        lines.append(f"  workers={w}: slots on / default_collate {paired((on, w), ('default_collate', w))}")
+        lines.append(f"             slots on / slots off {paired((on, w), ('assemble, slots off', w))}")
+        if (on, 0) in median:
+            lines.append(f"             slots on / assemble at workers=0 {paired((on, w), (on, 0))}")
     for w, stats in sorted(result["slot_stats"].items()):
         if w == 0 or not stats["slots_used"]:
             continue
         held = stats["bytes_held"] / (stats["slots_used"] * result["batch_tensor_bytes"])
         lines.append(
             f"  workers={w}: {stats['slots_used']} slots used, bytes held {held:.3f}x slots x batch bytes, "
-            f"{stats['fresh_fallbacks']} fresh fallbacks, {stats['reclaimed']} reclaimed"
+            f"{stats['fresh_fallbacks']} fresh fallbacks"
         )
     result["medians"] = {f"{c} @ workers={w}": v for (c, w), v in median.items()}
     result["main_cpu_ms_per_batch"] = {f"{c} @ workers={w}": v for (c, w), v in cpu.items()}
     return lines
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    """One panel a dataset: median samples/s of each contender at each worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 3.6), squeeze=False)
+    for axis, result in zip(axes[0], results, strict=True):
+        workers = sorted({int(key.rsplit("=", 1)[1]) for key in result["medians"]})
+        width = 0.8 / len(CONTENDERS)
+        for k, contender in enumerate(CONTENDERS):
+            values = [result["medians"].get(f"{contender} @ workers={w}", 0) for w in workers]
+            axis.bar([w + (k - 1) * width for w in workers], values, width, label=contender)
+        axis.set_xticks(workers, [f"workers={w}" for w in workers])
+        axis.set_ylabel("samples/s (median)")
+        axis.set_title(f"{result['dataset']}, batch {result['batch_size']}", fontsize=10)
+    axes[0][0].legend(fontsize=8)
+    figure.suptitle("DataLoader workers: shared slots on and off against default_collate\n"
+                    "(at workers=0 the slots play no part: assemble is measured once)", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def receive_cost_ms(name: str, repeats: int = 200) -> dict:
@@ -222,13 +254,14 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=12, help="batches per epoch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--chart", type=Path, help="draw the samples/s of every cell into this PNG")
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples_on_the_heap()
     print(
-        "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork; "
-        f"one torch thread; {args.rounds} rounds "
-        f"of {args.batches} batches after one warm-up; medians, spread = p25-p75 of per-round ratios",
+        "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork;\n"
+        f"one torch thread; {args.rounds} rounds of {args.batches} batches after one warm-up; medians,\n"
+        "spread = p25-p75 of the per-round ratios",
         flush=True,
     )
     report = {
@@ -238,6 +271,8 @@ def main() -> int:
         "torch": torch.__version__,
         "results": [],
     }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for name in args.datasets:
         result = run_dataset(name, args.workers, args.rounds, args.batches, args.seed)
@@ -246,13 +281,15 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     print("\n".join(lines))
+    if args.chart:
+        draw_chart(report, args.chart)
+        print(f"wrote {args.chart}")
     for name in args.datasets:
         cost = receive_cost_ms(name)
         report.setdefault("receive_cost", []).append(cost)
         print(
-            f"receiving one {name} batch in the main process "
-            f"(unpickle the {cost['message_bytes']}-byte message "
-            f"into views of its slot, then drop them): median {cost['median_ms']:.3f} ms "
+            f"receiving one {name} batch in the main process (unpickle the {cost['message_bytes']}-byte\n"
+            f"  message into views of its slot, then drop them): median {cost['median_ms']:.3f} ms "
             f"(p25-p75 {cost['p25_p75_ms'][0]:.3f}-{cost['p25_p75_ms'][1]:.3f}) over {cost['repeats']}"
         )
     if args.json:

@@ -162,7 +162,9 @@ def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_t
     setup = _setup_with_counting_transform()
     machine = {"load_average": [2.9, 1.0, 0.5], "cpus_busy_at_start": 0.1, "cpus_usable": 2}
     command.print_plan(setup, machine)
-    out = capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 100  # wrapped to the terminal
+    out = " ".join(printed.split())  # the words, whatever the wrapping
     assert "busy" not in out  # a load average left by the build that just ended is not the machine's now
     assert "measured: samples/s and bytes/s delivered in the measured steps, median of 1 runs" in out
     assert "spread: half their min-max range, the machine's noise" in out
@@ -190,6 +192,20 @@ def test_the_chart_title_says_where_the_device_transforms_were_left_out():
 def test_the_plan_says_the_machine_is_busy_only_when_it_is_measured_busy_now(capsys):
     setup = _setup_with_counting_transform()
     command.print_plan(setup, {"load_average": [0.1, 0.1, 0.1], "cpus_busy_at_start": 1.8, "cpus_usable": 2})
-    assert "the machine was busy at the start (1.8 of 2 CPUs in use by other work" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the machine was busy at the start (1.8 of 2 CPUs in use by other work" in out
     busy = machine_module.cpus_busy_now(0.2)
     assert busy is not None and 0.0 <= busy <= (os.cpu_count() or 1) + 0.01
+
+
+def test_the_tables_fit_in_100_columns_and_leave_out_what_cannot_apply_without_a_gpu():
+    setup = _setup_with_counting_transform("loader")
+    entries = [_entry("default", 2, [90, 100, 110]), _entry("assemble", 2, [100, 105, 110]),
+               _entry("device_loader", 2, [290, 300, 310])]
+    report.mark_not_different(entries)
+    table = report.fit_to_terminal(report.format_table(setup, entries))
+    assert max(len(line) for line in table.splitlines()) <= 100, table
+    assert "h2d" not in table and "pinned" not in table.split("(no GPU")[0]  # no column of "no GPU" cells
+    assert "(no GPU: the host-to-device and pinned-memory columns do not apply, left out)" in table
+    header = next(line for line in table.splitlines() if line.startswith("w  config"))
+    assert "samples/s" in header and "x dflt" in header  # the speed table comes first

@@ -32,7 +32,15 @@ from .datasets import PRESETS, fingerprint
 from .epoch import EpochRun, run_epoch
 from .machine import machine_info, versions
 from .pinned_copy import pinned_copy_gbps
-from .report import NOT_DIFFERENT, fmt_bytes, format_table, jsonable, mark_not_different, summarize
+from .report import (
+    NOT_DIFFERENT,
+    fit_to_terminal,
+    fmt_bytes,
+    format_table,
+    jsonable,
+    mark_not_different,
+    summarize,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -40,9 +48,10 @@ Config = tuple[str, str, int]  # (observation, variant key, workers)
 REFERENCE: Config = ("loader", "default", 0)
 
 LEGEND = (
-    "  samples/s: samples delivered in the measured steps / their seconds (median over runs; spread: "
-    f"half the min-max range, the machine's noise; {NOT_DIFFERENT}: within the spreads of default_collate, "
-    "not different); wait: next(loader) time per measured step (with DeviceLoader it includes "
+    "  w: DataLoader workers; samples/s: samples delivered in the measured steps / their seconds (median "
+    "over runs; spread: half the min-max range, the machine's noise); x dflt: over default_collate at the "
+    f"same workers ({NOT_DIFFERENT}: within their spreads, not different); p50, p95 ms: the wait, "
+    "next(loader) time per measured step (with DeviceLoader it includes "
     "issuing the copy and the device transforms where they are timed: asynchronous on a GPU); "
     "start-up: iter() to first batch "
     "(worker start, reported apart); "
@@ -164,10 +173,10 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     entries = [summarize(setup, key, runs[key]) for key in configs]
     mark_not_different(entries)
     limits = link_limits(setup, reference, entries)
-    table = format_table(setup, entries)
+    table = fit_to_terminal(format_table(setup, entries))
     print(table)
     print()
-    print(LEGEND)
+    print(fit_to_terminal(LEGEND))
 
     result = {
         "command": "python -m fastcollate bench " + " ".join(argv),
@@ -195,28 +204,32 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if flagged else 0
 
 
+def _say(text: str) -> None:
+    print(fit_to_terminal(text))
+
+
 def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
     """What is about to run, and the notes (a busy machine among them) the reader should know."""
     epoch_samples = len(setup.indices) if setup.indices is not None else "all"
-    print(f"fastcollate bench: {setup.description}")
-    print(
+    _say(f"fastcollate bench: {setup.description}")
+    _say(
         f"  measured: samples/s and {setup.unit}/s delivered in the measured steps, median of "
         f"{setup.repeat} runs; spread: half their min-max range, the machine's noise "
         f"({NOT_DIFFERENT}: a difference within it)"
     )
-    print(f"  where: {where_it_runs(setup, machine)}")
-    print(f"  {setup.device_transforms_note()}")
-    print(f"  transforms: {setup.transforms_note}")
-    print(
+    _say(f"  where: {where_it_runs(setup, machine)}")
+    _say(f"  {setup.device_transforms_note()}")
+    _say(f"  transforms: {setup.transforms_note}")
+    _say(
         f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
         f"timing) + {setup.steps} measured + the batches the configuration holds in flight, untimed "
         f"({PREFETCH_FACTOR} x workers, +{DEVICE_LOADER_DEPTH} with DeviceLoader), so no pipeline runs dry "
         f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
         f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown"
     )
-    print(f"  observations: {', '.join(setup.observations)}")
+    _say(f"  observations: {', '.join(setup.observations)}")
     if "integrated" in setup.observations:
-        print(f"  model: {setup.model_note}")
+        _say(f"  model: {setup.model_note}")
     busy = machine.get("cpus_busy_at_start")
     if busy is not None and busy > 0.5 * machine["cpus_usable"]:
         setup.notes.append(
@@ -224,7 +237,7 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
             "work, measured over 0.5 s just before): expect noisy numbers"
         )
     for note in setup.notes:
-        print(f"  note: {note}")
+        _say(f"  note: {note}")
 
 
 def where_it_runs(setup: Setup, machine: dict[str, Any]) -> str:

@@ -232,7 +232,7 @@ def _device(args: argparse.Namespace, notes: list[str]) -> torch.device:
     if device.type != "cuda":
         notes.append(
             "no GPU: pin_memory is left off (DataLoader only warns and pins nothing without one), "
-            "the transfer columns say 'no GPU' and the model runs on the CPU"
+            "the transfer columns are left out and the model runs on the CPU"
         )
     return device
 

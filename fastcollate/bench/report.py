@@ -4,6 +4,7 @@ every run kept), the terminal table, and the JSON-safe form of it all."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "NOT_DIFFERENT",
     "fmt_bytes",
     "fmt_ms",
+    "fit_to_terminal",
     "fmt_rate",
     "format_table",
     "jsonable",
@@ -161,23 +163,28 @@ def fmt_ms(value: float | None) -> str:
     return "-" if value is None else (f"{value:.2f}" if value < 10 else f"{value:.1f}")
 
 
-_HEADER = (
-    "workers",
-    "config",
-    "samples/s",
-    "spread",
-    "{unit}/s",
-    "x default",
-    "wait p50 ms",
-    "wait p95 ms",
-    "h2d ms",
-    "start-up s",
-    "peak RSS main+workers",
-    "PSS",
-    "shm",
-    "pinned",
-    "check",
-)
+# Two tables an observation, so that each fits in 100 columns: speed, then memory (and the transfer
+# columns, on a GPU only: without one they cannot apply, and one line says so).
+_SPEED = ("w", "config", "samples/s", "spread", "{unit}/s", "x dflt", "p50 ms", "p95 ms", "check")
+_MEMORY = ("w", "config", "start-up s", "peak RSS main+workers", "PSS", "shm")
+_TRANSFER = ("h2d ms", "pinned")
+
+
+TERMINAL_COLUMNS = 100
+
+
+def fit_to_terminal(text: str, width: int = TERMINAL_COLUMNS) -> str:
+    """``text`` with each line longer than ``width`` wrapped at spaces, its continuation indented two
+    more than the line (table rows are built narrower; this is for prose, and leaves a path whole)."""
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()))
+        out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=indent + "  ",
+                             break_long_words=False, break_on_hyphens=False) or [line]
+    return "\n".join(out)
 
 
 def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
@@ -193,15 +200,20 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
             continue
         lines.append("")
         lines.append(titles[observation] + _transforms_in_title(setup, observation))
-        rows = [[h.format(unit=setup.unit) for h in _HEADER]]
         baseline = {
             e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]
         }
         order = [v.key for v in VARIANTS]
-        for e in sorted(block, key=lambda e: (e["workers"], order.index(e["variant"]))):
-            rows.append(_row(setup, e, baseline.get(e["workers"])))
-        lines += _aligned(rows)
+        ordered = sorted(block, key=lambda e: (e["workers"], order.index(e["variant"])))
+        on_gpu = setup.device.type == "cuda"
+        memory_header = _MEMORY + (_TRANSFER if on_gpu else ())
+        lines += _aligned([[h.format(unit=setup.unit) for h in _SPEED]]
+                          + [_speed_row(setup, e, baseline.get(e["workers"])) for e in ordered])
         lines += _verdicts(block)
+        lines.append("")
+        lines += _aligned([list(memory_header)] + [_memory_row(setup, e) for e in ordered])
+        if not on_gpu:
+            lines.append("(no GPU: the host-to-device and pinned-memory columns do not apply, left out)")
     return "\n".join(lines)
 
 
@@ -213,24 +225,15 @@ def _transforms_in_title(setup: Setup, observation: str) -> str:
     return "; device transforms left out (no GPU)"
 
 
-def _row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[str]:
-    """One configuration's cells, in ``_HEADER``'s order."""
+def _speed_row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[str]:
+    """One configuration's speed cells, in ``_SPEED``'s order (w: DataLoader workers; x dflt: samples/s
+    over default_collate's at the same workers; p50, p95: next(loader)'s wait)."""
     speedup = "-"
     if baseline_rate and e["samples_per_s"] and e["ranked"]:
         speedup = f"{e['samples_per_s'] / baseline_rate:.2f}"
         # Marked as the block's note says: inside the spreads, the ratio is the machine's noise.
         speedup += f" {NOT_DIFFERENT}" if e.get("not_different_from_default") else "  "
     spread = e["samples_per_s_rel_spread"]
-    if setup.device.type != "cuda":
-        h2d = "no GPU"
-    elif e["transfer"] == "DeviceLoader":
-        h2d = f"{fmt_ms(e['h2d_ms_p50'])} (copy stream)"
-    else:
-        h2d = fmt_ms(e["h2d_ms_p50"])
-    workers_rss = e["peak_rss_workers_bytes"]
-    rss = fmt_bytes(e["peak_rss_main_bytes"])
-    if workers_rss:
-        rss += f" + {len(workers_rss)}x{fmt_bytes(max(workers_rss))}"
     return [
         str(e["workers"]),
         e["label"],
@@ -240,14 +243,28 @@ def _row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[s
         speedup,
         fmt_ms(e["wait_ms_p50"]),
         fmt_ms(e["wait_ms_p95"]),
-        h2d,
+        _check_cell(e),
+    ]
+
+
+def _memory_row(setup: Setup, e: dict[str, Any]) -> list[str]:
+    """One configuration's memory cells, in ``_MEMORY``'s order, then ``_TRANSFER``'s on a GPU."""
+    workers_rss = e["peak_rss_workers_bytes"]
+    rss = fmt_bytes(e["peak_rss_main_bytes"])
+    if workers_rss:
+        rss += f" + {len(workers_rss)}x{fmt_bytes(max(workers_rss))}"
+    cells = [
+        str(e["workers"]),
+        e["label"],
         "-" if e["startup_s"] is None else f"{e['startup_s']:.2f}",
         rss,
         fmt_bytes(e["pss_bytes"]),
         fmt_bytes(e["shm_bytes"]),
-        fmt_bytes(e["pinned_bytes"]) if setup.device.type == "cuda" else "no GPU",
-        _check_cell(e),
     ]
+    if setup.device.type == "cuda":
+        h2d = fmt_ms(e["h2d_ms_p50"])
+        cells += [f"{h2d} (copy stream)" if e["transfer"] == "DeviceLoader" else h2d, fmt_bytes(e["pinned_bytes"])]
+    return cells
 
 
 def _check_cell(e: dict[str, Any]) -> str:
@@ -266,13 +283,15 @@ def _check_cell(e: dict[str, Any]) -> str:
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:
-    """The rows as text columns: the two name columns and the check left-aligned, numbers right."""
+    """The rows as text columns: the two name columns and the speed table's check left-aligned, numbers
+    right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    check_last = rows[0][-1] == "check"
     lines = []
     for n, row in enumerate(rows):
         lines.append(
             "  ".join(
-                c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w)
+                c.ljust(w) if i < 2 or (check_last and i == len(row) - 1) else c.rjust(w)
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
         )
@@ -287,7 +306,7 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
     judged = [e["not_different_from_default"] for e in block if e["variant"] != "default" and e["ranked"]]
     if any(judged):
         lines.append(
-            f"{NOT_DIFFERENT} after x default: differs from default_collate at the same workers by less "
+            f"{NOT_DIFFERENT} after x dflt: differs from default_collate at the same workers by less "
             "than their spreads added: not a real difference on this machine"
         )
     elif judged and all(j is None for j in judged):

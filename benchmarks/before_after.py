@@ -39,7 +39,8 @@ def worker_ratios(report: dict) -> dict[str, float]:
         by_round: dict[tuple[int, int], dict[str, float]] = {}
         for run in result["runs"]:
             if not run["warmup"]:
-                by_round.setdefault((run["workers"], run["round"]), {})[run["contender"]] = run["samples_per_s"]
+                rates = by_round.setdefault((run["workers"], run["round"]), {})
+                rates[run["contender"]] = run["samples_per_s"]
         paired: dict[str, list[float]] = {}
         for (workers, _), rates in sorted(by_round.items()):
             for contender, rate in rates.items():

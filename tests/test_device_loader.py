@@ -638,7 +638,7 @@ def test_ids_and_labels_kept_for_an_epoch_hold_only_their_own_device_memory(work
     gc.collect()
     held = torch.cuda.memory_allocated() - before
     own = sum((t.nbytes + 511) // 512 * 512 for t in kept)  # the caching allocator rounds to 512 bytes
-    assert held <= own, f"{len(kept)} ids and labels ({own} bytes, rounded) hold {held} bytes of device memory"
+    assert held <= own, f"{len(kept)} ids and labels ({own} bytes, rounded) hold {held} bytes on the device"
     stats = device_loader.stats()
     # At workers=0 they are cloned out of the one copy; from workers they arrive by value beside the
     # slot and cross as their own small copies, while the images still cross from the slot in one.
@@ -789,7 +789,8 @@ def test_small_fields_in_a_second_pinned_slot_are_packed_not_sent_apart():
     # Only pageable small fields (those a worker sent by value) may cross on their own: a copy from a
     # second pinned slot would still read it after the call returned, with nothing holding that slot.
     side, batch_size = 128, 32  # 1.5 MiB batches
-    source = DataLoader(Labelled(batch_size * 4, side), batch_size=batch_size, collate_fn=collate_in_two_parts)
+    source = DataLoader(Labelled(batch_size * 4, side), batch_size=batch_size,
+                        collate_fn=collate_in_two_parts)
     device_loader = DeviceLoader(source, depth=2)
     for batch in device_loader:
         assert batch["image"].is_cuda and batch["label"].is_cuda

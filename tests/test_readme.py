@@ -33,8 +33,8 @@ def test_the_error_the_usage_shows_is_the_one_its_contract_gives():
     contract_source = re.search(r"(contract = Contract\(.*?\)\}\))", usage, re.S).group(1)
     scope = {"Contract": Contract, "Field": Field, "torch": torch}
     exec(contract_source, scope)  # the README's own contract
-    samples = [{"id": i, "image": torch.zeros((1 if i == 103 else 3, 64, 64), dtype=torch.uint8), "label": i % 10}
-               for i in range(100, 104)]
+    samples = [{"id": i, "image": torch.zeros((1 if i == 103 else 3, 64, 64), dtype=torch.uint8),
+                "label": i % 10} for i in range(100, 104)]
     with pytest.raises(fastcollate.ContractError) as raised:
         fastcollate.assemble.using(scope["contract"])(samples)
     message = f"{raised.type.__name__}: {raised.value}"

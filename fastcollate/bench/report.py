@@ -263,7 +263,9 @@ def _memory_row(setup: Setup, e: dict[str, Any]) -> list[str]:
     ]
     if setup.device.type == "cuda":
         h2d = fmt_ms(e["h2d_ms_p50"])
-        cells += [f"{h2d} (copy stream)" if e["transfer"] == "DeviceLoader" else h2d, fmt_bytes(e["pinned_bytes"])]
+        if e["transfer"] == "DeviceLoader":
+            h2d += " (copy stream)"
+        cells += [h2d, fmt_bytes(e["pinned_bytes"])]
     return cells
 
 

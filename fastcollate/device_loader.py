@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from . import tree
+from . import tree, worker_slots
 from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
@@ -37,7 +37,6 @@ from .transforms import apply_to_fields
 
 __all__ = ["DeviceLoader"]
 
-_PINNED_SHARED_SLOT = 3  # _C.shared_slot_kind: a batch received from a worker, page-locked
 
 
 def _read_through(name: str) -> property:
@@ -362,7 +361,7 @@ class DeviceLoader:
     def _direct_slot(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` is in a slot a copy can read directly: this ring's, or a shared slot a
         worker wrote and this process page-locked when it received the batch."""
-        return self._ring.owns(tensor) or _C.shared_slot_kind(tensor) == _PINNED_SHARED_SLOT
+        return self._ring.owns(tensor) or _C.shared_slot_kind(tensor) == worker_slots.PAGE_LOCKED
 
     def _small_fields_apart(self, tensors: list[torch.Tensor]) -> list[int]:
         """The positions of the small tensors beside a batch in a direct slot: a worker sends a large

@@ -185,6 +185,12 @@ def being_spawned() -> bool:
 # The main process: rebuilding a worker's slot tensor.
 
 
+# _C.shared_slot_kind of a tensor: a worker's view of the slot it writes; a batch received over a
+# page-locked mapping (DeviceLoader's).
+WRITING = 1
+PAGE_LOCKED = 3
+
+
 def _pin_device() -> int:
     """The CUDA device to page-lock a received batch's slot with: DeviceLoader's, when it is the one
     fetching the batch on this thread (it holds the batch until its copy has completed), else none (-1).
@@ -210,8 +216,11 @@ def _receive(
     tensor = pool.native.receive(slot, seq, nbytes, dtype, offset, shape, stride, pin_device)
     if pin_device < 0:
         return tensor
-    active_ring().views_handed_out += 1  # DeviceLoader's: it looks for any it does not see
-    if pool.native.registration_failures:
+    if _C.shared_slot_kind(tensor) == PAGE_LOCKED:
+        # DeviceLoader's ring counts them: it looks for any the batch does not show. A pageable one (the
+        # slot could not be page-locked) is no hazard, and would only make it search for nothing.
+        active_ring().views_handed_out += 1
+    elif pool.native.registration_failures:
         warn_once("page-locking", "a shared slot could not be page-locked (cudaHostRegister failed: the "
                   "memlock limit, ulimit -l, or no GPU memory for it); its batches are received pageable and "
                   "DeviceLoader packs them into its pinned ring (one more host copy each). Raise ulimit -l.")
@@ -227,7 +236,6 @@ def _own_copy(data: bytearray, dtype: torch.dtype, shape: tuple) -> torch.Tensor
 
 # A worker: sending slot tensors as views.
 
-WRITING = 1  # _C.shared_slot_kind: a worker's view of the slot it writes
 
 
 class _Message(threading.local):

@@ -238,7 +238,8 @@ def test_a_slot_that_cannot_be_mapped_falls_back_once_said():
     done = run_script(MAPPING_FAILS)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4", "2"]  # the slot given back, both batches counted
-    assert done.stderr.count("RuntimeWarning: fastcollate: a shared slot could not serve: mapping a slot") == 1
+    said = "RuntimeWarning: fastcollate: a shared slot could not serve: mapping a slot"
+    assert done.stderr.count(said) == 1
     assert "the address space is short, ulimit -v" in done.stderr
 
 
@@ -288,7 +289,8 @@ def test_a_slot_that_cannot_be_page_locked_is_said_once(monkeypatch):
             assert _C.shared_slot_kind(received) == RECEIVED  # received all the same, pageable
             del received
     assert len([w for w in caught if "page-locked" in str(w.message)]) == 1
-    assert ring.views_handed_out == 3  # counted for DeviceLoader, which looks for the ones it does not see
+    # Pageable, so no hazard: not counted for DeviceLoader, which searches batches for uncounted ones.
+    assert ring.views_handed_out == 0
 
 
 def test_a_batch_over_a_slot_is_not_shared_memory_and_share_memory_copies_it_out():
@@ -353,7 +355,8 @@ class _ReadsAKeptBatch(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         time.sleep(0.3)  # the main process drops its reference, and the slot is written again, meanwhile
         values = self.kept["x"].unique().tolist()
-        return {"seen": torch.tensor((values + [0, 0, 0, 0])[:4]), "pad": torch.full((1 << 20,), 200, dtype=torch.uint8)}
+        return {"seen": torch.tensor((values + [0, 0, 0, 0])[:4]),
+                "pad": torch.full((1 << 20,), 200, dtype=torch.uint8)}
 
 
 def test_a_batch_a_forked_worker_inherited_keeps_its_data_after_the_main_process_drops_it():
@@ -363,7 +366,8 @@ def test_a_batch_a_forked_worker_inherited_keeps_its_data_after_the_main_process
     del iterator
     dataset = _ReadsAKeptBatch()
     dataset.kept = kept
-    iterator = iter(DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=collate))  # forks: inherits it
+    # The worker forks now and inherits the kept batch.
+    iterator = iter(DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=collate))
     dataset.kept = None
     del kept  # the slot is free: the new worker writes its batches there
     seen = [next(iterator)["seen"][0].tolist() for _ in range(4)]

@@ -26,6 +26,7 @@ import platform
 import random
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -170,6 +171,7 @@ def summarize(result: dict) -> list[str]:
         lines.append(f"             slots on / slots off {paired((on, w), ('assemble, slots off', w))}")
         if (on, 0) in median:
             lines.append(f"             slots on / assemble at workers=0 {paired((on, w), (on, 0))}")
+    lines.append(fastest(by, median))
     for w, stats in sorted(result["slot_stats"].items()):
         if w == 0 or not stats["slots_used"]:
             continue
@@ -181,6 +183,28 @@ def summarize(result: dict) -> list[str]:
     result["medians"] = {f"{c} @ workers={w}": v for (c, w), v in median.items()}
     result["main_cpu_ms_per_batch"] = {f"{c} @ workers={w}": v for (c, w), v in cpu.items()}
     return lines
+
+
+def fastest(by: dict, median: dict) -> str:
+    """The cell with the best median, named as fastest only if it beat every other cell in every round
+    (the rounds are interleaved, so each comparison is paired in time): a verdict the noise cannot
+    flip from one run to the next."""
+    best = max(median, key=median.get)
+    others = [key for key in median if key != best]
+    losses = [
+        key for key in others
+        if any(by[key][r]["samples_per_s"] >= run["samples_per_s"] for r, run in by[best].items() if r in by[key])
+    ]
+    name = f"{best[0]} at workers={best[1]} ({median[best]:,.0f} samples/s"
+    baseline = ("default_collate", best[1])
+    if baseline != best and baseline in median:
+        name += f", {median[best] / median[baseline]:.2f}x default_collate there"
+    if not losses:
+        verdict = f"fastest: {name}), ahead of every other cell in each of the {len(by[best])} rounds"
+    else:
+        rivals = ", ".join(f"{c} at workers={w}" for c, w in losses)
+        verdict = f"fastest: none beyond noise: the best median is {name}), but {rivals} beat it in some round"
+    return textwrap.fill(verdict, 100, initial_indent="  ", subsequent_indent="           ")
 
 
 def draw_chart(report: dict, path: Path) -> None:

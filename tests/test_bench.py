@@ -328,7 +328,7 @@ def test_explicit_workers_run_as_asked_even_past_the_cpu_count(monkeypatch):
 def test_quick_takes_few_steps_and_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     setup = configs.resolve(bench_arguments(quick=True, size=1000))
-    assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 1, 3, [0, 2])
+    assert (setup.steps, setup.warmup, setup.repeat, setup.workers) == (4, 1, 5, [0, 2])
     assert setup.tail == 2 * 2 + 2, "the deepest pipeline: 2 workers x prefetch 2, + DeviceLoader depth 2"
     assert setup.indices is not None and len(setup.indices) == (4 + 1 + setup.tail) * 32
 

@@ -50,7 +50,7 @@ REFERENCE: Config = ("loader", "default", 0)
 LEGEND = (
     "  w: DataLoader workers; samples/s: samples delivered in the measured steps / their seconds (median "
     "over runs; spread: half the min-max range, the machine's noise); x dflt: over default_collate at the "
-    f"same workers ({NOT_DIFFERENT}: within their spreads, not different); p50, p95 ms: the wait, "
+    f"same workers ({NOT_DIFFERENT}: the two's runs overlap, not different); p50, p95 ms: the wait, "
     "next(loader) time per measured step (with DeviceLoader it includes "
     "issuing the copy and the device transforms where they are timed: asynchronous on a GPU); "
     "start-up: iter() to first batch "
@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
         "data set (no download) or your own. Measured: samples/s (and the preset's bytes, pixels or "
         "tokens per s) over the measured steps, median of --repeat runs, with their spread (half the "
-        f"min-max range: the machine's noise); a ratio within the spreads is marked {NOT_DIFFERENT} "
-        "(not different). Where: the samples are loaded and collated on the CPU, in the main process "
+        f"min-max range: the machine's noise); a ratio whose two configurations' runs overlap is marked "
+        f"{NOT_DIFFERENT} (not different: two runs of one path fall apart 1 time in 126 at 5 runs each, "
+        "1 in 10 at 3). Where: the samples are loaded and collated on the CPU, in the main process "
         "(workers 0) or in DataLoader worker processes; the copy, the device transforms and the model "
         "run on the GPU, or on the CPU without one, where loader-only leaves the device transforms "
         "out (they would be CPU work timed as the loader's) and integrated keeps them.",
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup", type=int, help="batches per run before timing starts (default 3; --quick 1)"
     )
-    parser.add_argument("--repeat", type=int, help="runs per configuration (default 3)")
+    parser.add_argument("--repeat", type=int, help="runs per configuration, interleaved (default 5)")
     parser.add_argument(
         "--quick", action="store_true", help="few steps and workers: under 2 minutes on 2 cores"
     )
@@ -215,7 +216,7 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
     _say(
         f"  measured: samples/s and {setup.unit}/s delivered in the measured steps, median of "
         f"{setup.repeat} runs; spread: half their min-max range, the machine's noise "
-        f"({NOT_DIFFERENT}: a difference within it)"
+        f"({NOT_DIFFERENT}: the runs of the two compared overlap, a difference within it)"
     )
     _say(f"  where: {where_it_runs(setup, machine)}")
     _say(f"  {setup.device_transforms_note()}")

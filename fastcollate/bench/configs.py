@@ -146,7 +146,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     quick = args.quick
     steps = args.steps if args.steps is not None else (4 if quick else 20)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
-    repeat = args.repeat if args.repeat is not None else 3
+    repeat = args.repeat if args.repeat is not None else 5  # the ~ mark: see report.not_different
     workers = _worker_counts(args, notes)
     device = _device(args, notes)
     observations = {"loader": ["loader"], "integrated": ["integrated"], "both": ["loader", "integrated"]}[

@@ -10,6 +10,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -529,3 +530,23 @@ def test_the_pinned_copy_returns_every_timed_run_in_gb_per_s():
 
 # --------------------------------------------------------------------------------------------------
 # Loader-only times what the loader delivers; the table says which differences are noise.
+
+
+def test_rounds_rotate_the_order_so_no_configuration_runs_twice_in_a_row(monkeypatch):
+    # A slow spell of a noisy machine lasts seconds: two back-to-back runs of one configuration would
+    # both fall in it and set that configuration apart from the rest.
+    setup = configs.resolve(bench_arguments(workers=[0, 2], repeat=4, observation="loader"))
+    order = []
+
+    def fake_epoch(setup, variant, workers, observation, full=False):
+        order.append((observation, variant.key, workers))
+        return types.SimpleNamespace(delivered=None, round=None, check=None, asked_samples=0)
+
+    monkeypatch.setattr(command, "run_epoch", fake_epoch)
+    monkeypatch.setattr(command, "compare_to_reference", lambda *args: {"match": True})
+    plan = [("loader", v.key, w) for w in (0, 2) for v in setup.variants]
+    runs, _ = command.run_configs(setup, plan, disable_progress=True)
+    assert all(len(r) == 4 for r in runs.values())
+    assert all(a != b for a, b in zip(order, order[1:])), order
+    positions = {c: {order[r * len(plan):(r + 1) * len(plan)].index(c) for r in range(4)} for c in plan}
+    assert all(len(p) == 4 for p in positions.values()), "each configuration in a new position each round"

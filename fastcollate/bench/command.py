@@ -271,8 +271,12 @@ def run_configs(
             reference = run_epoch(setup, variants["default"], 0, "loader", full=True)
             bar.update(1)
         for round_index in range(setup.repeat):
-            # Alternate the order between rounds: a slow drift of a noisy machine then favours no config.
-            ordered = configs if round_index % 2 == 0 else list(reversed(configs))
+            # Rotate the order one place a round: every configuration takes every position equally often
+            # (a slow drift favours none), and none runs twice in a row, as reversing every other round
+            # made the last of a round run again first in the next: one slow spell of a noisy machine
+            # then caught two of its runs and set it apart.
+            shift = round_index % len(configs)
+            ordered = configs[shift:] + configs[:shift]
             if reference is None and round_index == 0:
                 ordered = [REFERENCE] + [c for c in ordered if c != REFERENCE]
             for observation, variant_key, workers in ordered:
@@ -345,7 +349,7 @@ def config_record(setup: Setup, quick: bool) -> dict[str, Any]:
         "seed": setup.seed,
         "unit": setup.unit,
         "quick": quick,
-        "order": "rounds over all configurations, reversed every other round",
+        "order": "rounds over all configurations, the order rotated one place a round",
     }
 
 

@@ -196,11 +196,10 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     (out / "results.json").write_text(json.dumps(jsonable(result), indent=1))
     (out / "table.txt").write_text(table.lstrip("\n") + "\n")
     chart_problem = write_chart(setup, entries, out / "chart.png")
-    print(
-        f"\nwrote {out / 'results.json'}, {out / 'table.txt'}"
-        + (f", {out / 'chart.png'}" if chart_problem is None else f" ({chart_problem})")
-        + f" in {time.perf_counter() - started:.0f} s"
-    )
+    written = "results.json, table.txt" + (", chart.png" if chart_problem is None else "")
+    print(f"\nin {time.perf_counter() - started:.0f} s, wrote into {out}/: {written}")
+    if chart_problem is not None:
+        _say(f"  {chart_problem}")
     flagged = [e for e in entries if not e["ranked"]]
     return 1 if flagged else 0
 

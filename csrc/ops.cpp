@@ -7,6 +7,12 @@ namespace fastcollate {
 TORCH_LIBRARY(fastcollate, m) {
   m.def("stack_into(Tensor[] samples, Tensor(a!) out) -> ()");
   m.def("pad_into(Tensor[] samples, Scalar value, Tensor(a!) out, Tensor(b!) mask, Tensor(c!) lengths) -> ()");
+  // out[b] = source[indices[b]] (each row of source contiguous, rows any stride apart), cast to out's dtype.
+  m.def("gather_into(Tensor source, Tensor indices, Tensor(a!) out) -> ()");
+  // Rows values[offsets[i]:offsets[i + 1]] of a ragged column, gathered and padded on the right.
+  m.def(
+      "gather_ragged_into(Tensor values, Tensor offsets, Tensor indices, Scalar value, Tensor(a!) out, "
+      "Tensor(b!) mask, Tensor(c!) lengths) -> ()");
   // uint8 images [N, C, H, W] to `dtype`, (x / 255 - mean) / std per channel, optionally channels-last.
   m.def("normalize_images(Tensor images, Tensor mean, Tensor std, ScalarType dtype, bool channels_last) -> Tensor");
 }

@@ -6,6 +6,7 @@
 
 from ._ext import _C  # noqa: F401, I001  (first: a missing build says how to fix it)
 from . import audit
+from .arrays import Arrays, Ragged, TokenWindows
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
 from .contract import Contract, Field
@@ -16,6 +17,7 @@ from .staging import StagingRing
 from .transforms import Normalize
 
 __all__ = [
+    "Arrays",
     "Assembler",
     "AuditReport",
     "Contract",
@@ -25,8 +27,10 @@ __all__ = [
     "IdentifiedSample",
     "Ledger",
     "Normalize",
+    "Ragged",
     "StagingRing",
     "TagWorker",
+    "TokenWindows",
     "assemble",
     "audit",
     "with_ids",

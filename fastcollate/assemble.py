@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from . import worker_slots
+from . import gather, worker_slots
 from ._ext import _C
 from ._torch_compat import new_shared_storage
+from .arrays import ArrayBatch
 from .contract import Contract
 from .errors import ContractEmptyError
 from .staging import StagingRing, active_ring, main_process_ring
@@ -96,6 +97,11 @@ class Assembler:
                 got="an empty batch", hint="a batch needs samples to take its structure from",
                 id_key=self.id_key,
             )
+        if isinstance(batch, ArrayBatch):
+            gathered = self._gather(batch)
+            if gathered is not None:
+                return gathered
+            batch = list(batch)  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
@@ -109,6 +115,22 @@ class Assembler:
         ring = self.ring or main_process_ring()
         # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
         return ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+
+    def _gather(self, batch: ArrayBatch) -> Any:
+        """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),
+        or None when the per-sample path must collate it."""
+        planned = gather.layout(batch, self.contract, self.id_key)
+        if planned is None:
+            return None
+        if get_worker_info() is not None:
+            slot = self._claim_slot(planned.nbytes)
+            if slot is not None:
+                return planned.fill(slot, small_fields_apart=False)
+            return planned.fill(_shared_memory_buffer(planned.nbytes), small_fields_apart=True)
+        ring = self.ring or main_process_ring()
+        out = planned.fill(ring.acquire(planned.nbytes), small_fields_apart=ring is not active_ring())
+        ring.views_handed_out += planned.views
+        return out
 
     def _claim_slot(self, nbytes: int) -> torch.Tensor | None:
         slots = self._slots

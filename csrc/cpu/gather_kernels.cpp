@@ -1,0 +1,179 @@
+// Gathering rows of an array-backed column by index, straight into the memory a batch goes out in (a
+// staging slot, a shared slot): the batched path of fastcollate.Arrays, with no sample objects. Every index
+// is checked before a byte is written; the copies are CopyJobs' (threads, streaming stores), and the GIL
+// is released by the dispatcher around the whole op.
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "copy_kernels.h"
+
+namespace fastcollate {
+
+namespace {
+
+// Casting gathers go through a scratch block of source rows this large, copied into out by ATen's
+// vectorised cast while it is still in the cache.
+constexpr int64_t kCastChunkBytes = 256 << 10;
+
+// Whether each row of `source` (dims 1..) is contiguous; the rows themselves may be any stride apart, so
+// overlapping windows over one token stream (as_strided) gather as they are.
+bool rows_are_contiguous(const at::Tensor& source) {
+  if (source.dim() > 1 && source.numel() == 0 && source.size(0) > 0) {
+    return true;  // empty rows: nothing to copy
+  }
+  int64_t expected = 1;
+  for (int64_t d = source.dim() - 1; d >= 1; --d) {
+    if (source.size(d) != 1 && source.stride(d) != expected) {
+      return false;
+    }
+    expected *= source.size(d);
+  }
+  return true;
+}
+
+void check_indices(const at::Tensor& indices, int64_t rows, const char* op) {
+  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 &&
+                  indices.is_contiguous(),
+              op, ": indices must be a contiguous 1-D int64 CPU tensor, got ", indices.scalar_type(), " of shape ",
+              indices.sizes(), " on ", indices.device());
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < indices.numel(); ++b) {
+    TORCH_CHECK_INDEX(index[b] >= 0 && index[b] < rows, op, ": index ", index[b], " (batch position ", b,
+                      ") is out of range for ", rows, " rows");
+  }
+}
+
+// out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
+void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out) {
+  TORCH_CHECK(source.device().is_cpu() && out.device().is_cpu(), "gather_into: source and out must be CPU tensors");
+  TORCH_CHECK(source.dim() >= 1, "gather_into: source needs a leading row dim, got a 0-d tensor");
+  TORCH_CHECK(rows_are_contiguous(source), "gather_into: each row of source must be contiguous (strides ",
+              source.strides(), " for shape ", source.sizes(), ")");
+  TORCH_CHECK(!source.is_conj() && !source.is_neg(), "gather_into: resolve source's conj/neg bit first");
+  TORCH_CHECK(out.is_contiguous(), "gather_into: out must be contiguous");
+  const int64_t batch = indices.numel();
+  std::vector<int64_t> expected{batch};
+  expected.insert(expected.end(), source.sizes().begin() + 1, source.sizes().end());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(expected), "gather_into: out must have shape ", expected, ", got ",
+              out.sizes());
+  check_indices(indices, source.size(0), "gather_into");
+  if (batch == 0 || out.numel() == 0) {
+    return;
+  }
+  at::assert_no_partial_overlap(out, source);
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const auto* base = static_cast<const unsigned char*>(source.const_data_ptr());
+  const size_t row_stride = static_cast<size_t>(source.stride(0)) * source.element_size();
+  const size_t row_bytes = static_cast<size_t>(out.numel() / batch) * source.element_size();
+  std::vector<const void*> rows(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    rows[b] = base + static_cast<size_t>(index[b]) * row_stride;
+  }
+  if (source.scalar_type() == out.scalar_type()) {
+    CopyJobs jobs;
+    jobs.add_rows(rows.data(), out.data_ptr(), row_bytes, rows.size());
+    jobs.run();
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, kCastChunkBytes / static_cast<int64_t>(std::max<size_t>(row_bytes, 1)));
+  const int64_t chunks = (batch + chunk - 1) / chunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<int64_t> scratch_shape = out.sizes().vec();
+    scratch_shape[0] = std::min(chunk, batch);
+    at::Tensor scratch = at::empty(scratch_shape, source.options());
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t begin = c * chunk;
+      const int64_t n = std::min(chunk, batch - begin);
+      auto* dst = static_cast<unsigned char*>(scratch.data_ptr());
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(dst + static_cast<size_t>(r) * row_bytes, rows[begin + r], row_bytes);
+      }
+      out.narrow(0, begin, n).copy_(scratch.narrow(0, 0, n));
+    }
+  });
+}
+
+// Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
+// right with `value` to out's length; mask is 1 (True) at real positions; lengths gets each row's length.
+void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
+                            const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
+                            const at::Tensor& lengths) {
+  TORCH_CHECK(values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() &&
+                  !values.is_neg(),
+              "gather_ragged_into: values must be a contiguous CPU tensor with a leading dim");
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1,
+              "gather_ragged_into: offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  const int64_t batch = indices.numel();
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == values.dim() + 1 && out.size(0) == batch &&
+                  out.sizes().slice(2) == values.sizes().slice(1),
+              "gather_ragged_into: out must be contiguous of shape [", batch, ", longest, ", values.sizes().slice(1),
+              "], got ", out.sizes());
+  const int64_t longest = out.size(1);
+  TORCH_CHECK(mask.device().is_cpu() && mask.is_contiguous() && mask.sizes() == at::IntArrayRef({batch, longest}),
+              "gather_ragged_into: mask must be contiguous of shape [", batch, ", ", longest, "], got ", mask.sizes());
+  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.sizes() == at::IntArrayRef({batch}),
+              "gather_ragged_into: lengths must be a contiguous int64 tensor of shape [", batch, "]");
+  check_indices(indices, offsets.numel() - 1, "gather_ragged_into");
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const int64_t* offset = offsets.const_data_ptr<int64_t>();
+  const int64_t total = values.size(0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = offset[index[b]];
+    const int64_t stop = offset[index[b] + 1];
+    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, "gather_ragged_into: row ", index[b],
+                      " (batch position ", b, ") spans offsets ", start, "..", stop, ", outside the ", total,
+                      " values (offsets must be non-decreasing, from 0 to len(values))");
+    TORCH_CHECK(stop - start <= longest, "gather_ragged_into: row ", index[b], " has length ", stop - start,
+                ", longer than out's ", longest);
+  }
+  at::assert_no_partial_overlap(out, values);
+  at::assert_no_overlap(out, mask);
+  at::assert_no_overlap(out, lengths);
+  // A cast goes through a gather in the values' dtype first (ATen then casts the whole block).
+  const at::Tensor target = out.scalar_type() == values.scalar_type() ? out : at::empty(out.sizes(), values.options());
+  const size_t step_bytes = static_cast<size_t>(values.numel() / std::max<int64_t>(total, 1)) * values.element_size();
+  const size_t step_elements = step_bytes / values.element_size();
+  const auto* base = static_cast<const unsigned char*>(values.const_data_ptr());
+  auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
+  auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
+  int64_t* length_values = lengths.data_ptr<int64_t>();
+  const uint64_t pad = element_pattern(value, values.scalar_type());
+  const uint64_t one = element_pattern(1, mask.scalar_type());
+  const size_t mask_element = mask.element_size();
+  CopyJobs jobs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = offset[index[b]];
+    const size_t length = static_cast<size_t>(offset[index[b] + 1] - start);
+    unsigned char* row = out_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * step_bytes;
+    if (length > 0) {
+      jobs.add_memcpy(base + static_cast<size_t>(start) * step_bytes, row, length * step_bytes);
+    }
+    jobs.fills.push_back({row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
+                          values.element_size(), pad});
+    unsigned char* mask_row = mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element;
+    jobs.fills.push_back({mask_row, length, mask_element, one});
+    jobs.fills.push_back({mask_row + length * mask_element, static_cast<size_t>(longest) - length, mask_element, 0});
+    length_values[b] = static_cast<int64_t>(length);
+  }
+  jobs.run();
+  if (!target.is_same(out)) {
+    const_cast<at::Tensor&>(out).copy_(target);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastcollate, CPU, m) {
+  m.impl("gather_into", &gather_into_cpu);
+  m.impl("gather_ragged_into", &gather_ragged_into_cpu);
+}
+
+}  // namespace fastcollate

@@ -1,0 +1,251 @@
+"""Arrays: a dataset over columns that already hold every sample (tensors, numpy arrays, memory-mapped
+files, ragged ``(values, offsets)`` pairs), and the lazy batch its ``__getitems__`` returns.
+
+DataLoader calls ``__getitems__(indices)`` when a dataset has it. The batch that returns is a
+``Sequence`` of samples, so ``default_collate`` and any other collate function get what they expect;
+``fastcollate.assemble`` recognizes it and gathers each column by index in C++ (fastcollate.gather)
+instead of building and walking one object per sample.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
+
+
+class Ragged:
+    """A column of variable-length rows stored flat, as tokenized text is: row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``. ``offsets`` has one entry more than there are rows, starts at
+    0 and never decreases."""
+
+    def __init__(self, values: Any, offsets: Any) -> None:
+        self.values = values
+        self.offsets = offsets
+
+
+class Column:
+    """One column as the gather reads it: ``rows`` (a tensor whose dim 0 is the sample, each row
+    contiguous), or a ragged pair (``values``, ``offsets``); ``file`` describes a memory-mapped source,
+    so the column pickles as its file (a spawned worker maps it again) and a file that shrank is caught."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        self.name = name
+        self.file: tuple[str, int, str, tuple[int, ...], str] | None = None
+        self.rows: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None
+        if isinstance(value, Ragged):
+            self.values = _as_tensor(name, value.values, "values")
+            self.offsets = _as_tensor(name, value.offsets, "offsets")
+            if self.values.dim() < 1 or not self.values.is_contiguous():
+                raise ValueError(f"Arrays: column {name!r}: ragged values must be a contiguous array with a leading "
+                                 f"dim, got shape {tuple(self.values.shape)}")
+            if self.offsets.dim() != 1 or len(self.offsets) < 1:
+                raise ValueError(f"Arrays: column {name!r}: offsets must be 1-D with one entry more than rows")
+            self.offsets = self.offsets.to(torch.int64).contiguous()
+            steps = self.offsets.diff()
+            if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != len(self.values) or bool((steps < 0).any()):
+                raise ValueError(f"Arrays: column {name!r}: offsets must start at 0, never decrease and end at "
+                                 f"len(values) ({len(self.values)})")
+            return
+        if isinstance(value, np.memmap) and value.filename is not None:
+            self.file = (os.fspath(value.filename), int(value.offset), value.dtype.str, tuple(value.shape),
+                         "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C")
+        rows = _as_tensor(name, value, "column")
+        if rows.dim() < 1:
+            raise ValueError(f"Arrays: column {name!r} is 0-d: a column needs a leading sample dim")
+        if not _rows_contiguous(rows):
+            raise ValueError(
+                f"Arrays: column {name!r} (shape {tuple(rows.shape)}, strides {rows.stride()}) has rows that are "
+                "not contiguous in memory, so a row cannot be copied as one block: pass a contiguous copy "
+                "(np.ascontiguousarray or tensor.contiguous()), made once"
+            )
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1 if self.rows is None else len(self.rows)
+
+    def row(self, index: int) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows[index]
+        return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
+
+    def check_file(self) -> None:
+        """Raises if the mapped file is now shorter than the column: reading past its end would kill the
+        process (SIGBUS) instead of raising."""
+        if self.file is None:
+            return
+        path, offset, dtype, shape, _ = self.file
+        needed = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = os.stat(path).st_size
+        if size < needed:
+            raise RuntimeError(f"Arrays: column {self.name!r}: its file {path} shrank to {size} bytes, but the "
+                               f"column needs {needed}: it was truncated or rewritten while mapped")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.file is not None:
+            state["rows"] = None  # mapped again where it is unpickled, not copied through the pipe
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.file is not None and self.rows is None:
+            path, offset, dtype, shape, order = self.file
+            self.rows = _as_tensor(self.name, np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset,
+                                                        shape=shape, order=order), "column")
+
+
+def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"Arrays: column {name!r}: {what} is on {value.device}; columns live on the CPU")
+        return value.resolve_conj().resolve_neg() if (value.is_conj() or value.is_neg()) else value
+    if isinstance(value, np.ndarray):
+        with warnings.catch_warnings():
+            # A read-only memmap: the tensor over it is only ever read (gathered, or indexed for a sample).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(value)
+    raise TypeError(f"Arrays: column {name!r}: {what} must be a torch.Tensor, a numpy array (np.memmap included) "
+                    f"or fastcollate.Ragged, got {type(value).__name__}")
+
+
+def _rows_contiguous(rows: torch.Tensor) -> bool:
+    if 0 in rows.shape[1:]:
+        return True  # empty rows: nothing to copy
+    expected = 1
+    for size, stride in zip(reversed(rows.shape[1:]), reversed(rows.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class Arrays(Dataset):
+    """A map-style dataset over named columns that share a leading sample dim.
+
+    ``Arrays(image=u8, label=labels)``: ``ds[i]`` is ``{"id": i, "image": u8[i], "label": labels[i]}``
+    (tensors, whatever the column's type). With ``fastcollate.assemble`` as the collate function, a
+    batch is gathered column by column in C++ straight into the memory it goes out in, with no object
+    per sample; any other collate function gets the same samples as from ``ds[i]``.
+
+    Args:
+        columns: name to column, in the order the samples hold them (also accepted as keywords). A
+            column is a tensor, a numpy array, an ``np.memmap`` (pickled as its file: a spawned worker
+            maps it again rather than receiving its bytes), or ``Ragged(values, offsets)``.
+        id_key: the key of each sample's id, its index (None: no id).
+    """
+
+    def __init__(self, columns: Mapping[str, Any] | None = None, /, *, id_key: str | None = "id",
+                 **named: Any) -> None:
+        given = {**(columns or {}), **named}
+        if not given:
+            raise ValueError("Arrays: give at least one column, e.g. Arrays(image=images, label=labels)")
+        if id_key is not None and id_key in given:
+            raise ValueError(f"Arrays: {id_key!r} is the id key (each sample's index) and a column: rename the "
+                             "column, or pass id_key=None to use it as the id")
+        self.id_key = id_key
+        self.columns = {name: Column(name, value) for name, value in given.items()}
+        lengths = {name: len(column) for name, column in self.columns.items()}
+        if len(set(lengths.values())) > 1:
+            described = ", ".join(f"{name!r}: {n}" for name, n in lengths.items())
+            raise ValueError(f"Arrays: columns must have the same number of rows, got {described}")
+        self._length = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = self._checked(index)
+        sample: dict[str, Any] = {} if self.id_key is None else {self.id_key: index}
+        for name, column in self.columns.items():
+            sample[name] = column.row(index)
+        return sample
+
+    def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
+        return ArrayBatch(self, indices)
+
+    def check_files(self) -> None:
+        """Raises if a memory-mapped column's file shrank (see Column.check_file); once per batch."""
+        for column in self.columns.values():
+            column.check_file()
+
+    def _checked(self, index: Any) -> int:
+        if isinstance(index, (torch.Tensor, np.integer)):
+            index = int(index)
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"Arrays: an index must be an int, got {type(index).__name__}")
+        if not 0 <= index < self._length:
+            raise IndexError(f"Arrays: index {index} is out of range for a dataset of {self._length} samples")
+        return index
+
+
+class ArrayBatch(Sequence):
+    """The samples ``indices`` of an Arrays dataset, made only if asked for: ``assemble`` gathers the
+    columns instead. ``indices`` is an int64 array, checked against the dataset's length here."""
+
+    def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        if isinstance(indices, torch.Tensor):
+            indices = indices.numpy()
+        array = np.asarray(indices)
+        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+            raise TypeError(f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
+                            f"shape {array.shape}")
+        self.indices = np.ascontiguousarray(array, dtype=np.int64)
+        if self.indices.size:
+            bad = np.flatnonzero((self.indices < 0) | (self.indices >= len(dataset)))
+            if bad.size:
+                first = int(bad[0])
+                raise IndexError(f"Arrays: index {int(self.indices[first])} (batch position {first}) is out of "
+                                 f"range for a dataset of {len(dataset)} samples")
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int) -> Any:
+        if isinstance(position, slice):
+            return [self.dataset[int(i)] for i in self.indices[position]]
+        return self.dataset[int(self.indices[position])]
+
+
+class TokenWindows(Arrays):
+    """Training windows over one flat token stream (a uint16 memmap, as nanoGPT stores a corpus): sample
+    ``i`` is ``input_ids = tokens[i*step : i*step + length]`` and ``labels``, the same shifted by one.
+
+    Both columns are strided views of ``tokens``, so nothing is copied until a batch is gathered; a
+    contract's ``cast_from`` casts on the way (uint16 tokens to int64 ids). ``step`` defaults to
+    ``length`` (windows that do not overlap). A memmap stream pickles as its file.
+    """
+
+    def __init__(self, tokens: Any, length: int, step: int | None = None, *, id_key: str | None = "id") -> None:
+        step = length if step is None else step
+        if length < 1 or step < 1:
+            raise ValueError(f"TokenWindows: length and step must be >= 1, got {length} and {step}")
+        self.tokens = tokens if isinstance(tokens, Column) else Column("tokens", tokens)
+        flat = self.tokens.rows
+        if flat.dim() != 1:
+            raise ValueError(f"TokenWindows: tokens must be 1-D, got shape {tuple(flat.shape)}")
+        self.length, self.step = length, step
+        windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
+        offset = flat.storage_offset()
+        super().__init__(input_ids=flat.as_strided((windows, length), (step, 1), offset),
+                         labels=flat.as_strided((windows, length), (step, 1), offset + 1), id_key=id_key)
+
+    def __reduce__(self) -> tuple:
+        return (_token_windows, (self.tokens, self.length, self.step, self.id_key))
+
+    def check_files(self) -> None:
+        self.tokens.check_file()
+
+
+def _token_windows(tokens: Column, length: int, step: int, id_key: str | None) -> TokenWindows:
+    return TokenWindows(tokens, length, step, id_key=id_key)

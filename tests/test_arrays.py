@@ -1,0 +1,230 @@
+"""fastcollate.Arrays and its batched path: a batch gathered column by column equals what the per-sample
+path gives (default_collate's value, dtype and keys), contracts apply per column, bad input names the
+column and the index, and DataLoader workers (fork and spawn, a memmap mapped again) deliver every
+sample once."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
+
+import fastcollate
+from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows
+from fastcollate import gather
+from fastcollate.arrays import ArrayBatch
+
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
+
+
+def _same(a, b) -> None:
+    assert list(a) == list(b), (list(a), list(b))
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), key
+
+
+@st.composite
+def datasets(draw):
+    rows = draw(st.integers(1, 40))
+    columns = {}
+    for n in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=2)))
+        values = torch.randint(0, 100, (rows, *shape)).to(dtype)
+        as_numpy = draw(st.booleans())
+        columns[f"c{n}"] = values.numpy() if as_numpy else values
+    indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=30))
+    return Arrays(columns), indices
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(datasets())
+def test_a_gathered_batch_equals_default_collate_of_the_samples(case):
+    dataset, indices = case
+    expected = default_collate([dataset[i] for i in indices])
+    assert gather.layout(dataset.__getitems__(indices), None, "id") is not None, "gathered, not walked"
+    _same(fastcollate.assemble(dataset.__getitems__(indices)), expected)
+    _same(default_collate(dataset.__getitems__(indices)), expected)  # the lazy batch is a Sequence of samples
+
+
+@st.composite
+def ragged_datasets(draw):
+    rows = draw(st.integers(1, 30))
+    lengths = draw(st.lists(st.integers(0, 6), min_size=rows, max_size=rows))
+    inner = tuple(draw(st.lists(st.integers(1, 3), max_size=1)))
+    dtype = draw(st.sampled_from([torch.int64, torch.int16, torch.float32]))
+    values = torch.randint(0, 50, (sum(lengths), *inner)).to(dtype)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    mask_dtype = draw(st.sampled_from([torch.bool, torch.int64]))
+    lengths_key = draw(st.sampled_from(["", None]))
+    contract = Contract({"id": Field(kind="number"), "label": Field(kind="number"),
+                         "tokens": Field(dtype=dtype, shape=("T", *inner), pad=-1, mask_dtype=mask_dtype,
+                                         lengths=lengths_key)})
+    dataset = Arrays(tokens=Ragged(values, offsets), label=np.arange(rows) % 7)
+    indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=20))
+    return dataset, contract, indices
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ragged_datasets())
+def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
+    dataset, contract, indices = case
+    collate = fastcollate.assemble.using(contract)
+    assert gather.layout(dataset.__getitems__(indices), contract, "id") is not None, "gathered, not walked"
+    per_sample = [{**s, "label": int(s["label"])} for s in (dataset[i] for i in indices)]
+    _same(collate(dataset.__getitems__(indices)), collate(per_sample))
+
+
+def test_a_contract_casts_during_the_gather_and_checks_ranges_per_column():
+    tokens = np.arange(40, dtype=np.uint16).reshape(10, 4)
+    labels = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 12])
+    dataset = Arrays(tokens=tokens, label=labels)
+    contract = Contract({"id": Field(kind="number"),
+                         "tokens": Field(dtype=torch.int64, shape=(4,), cast_from=(torch.uint16,)),
+                         "label": Field(kind="number", range=(0, 10))})
+    collate = fastcollate.assemble.using(contract)
+    batch = collate(dataset.__getitems__([3, 0]))
+    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
+    with pytest.raises(ContractError) as caught:
+        collate(dataset.__getitems__([1, 9, 2]))
+    error = caught.value
+    assert (error.sample_id, error.position, error.field) == (9, 1, "label"), str(error)
+    assert isinstance(error, ValueError) and "values in [0, 10)" in str(error)
+
+
+def test_a_column_of_the_wrong_dtype_or_shape_is_named_with_the_first_sample():
+    dataset = Arrays(image=np.zeros((5, 2, 3), dtype=np.uint16))
+    with pytest.raises(ContractError) as caught:
+        fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(dtype=torch.uint8)}))(
+            dataset.__getitems__([4, 1]))
+    assert caught.value.field == "image" and caught.value.sample_id == 4 and "cast_from" in str(caught.value)
+    with pytest.raises(ContractError, match="shape") as caught:
+        fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(shape=(3, 3))}))(
+            dataset.__getitems__([0]))
+    assert isinstance(caught.value, RuntimeError) and caught.value.field == "image"
+
+
+def test_bad_columns_and_indices_are_refused_with_the_column_or_the_index_named():
+    with pytest.raises(ValueError, match=r"same number of rows, got 'a': 3, 'b': 4"):
+        Arrays(a=np.zeros(3), b=np.zeros(4))
+    with pytest.raises(ValueError, match=r"column 'a'.*not contiguous.*np.ascontiguousarray"):
+        Arrays(a=np.zeros((4, 3)).T)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        Arrays(t=Ragged(np.zeros(5), np.array([0, 3, 2, 5])))
+    with pytest.raises(TypeError, match="column 'a'.*got list"):
+        Arrays(a=[1, 2, 3])
+    dataset = Arrays(a=np.arange(6))
+    with pytest.raises(IndexError, match="index 6 is out of range for a dataset of 6 samples"):
+        dataset[6]
+    with pytest.raises(IndexError, match=r"index 9 \(batch position 1\) is out of range for a dataset of 6"):
+        dataset.__getitems__([0, 9])
+    with pytest.raises(IndexError, match=r"index -1 \(batch position 0\)"):
+        dataset.__getitems__(np.array([-1]))
+
+
+def test_the_gather_op_checks_every_index_before_writing_a_byte():
+    source = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    out = torch.full((3, 2), -7.0)
+    with pytest.raises(IndexError, match=r"index 6 \(batch position 2\) is out of range for 6 rows"):
+        torch.ops.fastcollate.gather_into(source, torch.tensor([0, 1, 6]), out)
+    assert (out == -7).all(), "nothing written"
+    values, offsets = torch.arange(5), torch.tensor([0, 2, 5])
+    out, mask, lengths = torch.full((2, 3), -7), torch.zeros(2, 3, dtype=torch.bool), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(IndexError, match="out of range for 2 rows"):
+        torch.ops.fastcollate.gather_ragged_into(values, offsets, torch.tensor([1, 2]), 0, out, mask, lengths)
+    assert (out == -7).all() and not mask.any()
+
+
+def test_a_memmap_that_shrank_under_the_dataset_raises_instead_of_killing_the_process(tmp_path):
+    path = tmp_path / "x.u8"
+    np.arange(4096, dtype=np.uint8).tofile(path)
+    dataset = Arrays(x=np.memmap(path, dtype=np.uint8, mode="r", shape=(64, 64)))
+    assert fastcollate.assemble(dataset.__getitems__([63]))["x"][0, -1] == 4095 % 256
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(RuntimeError, match=r"column 'x'.*shrank to 1000 bytes.*needs 4096"):
+        fastcollate.assemble(dataset.__getitems__([0]))
+
+
+def test_a_memmap_column_pickles_as_its_file_and_maps_again(tmp_path):
+    path = tmp_path / "big.f32"
+    np.arange(64 * 256, dtype=np.float32).tofile(path)
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(256, 64)), y=np.arange(256))
+    sent = pickle.dumps(dataset)
+    assert len(sent) < 8 * 1024, "the 64 KiB column crossed as its path, not its bytes"
+    again = pickle.loads(sent)
+    _same(fastcollate.assemble(again.__getitems__([5, 200])), fastcollate.assemble(dataset.__getitems__([5, 200])))
+
+
+@pytest.mark.parametrize(("workers", "context"), [(0, None), (1, "fork"), (2, "fork"), (2, "spawn")])
+def test_dataloader_workers_deliver_each_sample_once_with_the_gathered_values(tmp_path, context, workers):
+    path = tmp_path / "images.u8"
+    images = np.random.default_rng(0).integers(0, 255, (300, 3, 8, 8), dtype=np.uint8)
+    images.tofile(path)
+    dataset = Arrays(image=np.memmap(path, dtype=np.uint8, mode="r", shape=images.shape),
+                     label=torch.arange(300) % 10)
+    collate = fastcollate.Assembler()
+    loader = DataLoader(dataset, batch_size=32, shuffle=True, num_workers=workers, collate_fn=collate,
+                        multiprocessing_context=context, persistent_workers=workers > 0)
+    for _ in range(2):
+        seen = []
+        for batch in loader:
+            ids = batch["id"]
+            assert torch.equal(batch["image"], torch.from_numpy(images[ids.numpy()]))
+            assert torch.equal(batch["label"], ids % 10)
+            seen += ids.tolist()
+        assert sorted(seen) == list(range(300))
+    if workers:
+        stats = collate.shared_slot_stats()
+        assert stats.slots_used >= 1 and stats.fresh_fallbacks == 0, "gathered into the shared slots"
+
+
+def test_stock_batch_sampler_lists_and_index_arrays_both_gather():
+    dataset = Arrays(x=torch.arange(100.0))
+    sampler = BatchSampler(RandomSampler(range(100), generator=torch.Generator().manual_seed(0)), 10, False)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=fastcollate.assemble)
+    delivered = torch.cat([b["x"] for b in loader])
+    assert sorted(delivered.tolist()) == list(range(100))
+    batch = fastcollate.assemble(dataset.__getitems__(np.array([3, 4], dtype=np.int32)))
+    assert batch["x"].tolist() == [3.0, 4.0]
+    assert isinstance(dataset.__getitems__([1]), ArrayBatch)
+
+
+def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path):
+    path = tmp_path / "train.bin"
+    data = np.random.default_rng(0).integers(0, 50_000, 10_000, dtype=np.uint16)
+    data.tofile(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    windows = TokenWindows(tokens, length=64, step=1)
+    assert len(windows) == len(data) - 64
+    starts = np.random.default_rng(1).integers(0, len(windows), 16)
+    contract = Contract({"id": Field(kind="number"),
+                         "input_ids": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,)),
+                         "labels": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,))})
+    batch = fastcollate.assemble.using(contract)(windows.__getitems__(starts))
+    x = torch.stack([torch.from_numpy(data[i:i + 64].astype(np.int64)) for i in starts])  # nanoGPT's get_batch
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + 64].astype(np.int64)) for i in starts])
+    assert torch.equal(batch["input_ids"], x) and torch.equal(batch["labels"], y)
+    sent = pickle.dumps(windows)
+    assert len(sent) < 4096, "the stream crossed as its path"
+    again = pickle.loads(sent)
+    assert torch.equal(fastcollate.assemble.using(contract)(again.__getitems__(starts))["labels"], y)
+    assert len(TokenWindows(tokens, length=64)) == (len(data) - 65) // 64 + 1
+
+
+def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_the_same_result():
+    dataset = Arrays(image=torch.zeros(4, 1, 2, 2, dtype=torch.uint8))
+    contract = Contract({"id": Field(kind="number"),
+                         "image": Field(dtype=torch.uint8, shape=(3, 2, 2), expand_from=((1, 2, 2),))})
+    batch = fastcollate.assemble.using(contract)(dataset.__getitems__([0, 1]))
+    assert batch["image"].shape == (2, 3, 2, 2)
+    with pytest.raises(ContractError, match="'extra'"):
+        fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(),
+                                             "extra": Field()}))(dataset.__getitems__([0]))

@@ -9,7 +9,7 @@ import torch
 
 from ._ext import _C  # noqa: F401  (registers the ops)
 
-__all__ = ["normalize_images", "pad_into", "stack_into"]
+__all__ = ["gather_into", "gather_ragged_into", "normalize_images", "pad_into", "stack_into"]
 
 
 def stack_into(samples: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -27,6 +27,26 @@ def pad_into(
     """Pads samples along dim 0 on the right with ``value`` into ``out`` ([batch, longest, ...]); sets
     ``mask`` (bool [batch, longest]) True at real positions and ``lengths`` (int64 [batch])."""
     torch.ops.fastcollate.pad_into.default(list(samples), value, out, mask, lengths)
+
+
+def gather_into(source: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[b] = source[indices[b]]``, cast to out's dtype; every index is checked before a byte is
+    written. Each row of ``source`` must be contiguous; rows may lie any stride apart (windows)."""
+    torch.ops.fastcollate.gather_into.default(source, indices, out)
+
+
+def gather_ragged_into(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    value: float,
+    out: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Rows ``values[offsets[i]:offsets[i + 1]]`` for each index, padded on the right with ``value`` into
+    ``out`` ([batch, longest, ...]); ``mask`` is 1 at real positions, ``lengths`` gets each row's length."""
+    torch.ops.fastcollate.gather_ragged_into.default(values, offsets, indices, value, out, mask, lengths)
 
 
 def normalize_images(
@@ -47,6 +67,16 @@ def _(samples, out):
 
 @torch.library.register_fake("fastcollate::pad_into")
 def _(samples, value, out, mask, lengths):
+    return None
+
+
+@torch.library.register_fake("fastcollate::gather_into")
+def _(source, indices, out):
+    return None
+
+
+@torch.library.register_fake("fastcollate::gather_ragged_into")
+def _(values, offsets, indices, value, out, mask, lengths):
     return None
 
 

@@ -78,3 +78,33 @@ def test_opcheck_normalize_images(device):
     mean, std = torch.rand(3, device=device), torch.rand(3, device=device) + 0.5
     torch.library.opcheck(torch.ops.fastcollate.normalize_images.default,
                           (images, mean, std, torch.float16, True))
+
+
+def test_gather_into_matches_index_select_and_casts():
+    source = torch.randn(50, 3, 4)
+    indices = torch.tensor([7, 0, 49, 7])
+    out = torch.empty(4, 3, 4)
+    ops.gather_into(source, indices, out)
+    assert torch.equal(out, source.index_select(0, indices))
+    as_int = torch.empty(4, 3, 4, dtype=torch.float64)
+    ops.gather_into(source, indices, as_int)
+    assert torch.equal(as_int, source.index_select(0, indices).double())
+    windows = torch.arange(30).as_strided((10, 5), (2, 1))  # overlapping rows, each contiguous
+    out = torch.empty(3, 5, dtype=torch.int64)
+    ops.gather_into(windows, torch.tensor([9, 0, 4]), out)
+    assert torch.equal(out, windows[[9, 0, 4]])
+
+
+def test_gather_into_refuses_rows_that_are_not_contiguous_and_a_wrong_out():
+    with pytest.raises(RuntimeError, match="each row of source must be contiguous"):
+        ops.gather_into(torch.zeros(4, 3).t(), torch.tensor([0]), torch.empty(1, 4))
+    with pytest.raises(RuntimeError, match="out must have shape"):
+        ops.gather_into(torch.zeros(4, 3), torch.tensor([0]), torch.empty(2, 3))
+
+
+def test_opcheck_gather_into_and_gather_ragged_into():
+    torch.library.opcheck(torch.ops.fastcollate.gather_into.default,
+                          (torch.randn(8, 3), torch.tensor([1, 5]), torch.empty(2, 3)))
+    args = (torch.arange(6), torch.tensor([0, 2, 6]), torch.tensor([1, 0]), 0, torch.empty(2, 4, dtype=torch.int64),
+            torch.empty(2, 4, dtype=torch.bool), torch.empty(2, dtype=torch.int64))
+    torch.library.opcheck(torch.ops.fastcollate.gather_ragged_into.default, args)

@@ -13,6 +13,7 @@ from .contract import Contract, Field
 from .device_loader import DeviceLoader
 from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
+from .index_batches import IndexBatches
 from .staging import StagingRing
 from .transforms import Normalize
 
@@ -25,6 +26,7 @@ __all__ = [
     "DeviceLoader",
     "Field",
     "IdentifiedSample",
+    "IndexBatches",
     "Ledger",
     "Normalize",
     "Ragged",

@@ -1,0 +1,311 @@
+"""Data that already sits in arrays, side by side in one run: per-sample datasets with default_collate
+and with assemble, the batched-index idiom users know (a BatchSampler as the sampler, X[idx]),
+fastcollate.Arrays gathered by assemble, and a bare index_select into a reused buffer (the floor).
+
+    python benchmarks/array_ratios.py [--cases tabular images tokens workers] [--rounds 7] [--json PATH]
+
+Method: every contender of a case makes the same batches (checked equal once, untimed), in rounds; a
+round runs each contender once over --batches batches, in a freshly shuffled order (seeded), and each
+batch is dropped at once. The first round is a warm-up (kept in the JSON, out of the medians).
+Contenders that go through a DataLoader use workers=0 (the ``workers`` case compares 0 and 2 workers).
+Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios. glibc's
+mmap threshold is fixed at 64 MiB for every contender (``samples_on_the_heap``): fresh outputs of the
+idiom are then reused heap memory, not fresh mappings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, default_collate
+
+try:
+    import fastcollate
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fastcollate
+
+from fastcollate import Arrays, Contract, Field, TokenWindows
+from fastcollate.bench.datasets import samples_on_the_heap
+
+Epoch = Callable[[int], Iterator]  # batches -> an iterator over that many batches
+
+
+class Rows(Dataset):
+    """The per-sample dataset over the same tensors: one dict per index."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, i: int) -> dict:
+        return {"id": i, **{name: column[i] for name, column in self.columns.items()}}
+
+
+class Idiom(Dataset):
+    """The batched-index idiom: ``__getitem__`` takes a whole list of indices (the DataLoader's sampler is
+    a BatchSampler and batch_size=None), and fancy-indexes every column."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, indices: list[int]) -> dict:
+        index = torch.as_tensor(indices)
+        return {"id": index, **{name: column[index] for name, column in self.columns.items()}}
+
+
+def sampler(n: int, batch: int, seed: int) -> BatchSampler:
+    return BatchSampler(RandomSampler(range(n), generator=torch.Generator().manual_seed(seed)), batch, False)
+
+
+def loader_epoch(loader: DataLoader) -> Epoch:
+    def run(batches: int) -> Iterator:
+        it = iter(loader)
+        for _ in range(batches):
+            yield next(it)
+    return run
+
+
+def floor_epoch(columns: dict[str, torch.Tensor], n: int, batch: int, seed: int) -> Epoch:
+    """index_select of every column into buffers reused from batch to batch, indices cut from one
+    permutation: the gather alone, with nothing around it."""
+    buffers = {name: torch.empty((batch, *c.shape[1:]), dtype=c.dtype) for name, c in columns.items()}
+    generator = torch.Generator().manual_seed(seed)
+
+    def run(batches: int) -> Iterator:
+        order = torch.randperm(n, generator=generator)
+        for k in range(batches):
+            index = order[k * batch:(k + 1) * batch]
+            yield {"id": index, **{name: torch.index_select(c, 0, index, out=buffers[name])
+                                   for name, c in columns.items()}}
+    return run
+
+
+def array_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int, with_index_batches: bool) -> dict:
+    n = len(next(iter(columns.values())))
+    per_sample = Rows(columns)
+    arrays = Arrays(columns)
+    contenders = {
+        "per-sample + default_collate": loader_epoch(DataLoader(per_sample, batch_sampler=sampler(n, batch, seed))),
+        "per-sample + assemble": loader_epoch(DataLoader(per_sample, batch_sampler=sampler(n, batch, seed),
+                                                         collate_fn=fastcollate.assemble)),
+        "batched-index idiom": loader_epoch(DataLoader(Idiom(columns), sampler=sampler(n, batch, seed),
+                                                       batch_size=None)),
+        "Arrays + assemble, sampler lists": loader_epoch(DataLoader(arrays, batch_sampler=sampler(n, batch, seed),
+                                                                    collate_fn=fastcollate.assemble)),
+    }
+    if with_index_batches:
+        contenders["Arrays + assemble, IndexBatches"] = loader_epoch(DataLoader(
+            arrays, batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=seed),
+            collate_fn=fastcollate.assemble))
+    contenders["index_select into a reused buffer"] = floor_epoch(columns, n, batch, seed)
+    return contenders
+
+
+def tabular(rows: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(rows, 64, generator=generator), "label": torch.randint(0, 10, (rows,), generator=generator)}
+
+
+def images(count: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"image": torch.randint(0, 256, (count, 3, 224, 224), dtype=torch.uint8, generator=generator),
+            "label": torch.randint(0, 1000, (count,), generator=generator)}
+
+
+def with_threads(threads: int, epoch: Epoch) -> Epoch:
+    def run(batches: int) -> Iterator:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield from epoch(batches)
+        finally:
+            torch.set_num_threads(before)
+    return run
+
+
+def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    windows = TokenWindows(data, length=block, step=1)
+    contract = Contract({"id": Field(kind="number"),
+                         "input_ids": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,)),
+                         "labels": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,))})
+    collate = fastcollate.assemble.using(contract)
+
+    def nanogpt(batches: int) -> Iterator:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(batches):
+            # nanoGPT's train.py get_batch, as written there (the memmap made again per batch), without
+            # its pin_memory (no GPU here).
+            data = np.memmap(path, dtype=np.uint16, mode="r")
+            ix = torch.randint(len(data) - block, (batch,), generator=generator)
+            x = torch.stack([torch.from_numpy((data[i:i + block]).astype(np.int64)) for i in ix])
+            y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + block]).astype(np.int64)) for i in ix])
+            yield {"id": ix, "input_ids": x, "labels": y}
+
+    def gathered(batches: int) -> Iterator:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(batches):
+            ix = torch.randint(len(windows), (batch,), generator=generator)
+            yield collate(windows.__getitems__(ix))
+
+    return {"nanoGPT get_batch": nanogpt, "TokenWindows + assemble": gathered}
+
+
+def worker_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int) -> dict:
+    n = len(next(iter(columns.values())))
+    arrays = Arrays(columns)
+    out = {}
+    for workers in (0, 2):
+        collate = fastcollate.Assembler()
+        loader = DataLoader(arrays, batch_sampler=sampler(n, batch, seed), collate_fn=collate, num_workers=workers,
+                            persistent_workers=workers > 0, worker_init_fn=samples_on_the_heap if workers else None)
+        out[f"Arrays + assemble, workers={workers}"] = loader_epoch(loader)
+        out[f"_collate{workers}"] = collate
+    return out
+
+
+def check_same(contenders: dict, key_sets: tuple[str, ...]) -> list[str]:
+    """Every contender's first batch has the same keys, shapes and dtypes (values differ: each contender
+    shuffles with its own sampler)."""
+    described = {}
+    for name, epoch in contenders.items():
+        first = next(iter(epoch(1)))
+        described[name] = {k: (tuple(first[k].shape), first[k].dtype) for k in key_sets}
+    reference = next(iter(described.values()))
+    return [f"{name}: {d} != {reference}" for name, d in described.items() if d != reference]
+
+
+def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[dict]:
+    order = random.Random(seed)
+    runs = []
+    for round_index in range(rounds + 1):
+        names = list(contenders)
+        order.shuffle(names)
+        for name in names:
+            start = time.perf_counter()
+            count = 0
+            for batch in contenders[name](batches):
+                count += len(batch["id"])
+                del batch
+            seconds = time.perf_counter() - start
+            runs.append({"round": round_index, "warmup": round_index == 0, "contender": name, "seconds": seconds,
+                         "samples": count, "samples_per_s": count / seconds})
+    return runs
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def summarize(case: str, runs: list[dict], pairs: list[tuple[str, str, str]]) -> tuple[list[str], dict]:
+    kept = [r for r in runs if not r["warmup"]]
+    by: dict[str, dict[int, float]] = {}
+    for r in kept:
+        by.setdefault(r["contender"], {})[r["round"]] = r["samples_per_s"]
+    median = {name: statistics.median(rates.values()) for name, rates in by.items()}
+    lines = [f"{case}: samples/s (median of {len(next(iter(by.values())))} rounds)"]
+    lines += [f"  {name:<38}{median[name]:>14,.0f}" for name in by]
+    ratios = {}
+    for subject, baseline, target in pairs:
+        paired = [by[subject][k] / by[baseline][k] for k in by[subject] if k in by[baseline]]
+        low, high = quartiles(paired)
+        ratio = median[subject] / median[baseline]
+        ratios[f"{subject} / {baseline}"] = {"ratio": ratio, "p25": low, "p75": high, "target": target}
+        lines.append(f"  {subject} / {baseline}: {ratio:.2f}x ({low:.2f}-{high:.2f}); target {target}")
+    return lines, {"medians": median, "ratios": ratios}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=["tabular", "images", "tokens", "workers"],
+                        choices=["tabular", "images", "tokens", "workers"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", type=int, default=10, help="batches per contender per round")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="tabular rows")
+    parser.add_argument("--images", type=int, default=4096, help="pre-decoded images in memory")
+    parser.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the uint16 memmap")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    samples_on_the_heap()
+    has_index_batches = hasattr(fastcollate, "IndexBatches")
+    print(f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of "
+          f"{args.batches} batches after a warm-up; medians, spread = p25-p75 of the per-round ratios", flush=True)
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "python": platform.python_version(), "torch": torch.__version__, "cases": {}}
+    lines: list[str] = []
+    idiom, floor = "batched-index idiom", "index_select into a reused buffer"
+    for case in args.cases:
+        print(f"  {case} ...", flush=True)
+        if case == "tabular":
+            contenders = array_contenders(tabular(args.rows), 4096, args.seed, has_index_batches)
+            pairs = [("Arrays + assemble, sampler lists", idiom, ">= 5x"),
+                     ("per-sample + assemble", "per-sample + default_collate", "(for reference)")]
+            if has_index_batches:
+                pairs += [("Arrays + assemble, IndexBatches", idiom, ">= 20x"),
+                          (floor, "Arrays + assemble, IndexBatches", "<= 3x")]
+            keys = ("id", "x", "label")
+        elif case == "images":
+            columns = images(args.images)
+            contenders = array_contenders(columns, 256, args.seed, has_index_batches)
+            gathered = "Arrays + assemble, IndexBatches" if has_index_batches else "Arrays + assemble, sampler lists"
+            contenders[f"{gathered}, 2 threads"] = with_threads(2, contenders[gathered])
+            pairs = [(gathered, floor, ">= 0.8x"), (f"{gathered}, 2 threads", gathered, ">= 1.3x"),
+                     (gathered, idiom, "(for reference)")]
+            keys = ("id", "image", "label")
+        elif case == "tokens":
+            path = Path(tempfile.gettempdir()) / f"fastcollate-tokens-{args.tokens}.u16"
+            if not path.exists() or path.stat().st_size != 2 * args.tokens:
+                np.random.default_rng(0).integers(0, 50_257, args.tokens, dtype=np.uint16).tofile(path)
+            path.read_bytes()  # warm page cache, as the target says
+            contenders = token_contenders(path, 1024, 64, args.seed)
+            pairs = [("TokenWindows + assemble", "nanoGPT get_batch", ">= 10x")]
+            keys = ("id", "input_ids", "labels")
+        else:
+            contenders = worker_contenders(tabular(args.rows), 4096, args.seed)
+            collates = {name: contenders.pop(name) for name in list(contenders) if name.startswith("_")}
+            pairs = [("Arrays + assemble, workers=2", "Arrays + assemble, workers=0", ">= 1.0x")]
+            keys = ("id", "x", "label")
+        problems = check_same(contenders, keys)
+        runs = time_rounds(contenders, args.batches, args.rounds, args.seed)
+        case_lines, summary = summarize(case, runs, pairs)
+        if case == "workers":
+            stats = collates["_collate2"].shared_slot_stats()
+            summary["slot_stats_workers_2"] = stats.__dict__ if stats is not None else None
+            if stats is not None:
+                case_lines.append(f"  workers=2: {stats.slots_used} shared slots used, {stats.fresh_fallbacks} fresh "
+                                  "fallbacks (a batch gathered into a slot crosses with no host copy)")
+        case_lines += [f"  MISMATCH {p}" for p in problems]
+        lines += case_lines
+        report["cases"][case] = {"runs": runs, "problems": problems, **summary}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+    print("\n".join(lines))
+    return 1 if any(c["problems"] for c in report["cases"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,27 +75,39 @@ def sampler(n: int, batch: int, seed: int) -> BatchSampler:
     return BatchSampler(RandomSampler(range(n), generator=torch.Generator().manual_seed(seed)), batch, False)
 
 
-def loader_epoch(loader: DataLoader) -> Epoch:
+def endless(epochs: Callable[[], Iterator]) -> Epoch:
+    """The next ``batches`` batches of an iterator kept across rounds, a new epoch begun when one ends:
+    a round measures batches as training meets them, with the per-epoch work (a permutation of every
+    index) spread over the epoch's batches, not charged to the first few."""
+    state = {"it": epochs()}
+
     def run(batches: int) -> Iterator:
-        it = iter(loader)
         for _ in range(batches):
-            yield next(it)
+            try:
+                yield next(state["it"])
+            except StopIteration:
+                state["it"] = epochs()
+                yield next(state["it"])
     return run
+
+
+def loader_epoch(loader: DataLoader) -> Epoch:
+    return endless(lambda: iter(loader))
 
 
 def floor_epoch(columns: dict[str, torch.Tensor], n: int, batch: int, seed: int) -> Epoch:
     """index_select of every column into buffers reused from batch to batch, indices cut from one
-    permutation: the gather alone, with nothing around it."""
+    permutation an epoch: the gather alone, with nothing around it."""
     buffers = {name: torch.empty((batch, *c.shape[1:]), dtype=c.dtype) for name, c in columns.items()}
     generator = torch.Generator().manual_seed(seed)
 
-    def run(batches: int) -> Iterator:
+    def epoch() -> Iterator:
         order = torch.randperm(n, generator=generator)
-        for k in range(batches):
-            index = order[k * batch:(k + 1) * batch]
+        for k in range(0, n - batch + 1, batch):
+            index = order[k:k + batch]
             yield {"id": index, **{name: torch.index_select(c, 0, index, out=buffers[name])
                                    for name, c in columns.items()}}
-    return run
+    return endless(epoch)
 
 
 def array_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int, with_index_batches: bool) -> dict:
@@ -169,16 +181,19 @@ def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
     return {"nanoGPT get_batch": nanogpt, "TokenWindows + assemble": gathered}
 
 
-def worker_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int) -> dict:
-    n = len(next(iter(columns.values())))
-    arrays = Arrays(columns)
+def worker_contenders(datasets: dict[str, tuple[dict[str, torch.Tensor], int]], seed: int) -> dict:
+    """Arrays + assemble with IndexBatches at 0 and 2 workers, for each named (columns, batch size)."""
     out = {}
-    for workers in (0, 2):
-        collate = fastcollate.Assembler()
-        loader = DataLoader(arrays, batch_sampler=sampler(n, batch, seed), collate_fn=collate, num_workers=workers,
-                            persistent_workers=workers > 0, worker_init_fn=samples_on_the_heap if workers else None)
-        out[f"Arrays + assemble, workers={workers}"] = loader_epoch(loader)
-        out[f"_collate{workers}"] = collate
+    for name, (columns, batch) in datasets.items():
+        arrays = Arrays(columns)
+        for workers in (0, 2):
+            collate = fastcollate.Assembler()
+            loader = DataLoader(arrays, batch_sampler=fastcollate.IndexBatches(len(arrays), batch, shuffle=True,
+                                                                               seed=seed),
+                                collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
+                                worker_init_fn=samples_on_the_heap if workers else None)
+            out[f"{name}, workers={workers}"] = loader_epoch(loader)
+            out[f"_collate {name} {workers}"] = collate
     return out
 
 
@@ -284,19 +299,23 @@ def main() -> int:
             pairs = [("TokenWindows + assemble", "nanoGPT get_batch", ">= 10x")]
             keys = ("id", "input_ids", "labels")
         else:
-            contenders = worker_contenders(tabular(args.rows), 4096, args.seed)
+            contenders = worker_contenders({"tabular": (tabular(args.rows), 4096),
+                                            "images": (images(args.images), 256)}, args.seed)
             collates = {name: contenders.pop(name) for name in list(contenders) if name.startswith("_")}
-            pairs = [("Arrays + assemble, workers=2", "Arrays + assemble, workers=0", ">= 1.0x")]
-            keys = ("id", "x", "label")
+            pairs = [(f"{name}, workers=2", f"{name}, workers=0", ">= 1.0x") for name in ("tabular", "images")]
+            keys = ("id",)
         problems = check_same(contenders, keys)
         runs = time_rounds(contenders, args.batches, args.rounds, args.seed)
         case_lines, summary = summarize(case, runs, pairs)
         if case == "workers":
-            stats = collates["_collate2"].shared_slot_stats()
-            summary["slot_stats_workers_2"] = stats.__dict__ if stats is not None else None
-            if stats is not None:
-                case_lines.append(f"  workers=2: {stats.slots_used} shared slots used, {stats.fresh_fallbacks} fresh "
-                                  "fallbacks (a batch gathered into a slot crosses with no host copy)")
+            for name in ("tabular", "images"):
+                stats = collates[f"_collate {name} 2"].shared_slot_stats()
+                summary[f"slot_stats_{name}_workers_2"] = stats.__dict__ if stats is not None else None
+                if stats is not None:
+                    case_lines.append(
+                        f"  {name}, workers=2: {stats.slots_used} shared slots used, {stats.fresh_fallbacks} fresh "
+                        f"fallbacks, bytes held {stats.bytes_held / max(stats.slots_used, 1) / 2**20:.2f} MiB a "
+                        "slot (gathered into the slot: no host copy after the gather)")
         case_lines += [f"  MISMATCH {p}" for p in problems]
         lines += case_lines
         report["cases"][case] = {"runs": runs, "problems": problems, **summary}

@@ -200,7 +200,7 @@ class ArrayBatch(Sequence):
             raise TypeError(f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
                             f"shape {array.shape}")
         self.indices = np.ascontiguousarray(array, dtype=np.int64)
-        if self.indices.size:
+        if self.indices.size and (self.indices.min() < 0 or self.indices.max() >= len(dataset)):
             bad = np.flatnonzero((self.indices < 0) | (self.indices >= len(dataset)))
             if bad.size:
                 first = int(bad[0])

@@ -9,6 +9,8 @@ mapping, or fresh shared memory when no slot is free.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +70,8 @@ class Assembler:
         self.shared_slots = shared_slots
         self.max_shared_slots = max_shared_slots
         self._collator = None
+        # Arrays datasets' batch layouts, by batch size (gather.Layout.reusable), checked once each.
+        self._layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._slots: worker_slots.SlotPool | None = None
         worker_slots.track(self)
 
@@ -119,9 +123,16 @@ class Assembler:
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),
         or None when the per-sample path must collate it."""
-        planned = gather.layout(batch, self.contract, self.id_key)
-        if planned is None:
-            return None
+        sizes = self._layouts.setdefault(batch.dataset, {})
+        planned = sizes.get(len(batch))
+        if planned is not None:
+            planned = dataclasses.replace(planned, batch=batch)
+        else:
+            planned = gather.layout(batch, self.contract, self.id_key)
+            if planned is None:
+                return None
+            if planned.reusable():
+                sizes[len(batch)] = dataclasses.replace(planned, batch=None)  # no strong ref to the dataset
         if get_worker_info() is not None:
             slot = self._claim_slot(planned.nbytes)
             if slot is not None:

@@ -11,6 +11,7 @@ the per-sample way instead, with the same result: :func:`layout` returns None.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -42,14 +43,14 @@ class _Out:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass
 class Layout:
     """A batch's tensors in output order, and the bytes they need."""
 
-    batch: ArrayBatch
+    batch: ArrayBatch | None
     outs: list[_Out]
     nbytes: int = 0
     views: int = 0  # tensors of the batch that are views of the buffer (see StagingRing.views_handed_out)
@@ -82,6 +83,11 @@ class Layout:
             if out.field is not None and out.field.range is not None:
                 _check_range(target, out, self.batch)
         return made
+
+    def reusable(self) -> bool:
+        """Whether every batch of this size from this dataset has this layout: true without ragged columns
+        (whose longest row sets the padded length), so the layout is computed once per batch size."""
+        return all(out.column is None or out.column.rows is not None for out in self.outs)
 
     def _tensor(self, buffer: torch.Tensor, out: _Out, small_fields_apart: bool) -> torch.Tensor:
         if small_fields_apart and needs_own_storage(out.nbytes, self.nbytes):

@@ -233,11 +233,11 @@ def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_
 def test_one_assembler_keeps_a_layout_per_dataset_and_batch_size_and_still_checks_every_batch():
     collate = fastcollate.Assembler(Contract({"id": Field(kind="number"), "x": Field(range=(0, 100))}))
     floats = Arrays(x=np.arange(10, dtype=np.float32))
-    ints = Arrays(x=np.arange(10, dtype=np.int16) * 11)
+    ints = Arrays(x=np.arange(10, dtype=np.int16) * 12)
     for _ in range(2):
         assert collate(floats.__getitems__([1, 2]))["x"].dtype == torch.float32
-        assert collate(ints.__getitems__([1, 2]))["x"].tolist() == [11, 22]
-        assert collate(ints.__getitems__([3]))["x"].tolist() == [33]
+        assert collate(ints.__getitems__([1, 2]))["x"].tolist() == [12, 24]
+        assert collate(ints.__getitems__([3]))["x"].tolist() == [36]
     with pytest.raises(ContractError) as caught:  # a layout seen before: the range is still checked
         collate(ints.__getitems__([0, 9]))
     assert caught.value.sample_id == 9 and caught.value.position == 1

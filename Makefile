@@ -54,8 +54,9 @@ test: .stamp-build
 # on and off against default_collate), with a chart; then the FashionMNIST-like bench, bound by its PIL
 # transforms, where no collate can show a gain.
 # The PIL-bound part at 0 and 2 workers, 5 interleaved runs each (the ~ mark's default): under 3 minutes on
-# 2 cores, the worker part included. BENCH_ARGS replaces these (--quick: the same counts, 4 steps a run).
-BENCH_ARGS ?= --workers 0 2
+# 2 cores, the worker part included. BENCH_ARGS adds options (--quick: 4 steps a run); BENCH_WORKERS= runs
+# the bench's default worker counts.
+BENCH_WORKERS ?= --workers 0 2
 # With --quick the worker part runs 3 rounds (its verdict still needs the lead in every one): under a minute.
 WORKER_ROUNDS := $(if $(findstring --quick,$(BENCH_ARGS)),3,5)
 demo: .stamp-build
@@ -63,7 +64,7 @@ demo: .stamp-build
 	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds $(WORKER_ROUNDS) \
 		--json bench-out-workers/results.json --chart bench-out-workers/chart.png
 	@echo; echo "2/2  bound by its PIL transforms (about 300 us a sample): expect no gain from any collate"
-	$(PY) -m fastcollate bench $(BENCH_ARGS)
+	$(PY) -m fastcollate bench $(BENCH_WORKERS) $(BENCH_ARGS)
 
 bench: .stamp-build
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \

@@ -165,7 +165,7 @@ def test_the_fastest_configuration_is_named_only_when_its_runs_are_apart_from_ev
     flagged = _entry("device_loader", 0, [10, 11, 12], ranked=False)
     line = _fastest_line([_entry("default", 0, [90, 100, 110]), _entry("assemble", 0, [95, 104, 113]), flagged])
     assert flagged["not_different_from_default"] is None, "a flagged configuration is not compared"
-    assert line == ("fastest correct: none faster beyond noise, every configuration's runs overlap (best "
+    assert line == ("fastest correct: none faster beyond noise, every configuration's runs reach the lead (best "
                     "median: assemble + pin_memory + .to(), 0 workers (104))"), line
 
 
@@ -183,8 +183,23 @@ def test_a_configuration_whose_runs_overlap_the_best_across_worker_counts_is_lis
     entries = [_entry("default", 0, [40, 50, 95]), _entry("default", 2, [90, 110, 115]),
                _entry("assemble", 2, [20, 30, 40])]
     assert _fastest_line(entries) == (
-        "fastest correct: none alone beyond noise (best median: default_collate + pin_memory + .to(), 2 "
-        "workers (110)); its runs overlap those of default_collate + pin_memory + .to(), 0 workers (50)")
+        "fastest correct: none alone beyond noise; the lead, whose runs overlap: default_collate + pin_memory "
+        "+ .to(), 0 workers (50), default_collate + pin_memory + .to(), 2 workers (110)")
+
+
+def test_the_verdict_depends_on_the_runs_ranges_not_on_which_median_leads():
+    # Each configuration's slowest and fastest runs fixed, the medians moved inside them: one verdict.
+    verdicts = set()
+    for m1, m2 in ((110, 125), (128, 120), (101, 134)):
+        entries = [_entry("default", 0, [60, 70, 105]), _entry("default", 2, [100, m1, 130]),
+                   _entry("assemble", 2, [115, m2, 135])]
+        verdicts.add(_fastest_line(entries).split(" (their runs")[0])
+    assert verdicts == {"fastest correct: 2 workers, with any of its 2 configurations"}, verdicts
+
+
+def test_with_one_run_each_no_configuration_is_named_fastest():
+    line = _fastest_line([_entry("default", 0, [100]), _entry("assemble", 0, [101])])
+    assert line.startswith("fastest correct: cannot tell with one run each"), line
 
 
 def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference():

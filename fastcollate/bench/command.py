@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "data set (no download) or your own. Measured: samples/s (and the preset's bytes, pixels or "
         "tokens per s) over the measured steps, median of --repeat runs, with their spread (half the "
         f"min-max range: the machine's noise); a ratio whose two configurations' runs overlap is marked "
-        f"{NOT_DIFFERENT} (not different: two runs of one path fall apart 1 time in 126 at 5 runs each, "
-        "1 in 10 at 3). Where: the samples are loaded and collated on the CPU, in the main process "
+        f"{NOT_DIFFERENT} (not different: two configurations that are one path have apart runs 1 time in "
+        "126 at 5 runs each, 1 in 10 at 3, 1 in 3 at 2). Where: the samples are loaded and collated on the CPU, in the main process "
         "(workers 0) or in DataLoader worker processes; the copy, the device transforms and the model "
         "run on the GPU, or on the CPU without one, where loader-only leaves the device transforms "
         "out (they would be CPU work timed as the loader's) and integrated keeps them.",
@@ -270,11 +270,12 @@ def run_configs(
             reference = run_epoch(setup, variants["default"], 0, "loader", full=True)
             bar.update(1)
         for round_index in range(setup.repeat):
-            # Rotate the order one place a round: every configuration takes every position equally often
-            # (a slow drift favours none), and none runs twice in a row, as reversing every other round
-            # made the last of a round run again first in the next: one slow spell of a noisy machine
-            # then caught two of its runs and set it apart.
-            shift = round_index % len(configs)
+            # Rotate the order, spreading the rounds' starting points over the whole list: the positions
+            # balance out (a slow drift favours none) and no configuration runs twice in a row, as
+            # reversing every other round made the last of a round run again first in the next (one slow
+            # spell of a noisy machine then caught two of its runs and set it apart).
+            count = len(configs)
+            shift = round_index * count // setup.repeat if setup.repeat <= count else round_index % count
             ordered = configs[shift:] + configs[:shift]
             if reference is None and round_index == 0:
                 ordered = [REFERENCE] + [c for c in ordered if c != REFERENCE]
@@ -348,7 +349,7 @@ def config_record(setup: Setup, quick: bool) -> dict[str, Any]:
         "seed": setup.seed,
         "unit": setup.unit,
         "quick": quick,
-        "order": "rounds over all configurations, the order rotated one place a round",
+        "order": "rounds over all configurations, the order rotated by len/repeat places a round",
     }
 
 

@@ -29,7 +29,7 @@ __all__ = [
     "summarize",
 ]
 
-NOT_DIFFERENT = "~"  # after a ratio: within the spread of what it is compared with
+NOT_DIFFERENT = "~"  # after a ratio: the two configurations' runs overlap (not_different)
 
 
 def jsonable(value: Any) -> Any:
@@ -309,7 +309,7 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
             f"{NOT_DIFFERENT} after x dflt: its runs and default_collate's at the same workers overlap: "
             "not a real difference on this machine"
         )
-    elif judged and all(j is None for j in judged):
+    elif judged and all(j is None for j in judged) and any(len(e.get("runs", [])) < 2 for e in block):
         lines.append("one run per configuration: no spread, so no difference can be told from noise")
     ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
     if ranked:
@@ -330,30 +330,38 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
 
 
 def _fastest(ranked: list[dict[str, Any]]) -> str:
-    """The fastest correct configuration, named only when its runs are apart from every other's; else
-    what the noise leaves standing (a worker count, or nothing), so the verdict does not change from one
-    run to the next with the order of medians inside the noise."""
+    """The fastest correct configuration, named only when its runs are apart from every other's.
+
+    The verdict comes from the runs' ranges alone, never from the order of the medians: the lead is every
+    configuration whose fastest run reaches the highest slowest run of any. One in the lead is named; a
+    lead that is all of one worker count's configurations names the count; otherwise the lead is listed,
+    or none is faster when it holds them all. A gap about the size of the noise can still land either way.
+    """
     best = max(ranked, key=lambda e: e["samples_per_s"])
-    ties = [e for e in ranked if e is not best and not_different(e, best)]
-    if not ties:
+    if any(not_different(e, best) is None for e in ranked if e is not best):
+        return f"fastest correct: cannot tell with one run each (best median: {_name(best)})"
+    floor = max(e["samples_per_s_min"] for e in ranked)
+    lead = [e for e in ranked if e["samples_per_s_max"] >= floor]
+    if len(lead) == 1:
         return (
-            f"fastest correct: {best['label']}, {best['workers']} workers: "
+            f"fastest correct: {best['label']}, {_workers(best['workers'])}: "
             f"{fmt_rate(best['samples_per_s'])} samples/s (median)"
         )
     best_median = f"best median: {_name(best)}"
-    if len(ties) == len(ranked) - 1:
-        return f"fastest correct: none faster beyond noise, every configuration's runs overlap ({best_median})"
-    same_workers = [e for e in ranked if e["workers"] == best["workers"]]
-    if {id(e) for e in ties + [best]} == {id(e) for e in same_workers}:
+    if len(lead) == len(ranked):
+        return f"fastest correct: none faster beyond noise, every configuration's runs reach the lead ({best_median})"
+    counts = {e["workers"] for e in lead}
+    if len(counts) == 1 and len(lead) == sum(e["workers"] in counts for e in ranked):
         return (
-            f"fastest correct: {best['workers']} workers, with any of its {len(same_workers)} configurations "
+            f"fastest correct: {_workers(lead[0]['workers'])}, with any of its {len(lead)} configurations "
             f"(their runs overlap: no difference beyond noise; {best_median})"
         )
-    return (
-        f"fastest correct: none alone beyond noise ({best_median}); its runs overlap those of "
-        + ", ".join(_name(e) for e in ties)
-    )
+    return f"fastest correct: none alone beyond noise; the lead, whose runs overlap: {', '.join(map(_name, lead))}"
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker" + ("" if count == 1 else "s")
 
 
 def _name(e: dict[str, Any]) -> str:
-    return f"{e['label']}, {e['workers']} workers ({fmt_rate(e['samples_per_s'])})"
+    return f"{e['label']}, {_workers(e['workers'])} ({fmt_rate(e['samples_per_s'])})"

@@ -5,7 +5,9 @@ sample once."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 
 import numpy as np
 import pytest
@@ -241,3 +243,41 @@ def test_one_assembler_keeps_a_layout_per_dataset_and_batch_size_and_still_check
     with pytest.raises(ContractError) as caught:  # a layout seen before: the range is still checked
         collate(ints.__getitems__([0, 9]))
     assert caught.value.sample_id == 9 and caught.value.position == 1
+
+
+class _KilledAfterGather:
+    """assemble, then SIGKILL for the batch holding ``victim``: the worker dies holding the slot it gathered
+    into, before sending it."""
+
+    def __init__(self, victim: int) -> None:
+        self.assembler = fastcollate.Assembler()
+        self.victim = victim
+
+    def __call__(self, batch):
+        out = self.assembler(batch)
+        if self.victim in out["id"].tolist():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+def test_a_worker_killed_after_gathering_into_a_slot_leaves_no_slot_held():
+    dataset = Arrays(x=torch.arange(64.0).reshape(64, 1).expand(64, 4096).contiguous())
+    collate = _KilledAfterGather(victim=40)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate)
+    with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
+        for _ in loader:
+            pass
+    stats = collate.assembler.shared_slot_stats()
+    assert stats is not None and stats.slots_used >= 1, "the batches were gathered into slots"
+    assert stats.writing == 0 and stats.delivered == 0, stats  # the dead worker's slot is taken back by pid
+    del loader
+
+
+def test_device_loader_on_the_cpu_passes_gathered_batches_through_unchanged():
+    dataset = Arrays(image=torch.randint(0, 255, (40, 3, 4, 4), dtype=torch.uint8), label=torch.arange(40) % 3)
+    loader = DataLoader(dataset, batch_size=16, collate_fn=fastcollate.assemble)
+    seen = []
+    for batch in fastcollate.DeviceLoader(loader, device="cpu"):
+        assert torch.equal(batch["image"], dataset.columns["image"].rows[batch["id"]])
+        seen += batch["id"].tolist()
+    assert seen == list(range(40))

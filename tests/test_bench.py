@@ -550,3 +550,14 @@ def test_rounds_rotate_the_order_so_no_configuration_runs_twice_in_a_row(monkeyp
     assert all(a != b for a, b in zip(order, order[1:])), order
     positions = {c: {order[r * len(plan):(r + 1) * len(plan)].index(c) for r in range(4)} for c in plan}
     assert all(len(p) == 4 for p in positions.values()), "each configuration in a new position each round"
+
+
+def test_arrays_preset_runs_the_gathered_path_and_default_collate_gets_the_same_samples(tmp_path):
+    status = command.main(["--preset", "arrays", "--size", "2048", "--batch-size", "256", "--steps", "2",
+                           "--warmup", "1", "--repeat", "2", "--workers", "0", "2", "--no-progress",
+                           "--out", str(tmp_path)])
+    assert status == 0, "every configuration delivered the reference's ids and targets"
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {c["observation"] for c in result["configs"]} == {"loader", "integrated"}
+    assert all(c["ids_match_reference"] for c in result["configs"])
+    assert "tabular_mlp" in result["config"]["model"]

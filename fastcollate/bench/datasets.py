@@ -464,6 +464,16 @@ def _make_fields(size: int, seed: int) -> Dataset:
     return ManyFields(size=size, seed=seed)
 
 
+def _make_arrays(size: int, seed: int) -> Dataset:
+    # Tabular rows already in memory: the batched path (fastcollate.Arrays, gathered by index in C++),
+    # where default_collate gets the same batch as per-sample dicts.
+    from ..arrays import Arrays
+
+    generator = torch.Generator().manual_seed(seed)
+    return Arrays(x=torch.randn(size, 64, generator=generator),
+                  target=torch.randint(0, 10, (size,), generator=generator))
+
+
 def _imagenet_device_transforms() -> dict[str, Callable]:
     # The bench runs it after .to() on the default path and as a DeviceLoader transform: every
     # configuration hands the model the same float images, and all of them move uint8.
@@ -518,6 +528,16 @@ PRESETS: dict[str, Preset] = {
         contract=tokens_contract,
         model="token_classifier",
         transforms_note="none; baseline collate is pad_sequence + mask in Python",
+    ),
+    "arrays": Preset(
+        name="arrays",
+        description="tabular rows in arrays (fastcollate.Arrays): 64 float32 features + an int64 target",
+        make_dataset=_make_arrays,
+        size=200_000,
+        batch_size=4096,
+        unit="bytes",
+        model="tabular_mlp",
+        transforms_note="none; assemble gathers each column by index, default_collate gets per-sample dicts",
     ),
     "fields": Preset(
         name="fields",

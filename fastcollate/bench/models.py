@@ -93,6 +93,7 @@ class FieldsMLP(nn.Module):
 
 
 FIELDS_FEATURES = 12 * 8 + 4  # ManyFields' defaults: twelve float32[8] tensors and four floats
+TABULAR_FEATURES = 64  # the arrays preset's rows
 
 
 def _field_features(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -110,7 +111,8 @@ class TrainStep:
     """One training step on a batch dict: zero_grad, forward, loss, backward, Adam step.
 
     Args:
-        name: ``"fashion_cnn"``, ``"imagenet_cnn"``, ``"token_classifier"`` or ``"fields_mlp"``.
+        name: ``"fashion_cnn"``, ``"imagenet_cnn"``, ``"token_classifier"``, ``"fields_mlp"`` or
+            ``"tabular_mlp"``.
         device: where the model lives (the batch must be there too).
         width: the model's width (see :class:`SmallCNN`).
         seed: initial weights.
@@ -128,9 +130,11 @@ class TrainStep:
             model = TokenClassifier(width=width)
         elif name == "fields_mlp":
             model = FieldsMLP(FIELDS_FEATURES, width)
+        elif name == "tabular_mlp":
+            model = FieldsMLP(TABULAR_FEATURES, width)
         else:
             raise ValueError(
-                f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp"
+                f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp, tabular_mlp"
             )
         self.width = width
         self.model = model.to(self.device)
@@ -147,6 +151,8 @@ class TrainStep:
             logits = self.model(batch["tokens"], batch["tokens_mask"])
         elif self.name == "fields_mlp":
             logits = self.model(_field_features(batch))
+        elif self.name == "tabular_mlp":
+            logits = self.model(batch["x"])
         else:
             logits = self.model(batch["image"])
         loss = self.loss_fn(logits, batch["target"])

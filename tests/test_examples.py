@@ -1,4 +1,5 @@
-"""The examples as users run them: ``examples/ddp_train.py`` under torchrun on the CPU (gloo, 2 ranks).
+"""The examples as users run them: ``examples/ddp_train.py`` and ``examples/ddp_arrays.py`` under
+torchrun on the CPU (gloo, 2 ranks).
 
 The runs are bounded, so a stuck collective fails the tests instead of hanging them.
 """
@@ -12,6 +13,7 @@ import pytest
 from tests.processes import ROOT, run_at_once
 
 DDP_EXAMPLE = ROOT / "examples" / "ddp_train.py"
+DDP_ARRAYS_EXAMPLE = ROOT / "examples" / "ddp_arrays.py"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def ddp_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
     unsharded = tmp_path_factory.mktemp("unsharded") / "ddp_train_unsharded.py"
     unsharded.write_text(source.replace("sampler=sampler,", "shuffle=True,"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    return run_at_once({"sharded": [*torchrun, str(DDP_EXAMPLE)], "unsharded": [*torchrun, str(unsharded)]})
+    return run_at_once({"sharded": [*torchrun, str(DDP_EXAMPLE)], "unsharded": [*torchrun, str(unsharded)],
+                        "arrays": [*torchrun, str(DDP_ARRAYS_EXAMPLE)]})
 
 
 @pytest.mark.slow
@@ -42,3 +45,12 @@ def test_the_ddp_examples_audit_fails_when_every_rank_reads_the_whole_dataset(dd
     assert status != 0
     assert "epoch 0: 2 ranks together against the dataset: FAILED: 1000 duplicated" in output, output
     assert "delivered 2000 samples" in output
+
+
+@pytest.mark.slow
+def test_the_arrays_ddp_example_shards_with_index_batches_and_every_id_comes_once(ddp_runs):
+    status, output = ddp_runs["arrays"]
+    assert status == 0, output
+    for epoch in (0, 1):
+        assert (f"epoch {epoch}: 2 ranks together against the dataset: OK\n"
+                "  delivered 1000 samples; reference has 1000 ids") in output, output

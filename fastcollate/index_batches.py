@@ -99,6 +99,12 @@ class IndexBatches(Sampler[np.ndarray]):
         Call it before each epoch's ``iter()``, as for DistributedSampler."""
         self.epoch = _integer("epoch", epoch)
 
+    @property
+    def sampler(self) -> IndexBatches:
+        """This batch sampler itself: Lightning, and code written for ``BatchSampler``, tell the epoch
+        through ``batch_sampler.sampler.set_epoch(epoch)``, never the batch sampler's own."""
+        return self
+
     def __len__(self) -> int:
         if self.drop_last:
             return self.num_samples // self.batch_size

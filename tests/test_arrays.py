@@ -46,7 +46,11 @@ def datasets(draw):
     return Arrays(columns), indices
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# make fuzz runs each property FASTCOLLATE_FUZZ_EXAMPLES times (10,000); make test 150 and 100.
+EXAMPLES = int(os.environ.get("FASTCOLLATE_FUZZ_EXAMPLES", "150"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(datasets())
 def test_a_gathered_batch_equals_default_collate_of_the_samples(case):
     dataset, indices = case
@@ -74,7 +78,7 @@ def ragged_datasets(draw):
     return dataset, contract, indices
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max(100, EXAMPLES * 2 // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ragged_datasets())
 def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
     dataset, contract, indices = case

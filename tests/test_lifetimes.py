@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from fastcollate import DeviceLoader, StagingRing, assemble
+from fastcollate import Arrays, DeviceLoader, StagingRing, assemble
 from fastcollate.bench.datasets import fixed_mmap_threshold
 from tests.fault_datasets import Numbered, child_pids
 
@@ -150,3 +150,22 @@ def test_the_ring_serves_a_long_run_without_allocating():
             allocations = ring.stats().slot_allocations
     stats = ring.stats()
     assert stats.slot_allocations == allocations and stats.overflow_allocations == 0 and stats.slots == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_gathered_arrays_stay_flat_over_epochs(workers):
+    """fastcollate.Arrays gathered by index: into the ring at workers=0, into shared slots with workers."""
+    fixed_mmap_threshold()
+    x = torch.zeros(32, *SAMPLE)
+    x[:, 0, 0, 0] = torch.arange(32, dtype=torch.float32)
+    ring = StagingRing(max_slots=4) if workers == 0 else None
+    loader = DataLoader(Arrays(x=x), batch_size=8, shuffle=True, num_workers=workers,
+                        collate_fn=assemble.using(ring=ring), persistent_workers=workers > 0,
+                        worker_init_fn=fixed_mmap_threshold if workers else None)
+    seen = run_epochs(loader, ring, workers)
+    assert_flat(seen)
+    if workers:
+        assert seen[-1]["slots"][2:] == (0, 0, 0)  # no slot lent, being written or in flight
+    else:
+        assert seen[-1]["ring"][3] == 0  # no ring slot in use

@@ -351,3 +351,21 @@ def test_on_a_gpu_the_batch_in_training_step_is_the_device_loaders_copy(made):
     assert all(device.startswith("cuda") for _, _, seen in model.trained for _, device in seen)
     assert sorted(i for _, ids, _ in model.trained for i in ids) == list(range(40))
     assert_closed(made)
+
+
+def test_arrays_gathered_with_index_batches_reach_training_step_once_per_epoch(made):
+    generator = torch.Generator().manual_seed(0)
+    dataset = fastcollate.Arrays(x=torch.randn(40, 4, generator=generator), y=torch.arange(40) % 2)
+    train = DataLoader(dataset, batch_sampler=fastcollate.IndexBatches(40, 8, shuffle=True, seed=0),
+                       collate_fn=fastcollate.assemble)
+    model = Recorder()
+    fitted = trainer()
+    fitted.fit(model, train)
+    assert [seen for _, _, seen in model.trained] == fitted.train_dataloader.handed_out
+    orders = []
+    for epoch in (0, 1):
+        ids = [i for e, batch_ids, _ in model.trained if e == epoch for i in batch_ids]
+        assert sorted(ids) == list(range(40))
+        orders.append(ids)
+    assert orders[0] != orders[1], "IndexBatches was told the epoch (set_epoch) and reshuffled"
+    assert_closed(made)

@@ -108,3 +108,18 @@ def test_opcheck_gather_into_and_gather_ragged_into():
     args = (torch.arange(6), torch.tensor([0, 2, 6]), torch.tensor([1, 0]), 0, torch.empty(2, 4, dtype=torch.int64),
             torch.empty(2, 4, dtype=torch.bool), torch.empty(2, dtype=torch.int64))
     torch.library.opcheck(torch.ops.fastcollate.gather_ragged_into.default, args)
+
+
+@pytest.mark.parametrize(("source_dtype", "out_dtype"), [
+    (torch.uint16, torch.int64), (torch.uint8, torch.int64), (torch.int32, torch.float32),
+    (torch.float16, torch.float32), (torch.float64, torch.float32), (torch.int64, torch.int32),
+    (torch.float32, torch.int64), (torch.uint8, torch.float16), (torch.bool, torch.int64),
+])
+def test_gather_into_casts_as_torch_does_in_its_own_pass_or_through_aten(source_dtype, out_dtype):
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(-3000, 60000, (40, 3, 5), generator=generator, dtype=torch.int64)
+    source = (values.to(torch.float64) / 7 if source_dtype.is_floating_point else values).to(source_dtype)
+    indices = torch.randint(0, 40, (17,), generator=generator)
+    out = torch.empty(17, 3, 5, dtype=out_dtype)
+    ops.gather_into(source, indices, out)
+    assert torch.equal(out, source.index_select(0, indices).to(out_dtype))

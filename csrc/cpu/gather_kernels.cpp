@@ -7,8 +7,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <ATen/Dispatch_v2.h>
+
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "copy_kernels.h"
@@ -49,6 +52,62 @@ void check_indices(const at::Tensor& indices, int64_t rows, const char* op) {
   }
 }
 
+// Rows [begin, end) converted element by element as they are gathered (the compiler vectorises the
+// inner loop): one pass over the bytes, no scratch block.
+template <typename In, typename Out>
+void cast_rows(const std::vector<const void*>& rows, Out* dst, int64_t row_elements, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const In* src = static_cast<const In*>(rows[r]);
+    Out* out = dst + r * row_elements;
+    for (int64_t j = 0; j < row_elements; ++j) {
+      out[j] = static_cast<Out>(src[j]);
+    }
+  }
+}
+
+// The casts done in the gather's own pass: integers to wider-or-equal integers or floating point, and
+// floating point to floating point (C++'s conversions agree with torch's there). Others go through
+// ATen. Returns false when the pair is not one of them.
+bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, const at::Tensor& out,
+                    int64_t row_elements) {
+  const bool in_floating = at::isFloatingType(in);
+  const bool out_floating = at::isFloatingType(out.scalar_type());
+  if (in == at::kBool || (in_floating && !out_floating)) {
+    return false;
+  }
+  const int64_t batch = static_cast<int64_t>(rows.size());
+  const int64_t grain = std::max<int64_t>(1, kCastChunkBytes / std::max<int64_t>(row_elements * 8, 1));
+  bool done = true;
+  AT_DISPATCH_V2(in, "gather_casting", AT_WRAP([&] {
+                   using In = scalar_t;
+                   auto run = [&](auto* dst) {
+                     using Out = std::remove_pointer_t<decltype(dst)>;
+                     at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+                       cast_rows<In, Out>(rows, dst, row_elements, begin, end);
+                     });
+                   };
+                   switch (out.scalar_type()) {
+                     case at::kLong:
+                       run(out.data_ptr<int64_t>());
+                       break;
+                     case at::kInt:
+                       run(out.data_ptr<int32_t>());
+                       break;
+                     case at::kFloat:
+                       run(out.data_ptr<float>());
+                       break;
+                     case at::kDouble:
+                       run(out.data_ptr<double>());
+                       break;
+                     default:
+                       done = false;
+                   }
+                 }),
+                 AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), at::kFloat, at::kDouble,
+                 at::kHalf, at::kBFloat16);
+  return done;
+}
+
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out) {
   TORCH_CHECK(source.device().is_cpu() && out.device().is_cpu(), "gather_into: source and out must be CPU tensors");
@@ -79,6 +138,13 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
     CopyJobs jobs;
     jobs.add_rows(rows.data(), out.data_ptr(), row_bytes, rows.size());
     jobs.run();
+    return;
+  }
+  const int64_t row_elements = out.numel() / batch;
+  const bool narrowing_integers = at::isIntegralType(source.scalar_type(), /*includeBool=*/false) &&
+                                  at::isIntegralType(out.scalar_type(), false) &&
+                                  out.element_size() < source.element_size();
+  if (!narrowing_integers && gather_casting(rows, source.scalar_type(), out, row_elements)) {
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, kCastChunkBytes / static_cast<int64_t>(std::max<size_t>(row_bytes, 1)));

@@ -15,7 +15,9 @@ Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 25
   depth x batch bytes for the ring, plus (2w+4) x batch bytes with w workers (the default
   max_shared_slots: every slot a worker may use is page-locked once, with 1/16 headroom), and pinned
   allocations after warm-up;
-- the time of DeviceLoader's Normalize on one batch, beside the copy's (both on the copy stream).
+- the time of DeviceLoader's Normalize on one batch, beside the copy's (both on the copy stream);
+- data already in arrays (fastcollate.Arrays, IndexBatches, workers=0): gathered into DeviceLoader's
+  pinned slot and copied in one H2D, against ``X[idx].pin_memory().to()``, with host copies per batch.
 Every repetition's values are kept under "runs"; tables show medians. The JSON is written after every
 configuration, and a configuration that fails is recorded there while the others still run.
 Without a GPU it runs the same loops on the CPU with tiny sizes (to check the script end to end) and
@@ -205,6 +207,57 @@ def run_device_loader(dataset, model, workers, batch_size, steps, warmup, device
     }
 
 
+def run_arrays(device: torch.device, quick: bool, steps: int) -> dict:
+    """Data already in arrays, gathered by index straight into DeviceLoader's pinned slot and copied in
+    one H2D a batch, against the batched-index idiom (``X[idx]``, then ``pin_memory()`` and
+    ``.to(non_blocking=True)``), workers=0, in one run. Host copies per batch after the gather: 0 expected."""
+    rows, count = (4096, 256) if quick else (1_000_000, 4096)
+    cases = {
+        "tabular": ({"x": torch.randn(rows, 64), "label": torch.randint(0, 10, (rows,))}, 64 if quick else 4096),
+        "images": ({"image": torch.randint(0, 256, (count, 3, 32 if quick else 224, 32 if quick else 224),
+                                           dtype=torch.uint8), "label": torch.randint(0, 1000, (count,))},
+                   16 if quick else 256),
+    }
+    pin = device.type == "cuda"
+    out = {}
+    for name, (columns, batch) in cases.items():
+        n = len(next(iter(columns.values())))
+        arrays = fastcollate.Arrays(columns)
+        loader = DataLoader(arrays, batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=0),
+                            collate_fn=fastcollate.assemble)
+        device_loader = DeviceLoader(loader, device=device)
+        result: dict = {}
+        for contender in ("idiom", "arrays"):
+            it = iter(device_loader) if contender == "arrays" else None
+            order = torch.randperm(n)
+            for step in range(steps + 3):
+                if step == 3:
+                    sync(device)
+                    start = time.perf_counter()
+                if contender == "arrays":
+                    got = next(it, None)
+                    if got is None:  # an epoch ended: the next one
+                        it = iter(device_loader)
+                        got = next(it)
+                else:
+                    index = order[(step * batch) % (n - batch):][:batch]
+                    got = {k: (c[index].pin_memory() if pin else c[index]).to(device, non_blocking=True)
+                           for k, c in columns.items()}
+                del got
+            sync(device)
+            result[f"{contender}_samples_per_s"] = steps * batch / (time.perf_counter() - start)
+        stats = device_loader.stats()
+        device_loader.close()
+        result["arrays_over_idiom"] = result["arrays_samples_per_s"] / result["idiom_samples_per_s"]
+        result["host_packs_per_batch"] = stats["host_packs"] / max(stats["batches"], 1)
+        result["direct_from_slot_per_batch"] = stats["direct_from_slot"] / max(stats["batches"], 1)
+        out[name] = result
+        print(f"  arrays {name}: gathered + DeviceLoader {result['arrays_samples_per_s']:9.0f}/s, idiom + pin + "
+              f".to() {result['idiom_samples_per_s']:9.0f}/s, ratio {result['arrays_over_idiom']:.2f}, host copies "
+              f"per batch {result['host_packs_per_batch']:.2f}")
+    return out
+
+
 def gpu_ms(work, device: torch.device, repeat: int = 10, warmup: int = 2) -> list[float]:
     """Times ``work()`` ``repeat`` times: CUDA events on a GPU, host time on the CPU."""
     times = []
@@ -355,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                                    lambda m=model: compute_ms(m, batch_size, size, device), [])
                    for loop, model in models.items()}
         normalize = reference("normalize", lambda: normalize_ms(batch_size, size, device), [])
+        arrays = reference("arrays", lambda: run_arrays(device, quick, steps), {})
 
         def write() -> dict:
             result = {
@@ -376,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bare_pinned_copy_gbps_runs": bare,
                 "compute_ms_runs": compute,
                 "normalize_ms_runs": normalize,
+                "arrays": arrays,
             }
             # Whole or not at all: a kill by gpu_check's timeout mid-write must leave the last complete
             # JSON (the temporary file is removed by gpu_check if one is left).

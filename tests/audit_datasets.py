@@ -250,3 +250,10 @@ def exhausted_stream() -> IterableDataset:
 
 def stream_without_ids() -> IterableDataset:
     return StreamWithoutIds()
+
+
+def arrays() -> Dataset:
+    """Data already in arrays (fastcollate.Arrays): its batches arrive gathered by index."""
+    import fastcollate
+
+    return fastcollate.Arrays(image=torch.stack([image(i) for i in range(24)]), y=torch.arange(24) % 3)

@@ -352,3 +352,9 @@ def test_import_fastcollate_leaves_the_doctor_unimported():
     loaded = result.stdout.strip()
     assert "fastcollate.audit.ledger" in loaded  # the audit itself is there
     assert "doctor" not in loaded and "tracing" not in loaded and "setting_run" not in loaded
+
+
+def test_an_arrays_dataset_passes_with_its_batches_gathered_by_index(capsys, tmp_path):
+    status, out, report = run(capsys, tmp_path, "arrays", "--workers", "2")
+    assert status == 0 and report["ok"], out
+    assert report["targets"] == ["y"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, default_collate
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 try:
     import fastcollate
@@ -88,6 +88,7 @@ def endless(epochs: Callable[[], Iterator]) -> Epoch:
             except StopIteration:
                 state["it"] = epochs()
                 yield next(state["it"])
+
     return run
 
 
@@ -104,42 +105,61 @@ def floor_epoch(columns: dict[str, torch.Tensor], n: int, batch: int, seed: int)
     def epoch() -> Iterator:
         order = torch.randperm(n, generator=generator)
         for k in range(0, n - batch + 1, batch):
-            index = order[k:k + batch]
-            yield {"id": index, **{name: torch.index_select(c, 0, index, out=buffers[name])
-                                   for name, c in columns.items()}}
+            index = order[k : k + batch]
+            yield {
+                "id": index,
+                **{name: torch.index_select(c, 0, index, out=buffers[name]) for name, c in columns.items()},
+            }
+
     return endless(epoch)
 
 
-def array_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int, with_index_batches: bool) -> dict:
+def array_contenders(
+    columns: dict[str, torch.Tensor], batch: int, seed: int, with_index_batches: bool
+) -> dict:
     n = len(next(iter(columns.values())))
     per_sample = Rows(columns)
     arrays = Arrays(columns)
     contenders = {
-        "per-sample + default_collate": loader_epoch(DataLoader(per_sample, batch_sampler=sampler(n, batch, seed))),
-        "per-sample + assemble": loader_epoch(DataLoader(per_sample, batch_sampler=sampler(n, batch, seed),
-                                                         collate_fn=fastcollate.assemble)),
-        "batched-index idiom": loader_epoch(DataLoader(Idiom(columns), sampler=sampler(n, batch, seed),
-                                                       batch_size=None)),
-        "Arrays + assemble, sampler lists": loader_epoch(DataLoader(arrays, batch_sampler=sampler(n, batch, seed),
-                                                                    collate_fn=fastcollate.assemble)),
+        "per-sample + default_collate": loader_epoch(
+            DataLoader(per_sample, batch_sampler=sampler(n, batch, seed))
+        ),
+        "per-sample + assemble": loader_epoch(
+            DataLoader(per_sample, batch_sampler=sampler(n, batch, seed), collate_fn=fastcollate.assemble)
+        ),
+        "batched-index idiom": loader_epoch(
+            DataLoader(Idiom(columns), sampler=sampler(n, batch, seed), batch_size=None)
+        ),
+        "Arrays + assemble, sampler lists": loader_epoch(
+            DataLoader(arrays, batch_sampler=sampler(n, batch, seed), collate_fn=fastcollate.assemble)
+        ),
     }
     if with_index_batches:
-        contenders["Arrays + assemble, IndexBatches"] = loader_epoch(DataLoader(
-            arrays, batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=seed),
-            collate_fn=fastcollate.assemble))
+        contenders["Arrays + assemble, IndexBatches"] = loader_epoch(
+            DataLoader(
+                arrays,
+                batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=seed),
+                collate_fn=fastcollate.assemble,
+            )
+        )
     contenders["index_select into a reused buffer"] = floor_epoch(columns, n, batch, seed)
     return contenders
 
 
 def tabular(rows: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"x": torch.randn(rows, 64, generator=generator), "label": torch.randint(0, 10, (rows,), generator=generator)}
+    return {
+        "x": torch.randn(rows, 64, generator=generator),
+        "label": torch.randint(0, 10, (rows,), generator=generator),
+    }
 
 
 def images(count: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"image": torch.randint(0, 256, (count, 3, 224, 224), dtype=torch.uint8, generator=generator),
-            "label": torch.randint(0, 1000, (count,), generator=generator)}
+    return {
+        "image": torch.randint(0, 256, (count, 3, 224, 224), dtype=torch.uint8, generator=generator),
+        "label": torch.randint(0, 1000, (count,), generator=generator),
+    }
 
 
 def with_threads(threads: int, epoch: Epoch) -> Epoch:
@@ -150,15 +170,20 @@ def with_threads(threads: int, epoch: Epoch) -> Epoch:
             yield from epoch(batches)
         finally:
             torch.set_num_threads(before)
+
     return run
 
 
 def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
     data = np.memmap(path, dtype=np.uint16, mode="r")
     windows = TokenWindows(data, length=block, step=1)
-    contract = Contract({"id": Field(kind="number"),
-                         "input_ids": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,)),
-                         "labels": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,))})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "input_ids": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,)),
+            "labels": Field(dtype=torch.int64, shape=(block,), cast_from=(torch.uint16,)),
+        }
+    )
     collate = fastcollate.assemble.using(contract)
 
     def nanogpt(batches: int) -> Iterator:
@@ -168,8 +193,8 @@ def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
             # its pin_memory (no GPU here).
             data = np.memmap(path, dtype=np.uint16, mode="r")
             ix = torch.randint(len(data) - block, (batch,), generator=generator)
-            x = torch.stack([torch.from_numpy((data[i:i + block]).astype(np.int64)) for i in ix])
-            y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + block]).astype(np.int64)) for i in ix])
+            x = torch.stack([torch.from_numpy((data[i : i + block]).astype(np.int64)) for i in ix])
+            y = torch.stack([torch.from_numpy((data[i + 1 : i + 1 + block]).astype(np.int64)) for i in ix])
             yield {"id": ix, "input_ids": x, "labels": y}
 
     def gathered(batches: int) -> Iterator:
@@ -188,10 +213,14 @@ def worker_contenders(datasets: dict[str, tuple[dict[str, torch.Tensor], int]], 
         arrays = Arrays(columns)
         for workers in (0, 2):
             collate = fastcollate.Assembler()
-            loader = DataLoader(arrays, batch_sampler=fastcollate.IndexBatches(len(arrays), batch, shuffle=True,
-                                                                               seed=seed),
-                                collate_fn=collate, num_workers=workers, persistent_workers=workers > 0,
-                                worker_init_fn=samples_on_the_heap if workers else None)
+            loader = DataLoader(
+                arrays,
+                batch_sampler=fastcollate.IndexBatches(len(arrays), batch, shuffle=True, seed=seed),
+                collate_fn=collate,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+                worker_init_fn=samples_on_the_heap if workers else None,
+            )
             out[f"{name}, workers={workers}"] = loader_epoch(loader)
             out[f"_collate {name} {workers}"] = collate
     return out
@@ -221,8 +250,16 @@ def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[
                 count += len(batch["id"])
                 del batch
             seconds = time.perf_counter() - start
-            runs.append({"round": round_index, "warmup": round_index == 0, "contender": name, "seconds": seconds,
-                         "samples": count, "samples_per_s": count / seconds})
+            runs.append(
+                {
+                    "round": round_index,
+                    "warmup": round_index == 0,
+                    "contender": name,
+                    "seconds": seconds,
+                    "samples": count,
+                    "samples_per_s": count / seconds,
+                }
+            )
     return runs
 
 
@@ -233,8 +270,9 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def summarize(case: str, runs: list[dict], pairs: list[tuple[str, str, str]], names: list[str],
-              targets: bool = True) -> tuple[list[str], dict]:
+def summarize(
+    case: str, runs: list[dict], pairs: list[tuple[str, str, str]], names: list[str], targets: bool = True
+) -> tuple[list[str], dict]:
     kept = [r for r in runs if not r["warmup"]]
     by: dict[str, dict[int, float]] = {name: {} for name in names}  # printed in the contenders' order
     for r in kept:
@@ -248,8 +286,10 @@ def summarize(case: str, runs: list[dict], pairs: list[tuple[str, str, str]], na
         low, high = quartiles(paired)
         ratio = median[subject] / median[baseline]
         ratios[f"{subject} / {baseline}"] = {"ratio": ratio, "p25": low, "p75": high, "target": target}
-        lines.append(f"  {subject} / {baseline}: {ratio:.2f}x ({low:.2f}-{high:.2f})"
-                     + (f"; target {target}" if targets else ""))
+        lines.append(
+            f"  {subject} / {baseline}: {ratio:.2f}x ({low:.2f}-{high:.2f})"
+            + (f"; target {target}" if targets else "")
+        )
     return lines, {"medians": median, "ratios": ratios}
 
 
@@ -263,8 +303,12 @@ CASE_NOTES = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=["tabular", "images", "tokens", "workers"],
-                        choices=["tabular", "images", "tokens", "workers"])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["tabular", "images", "tokens", "workers"],
+        choices=["tabular", "images", "tokens", "workers"],
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=10, help="batches per contender per round")
     parser.add_argument("--rows", type=int, default=1_000_000, help="tabular rows")
@@ -272,35 +316,55 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the uint16 memmap")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--no-targets", action="store_true", help="leave the issue's targets out of the output")
+    parser.add_argument(
+        "--no-targets", action="store_true", help="leave the issue's targets out of the output"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples_on_the_heap()
     has_index_batches = hasattr(fastcollate, "IndexBatches")
-    print(f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of\n"
-          f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); medians, spread = p25-p75 of the\n"
-          "per-round ratios", flush=True)
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "python": platform.python_version(), "torch": torch.__version__, "cases": {}}
+    print(
+        f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of\n"
+        f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); medians, spread = p25-p75 "
+        "of the\n"
+        "per-round ratios",
+        flush=True,
+    )
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cases": {},
+    }
     lines: list[str] = []
     idiom, floor = "batched-index idiom", "index_select into a reused buffer"
     for case in args.cases:
         print(f"  {case} ...", flush=True)
         if case == "tabular":
             contenders = array_contenders(tabular(args.rows), 4096, args.seed, has_index_batches)
-            pairs = [("Arrays + assemble, sampler lists", idiom, ">= 5x"),
-                     ("per-sample + assemble", "per-sample + default_collate", "(for reference)")]
+            pairs = [
+                ("Arrays + assemble, sampler lists", idiom, ">= 5x"),
+                ("per-sample + assemble", "per-sample + default_collate", "(for reference)"),
+            ]
             if has_index_batches:
-                pairs += [("Arrays + assemble, IndexBatches", idiom, ">= 20x"),
-                          (floor, "Arrays + assemble, IndexBatches", "<= 3x")]
+                pairs += [
+                    ("Arrays + assemble, IndexBatches", idiom, ">= 20x"),
+                    (floor, "Arrays + assemble, IndexBatches", "<= 3x"),
+                ]
             keys = ("id", "x", "label")
         elif case == "images":
             columns = images(args.images)
             contenders = array_contenders(columns, 256, args.seed, has_index_batches)
-            gathered = "Arrays + assemble, IndexBatches" if has_index_batches else "Arrays + assemble, sampler lists"
+            gathered = (
+                "Arrays + assemble, IndexBatches" if has_index_batches else "Arrays + assemble, sampler lists"
+            )
             contenders[f"{gathered}, 2 threads"] = with_threads(2, contenders[gathered])
-            pairs = [(gathered, floor, ">= 0.8x"), (f"{gathered}, 2 threads", gathered, ">= 1.3x"),
-                     (gathered, idiom, "(for reference)")]
+            pairs = [
+                (gathered, floor, ">= 0.8x"),
+                (f"{gathered}, 2 threads", gathered, ">= 1.3x"),
+                (gathered, idiom, "(for reference)"),
+            ]
             keys = ("id", "image", "label")
         elif case == "tokens":
             path = Path(tempfile.gettempdir()) / f"fastcollate-tokens-{args.tokens}.u16"
@@ -311,14 +375,20 @@ def main() -> int:
             pairs = [("TokenWindows + assemble", "nanoGPT get_batch", ">= 10x")]
             keys = ("id", "input_ids", "labels")
         else:
-            contenders = worker_contenders({"tabular": (tabular(args.rows), 4096),
-                                            "images": (images(args.images), 256)}, args.seed)
+            contenders = worker_contenders(
+                {"tabular": (tabular(args.rows), 4096), "images": (images(args.images), 256)}, args.seed
+            )
             collates = {name: contenders.pop(name) for name in list(contenders) if name.startswith("_")}
-            pairs = [(f"{name}, workers=2", f"{name}, workers=0", ">= 1.0x") for name in ("tabular", "images")]
+            pairs = [
+                (f"{name}, workers=2", f"{name}, workers=0", ">= 1.0x") for name in ("tabular", "images")
+            ]
             keys = ("id",)
         if case == "workers":  # two datasets: each one's contenders make the same batches
-            problems = [p for name in ("tabular", "images")
-                        for p in check_same({k: v for k, v in contenders.items() if k.startswith(name)}, keys)]
+            problems = [
+                p
+                for name in ("tabular", "images")
+                for p in check_same({k: v for k, v in contenders.items() if k.startswith(name)}, keys)
+            ]
         else:
             problems = check_same(contenders, keys)
         # A token batch is small (64 windows): more of them a round, so a round lasts about as long as others.
@@ -330,9 +400,11 @@ def main() -> int:
                 summary[f"slot_stats_{name}_workers_2"] = stats.__dict__ if stats is not None else None
                 if stats is not None:
                     case_lines.append(
-                        f"  {name}, workers=2: {stats.slots_used} shared slots used, {stats.fresh_fallbacks} fresh "
-                        f"fallbacks, bytes held {stats.bytes_held / max(stats.slots_used, 1) / 2**20:.2f} MiB a "
-                        "slot (gathered into the slot: no host copy after the gather)")
+                        f"  {name}, workers=2: {stats.slots_used} shared slots used, "
+                        f"{stats.fresh_fallbacks} fresh fallbacks, bytes held "
+                        f"{stats.bytes_held / max(stats.slots_used, 1) / 2**20:.2f} MiB a "
+                        "slot (gathered into the slot: no host copy after the gather)"
+                    )
         case_lines += [f"  MISMATCH {p}" for p in problems]
         lines += case_lines
         report["cases"][case] = {"runs": runs, "problems": problems, **summary}

@@ -213,7 +213,8 @@ def run_arrays(device: torch.device, quick: bool, steps: int) -> dict:
     ``.to(non_blocking=True)``), workers=0, in one run. Host copies per batch after the gather: 0 expected."""
     rows, count = (4096, 256) if quick else (1_000_000, 4096)
     cases = {
-        "tabular": ({"x": torch.randn(rows, 64), "label": torch.randint(0, 10, (rows,))}, 64 if quick else 4096),
+        "tabular": ({"x": torch.randn(rows, 64), "label": torch.randint(0, 10, (rows,))},
+                    64 if quick else 4096),
         "images": ({"image": torch.randint(0, 256, (count, 3, 32 if quick else 224, 32 if quick else 224),
                                            dtype=torch.uint8), "label": torch.randint(0, 1000, (count,))},
                    16 if quick else 256),
@@ -252,8 +253,9 @@ def run_arrays(device: torch.device, quick: bool, steps: int) -> dict:
         result["host_packs_per_batch"] = stats["host_packs"] / max(stats["batches"], 1)
         result["direct_from_slot_per_batch"] = stats["direct_from_slot"] / max(stats["batches"], 1)
         out[name] = result
-        print(f"  arrays {name}: gathered + DeviceLoader {result['arrays_samples_per_s']:9.0f}/s, idiom + pin + "
-              f".to() {result['idiom_samples_per_s']:9.0f}/s, ratio {result['arrays_over_idiom']:.2f}, host copies "
+        print(f"  arrays {name}: gathered + DeviceLoader {result['arrays_samples_per_s']:9.0f}/s, "
+              f"idiom + pin + .to() {result['idiom_samples_per_s']:9.0f}/s, "
+              f"ratio {result['arrays_over_idiom']:.2f}, host copies "
               f"per batch {result['host_packs_per_batch']:.2f}")
     return out
 

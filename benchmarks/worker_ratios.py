@@ -194,7 +194,8 @@ def fastest(by: dict, median: dict) -> str:
     others = [key for key in median if key != best]
     losses = [
         key for key in others
-        if any(by[key][r]["samples_per_s"] >= run["samples_per_s"] for r, run in by[best].items() if r in by[key])
+        if any(by[key][r]["samples_per_s"] >= run["samples_per_s"]
+               for r, run in by[best].items() if r in by[key])
     ]
     name = f"{best[0]} at workers={best[1]} ({median[best]:,.0f} samples/s"
     baseline = ("default_collate", best[1])
@@ -204,7 +205,8 @@ def fastest(by: dict, median: dict) -> str:
         verdict = f"fastest: {name}), ahead of every other cell in each of the {len(by[best])} rounds"
     else:
         rivals = ", ".join(f"{c} at workers={w}" for c, w in losses)
-        verdict = f"fastest: none beyond noise: the best median is {name}), but {rivals} matched or beat it in some round"
+        verdict = (f"fastest: none beyond noise: the best median is {name}), but {rivals} matched or beat it "
+                   "in some round")
     return textwrap.fill(verdict, 100, initial_indent="  ", subsequent_indent="           ")
 
 

@@ -46,25 +46,41 @@ class Column:
             self.values = _as_tensor(name, value.values, "values")
             self.offsets = _as_tensor(name, value.offsets, "offsets")
             if self.values.dim() < 1 or not self.values.is_contiguous():
-                raise ValueError(f"Arrays: column {name!r}: ragged values must be a contiguous array with a leading "
-                                 f"dim, got shape {tuple(self.values.shape)}")
+                raise ValueError(
+                    f"Arrays: column {name!r}: ragged values must be a contiguous array with a leading "
+                    f"dim, got shape {tuple(self.values.shape)}"
+                )
             if self.offsets.dim() != 1 or len(self.offsets) < 1:
-                raise ValueError(f"Arrays: column {name!r}: offsets must be 1-D with one entry more than rows")
+                raise ValueError(
+                    f"Arrays: column {name!r}: offsets must be 1-D with one entry more than rows"
+                )
             self.offsets = self.offsets.to(torch.int64).contiguous()
             steps = self.offsets.diff()
-            if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != len(self.values) or bool((steps < 0).any()):
-                raise ValueError(f"Arrays: column {name!r}: offsets must start at 0, never decrease and end at "
-                                 f"len(values) ({len(self.values)})")
+            if (
+                int(self.offsets[0]) != 0
+                or int(self.offsets[-1]) != len(self.values)
+                or bool((steps < 0).any())
+            ):
+                raise ValueError(
+                    f"Arrays: column {name!r}: offsets must start at 0, never decrease and end at "
+                    f"len(values) ({len(self.values)})"
+                )
             return
         if isinstance(value, np.memmap) and value.filename is not None:
-            self.file = (os.fspath(value.filename), int(value.offset), value.dtype.str, tuple(value.shape),
-                         "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C")
+            self.file = (
+                os.fspath(value.filename),
+                int(value.offset),
+                value.dtype.str,
+                tuple(value.shape),
+                "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C",
+            )
         rows = _as_tensor(name, value, "column")
         if rows.dim() < 1:
             raise ValueError(f"Arrays: column {name!r} is 0-d: a column needs a leading sample dim")
         if not _rows_contiguous(rows):
             raise ValueError(
-                f"Arrays: column {name!r} (shape {tuple(rows.shape)}, strides {rows.stride()}) has rows that are "
+                f"Arrays: column {name!r} (shape {tuple(rows.shape)}, strides {rows.stride()}) has rows that "
+                "are "
                 "not contiguous in memory, so a row cannot be copied as one block: pass a contiguous copy "
                 "(np.ascontiguousarray or tensor.contiguous()), made once"
             )
@@ -87,8 +103,10 @@ class Column:
         needed = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
         size = os.stat(path).st_size
         if size < needed:
-            raise RuntimeError(f"Arrays: column {self.name!r}: its file {path} shrank to {size} bytes, but the "
-                               f"column needs {needed}: it was truncated or rewritten while mapped")
+            raise RuntimeError(
+                f"Arrays: column {self.name!r}: its file {path} shrank to {size} bytes, but the "
+                f"column needs {needed}: it was truncated or rewritten while mapped"
+            )
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -100,8 +118,11 @@ class Column:
         self.__dict__.update(state)
         if self.file is not None and self.rows is None:
             path, offset, dtype, shape, order = self.file
-            self.rows = _as_tensor(self.name, np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset,
-                                                        shape=shape, order=order), "column")
+            self.rows = _as_tensor(
+                self.name,
+                np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape, order=order),
+                "column",
+            )
 
 
 def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
@@ -114,8 +135,10 @@ def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
             # A read-only memmap: the tensor over it is only ever read (gathered, or indexed for a sample).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.from_numpy(value)
-    raise TypeError(f"Arrays: column {name!r}: {what} must be a torch.Tensor, a numpy array (np.memmap included) "
-                    f"or fastcollate.Ragged, got {type(value).__name__}")
+    raise TypeError(
+        f"Arrays: column {name!r}: {what} must be a torch.Tensor, a numpy array (np.memmap included) "
+        f"or fastcollate.Ragged, got {type(value).__name__}"
+    )
 
 
 def _rows_contiguous(rows: torch.Tensor) -> bool:
@@ -144,14 +167,17 @@ class Arrays(Dataset):
         id_key: the key of each sample's id, its index (None: no id).
     """
 
-    def __init__(self, columns: Mapping[str, Any] | None = None, /, *, id_key: str | None = "id",
-                 **named: Any) -> None:
+    def __init__(
+        self, columns: Mapping[str, Any] | None = None, /, *, id_key: str | None = "id", **named: Any
+    ) -> None:
         given = {**(columns or {}), **named}
         if not given:
             raise ValueError("Arrays: give at least one column, e.g. Arrays(image=images, label=labels)")
         if id_key is not None and id_key in given:
-            raise ValueError(f"Arrays: {id_key!r} is the id key (each sample's index) and a column: rename the "
-                             "column, or pass id_key=None to use it as the id")
+            raise ValueError(
+                f"Arrays: {id_key!r} is the id key (each sample's index) and a column: rename the "
+                "column, or pass id_key=None to use it as the id"
+            )
         self.id_key = id_key
         self.columns = {name: Column(name, value) for name, value in given.items()}
         lengths = {name: len(column) for name, column in self.columns.items()}
@@ -197,15 +223,19 @@ class ArrayBatch(Sequence):
             indices = indices.numpy()
         array = np.asarray(indices)
         if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-            raise TypeError(f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
-                            f"shape {array.shape}")
+            raise TypeError(
+                f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
+                f"shape {array.shape}"
+            )
         self.indices = np.ascontiguousarray(array, dtype=np.int64)
         if self.indices.size and (self.indices.min() < 0 or self.indices.max() >= len(dataset)):
             bad = np.flatnonzero((self.indices < 0) | (self.indices >= len(dataset)))
             if bad.size:
                 first = int(bad[0])
-                raise IndexError(f"Arrays: index {int(self.indices[first])} (batch position {first}) is out of "
-                                 f"range for a dataset of {len(dataset)} samples")
+                raise IndexError(
+                    f"Arrays: index {int(self.indices[first])} (batch position {first}) is out of "
+                    f"range for a dataset of {len(dataset)} samples"
+                )
         self.dataset = dataset
 
     def __len__(self) -> int:
@@ -226,7 +256,9 @@ class TokenWindows(Arrays):
     ``length`` (windows that do not overlap). A memmap stream pickles as its file.
     """
 
-    def __init__(self, tokens: Any, length: int, step: int | None = None, *, id_key: str | None = "id") -> None:
+    def __init__(
+        self, tokens: Any, length: int, step: int | None = None, *, id_key: str | None = "id"
+    ) -> None:
         step = length if step is None else step
         if length < 1 or step < 1:
             raise ValueError(f"TokenWindows: length and step must be >= 1, got {length} and {step}")
@@ -237,8 +269,11 @@ class TokenWindows(Arrays):
         self.length, self.step = length, step
         windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
         offset = flat.storage_offset()
-        super().__init__(input_ids=flat.as_strided((windows, length), (step, 1), offset),
-                         labels=flat.as_strided((windows, length), (step, 1), offset + 1), id_key=id_key)
+        super().__init__(
+            input_ids=flat.as_strided((windows, length), (step, 1), offset),
+            labels=flat.as_strided((windows, length), (step, 1), offset + 1),
+            id_key=id_key,
+        )
 
     def __reduce__(self) -> tuple:
         return (_token_windows, (self.tokens, self.length, self.step, self.id_key))

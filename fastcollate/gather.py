@@ -75,11 +75,20 @@ class Layout:
             elif out.column.rows is not None:
                 torch.ops.fastcollate.gather_into(out.column.rows, indices, target)
             else:
-                lengths = made[out.lengths.key] if out.lengths is not None else torch.empty(len(indices), dtype=torch.int64)
-                mask = made[out.mask.key] if out.mask is not None else torch.empty(target.shape[:2], dtype=torch.bool)
+                lengths = (
+                    made[out.lengths.key]
+                    if out.lengths is not None
+                    else torch.empty(len(indices), dtype=torch.int64)
+                )
+                mask = (
+                    made[out.mask.key]
+                    if out.mask is not None
+                    else torch.empty(target.shape[:2], dtype=torch.bool)
+                )
                 pad = out.field.pad if out.field is not None and out.field.pad is not None else 0
-                torch.ops.fastcollate.gather_ragged_into(out.column.values, out.column.offsets, indices, pad, target,
-                                                         mask, lengths)
+                torch.ops.fastcollate.gather_ragged_into(
+                    out.column.values, out.column.offsets, indices, pad, target, mask, lengths
+                )
             if out.field is not None and out.field.range is not None:
                 _check_range(target, out, self.batch)
         return made
@@ -111,8 +120,9 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
     for key in keys:
         field = fields.get(key)
         if key == dataset.id_key:
-            if field is not None and (field.kind == "text" or field.range is not None or field.dtype not in
-                                      (None, torch.int64)):
+            if field is not None and (
+                field.kind == "text" or field.range is not None or field.dtype not in (None, torch.int64)
+            ):
                 return None
             outs.append(_Out(key, (size,), torch.int64))
             continue
@@ -134,9 +144,15 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         if field is None or field.pad is None:
             if contract is not None or len(set(lengths.tolist())) > 1:
                 return None  # unequal rows without padding: the per-sample path names the first misfit
-            outs.append(_Out(key, (size, int(lengths[0]) if size else 0, *inner), dtype, column=column, field=field))
+            outs.append(
+                _Out(key, (size, int(lengths[0]) if size else 0, *inner), dtype, column=column, field=field)
+            )
             continue
-        if field.shape is None or not isinstance(field.shape[0], str) or any(isinstance(d, str) for d in field.shape[1:]):
+        if (
+            field.shape is None
+            or not isinstance(field.shape[0], str)
+            or any(isinstance(d, str) for d in field.shape[1:])
+        ):
             return None
         _check_shape(field.shape[1:], inner, key, named, batch, id_key)
         longest = int(lengths.max()) if size else 0
@@ -168,25 +184,59 @@ def _dtype(field: Field | None, source: torch.dtype, key: str, batch: ArrayBatch
     if source in field.cast_from:
         return field.dtype
     name = str(source).removeprefix("torch.")
-    raise _error("type", batch, 0, key, str(field.dtype).removeprefix("torch."), name,
-                 f"convert the column once, or declare cast_from=(torch.{name},)", id_key)
+    raise _error(
+        "type",
+        batch,
+        0,
+        key,
+        str(field.dtype).removeprefix("torch."),
+        name,
+        f"convert the column once, or declare cast_from=(torch.{name},)",
+        id_key,
+    )
 
 
-def _check_shape(declared: tuple, row: tuple[int, ...], key: str, named: dict, batch: ArrayBatch, id_key: str) -> None:
+def _check_shape(
+    declared: tuple, row: tuple[int, ...], key: str, named: dict, batch: ArrayBatch, id_key: str
+) -> None:
     """Fixed dims must match; a named dim takes its size from the first column that has it, and every
     other column with it must agree (every row of a column has the same shape, so sample 0 stands for all)."""
     if len(declared) != len(row):
-        raise _error("size", batch, 0, key, f"shape {list(declared)}", f"shape {list(row)}",
-                     "the column's rows must have the declared shape", id_key)
+        raise _error(
+            "size",
+            batch,
+            0,
+            key,
+            f"shape {list(declared)}",
+            f"shape {list(row)}",
+            "the column's rows must have the declared shape",
+            id_key,
+        )
     for want, got in zip(declared, row, strict=True):
         if isinstance(want, str):
             size, owner = named.setdefault(want, (got, key))
             if size != got:
-                raise _error("size", batch, 0, key, f"dim {want!r} of size {size} (as in {owner!r})",
-                             f"size {got}", "columns sharing a named dim must agree", id_key)
+                raise _error(
+                    "size",
+                    batch,
+                    0,
+                    key,
+                    f"dim {want!r} of size {size} (as in {owner!r})",
+                    f"size {got}",
+                    "columns sharing a named dim must agree",
+                    id_key,
+                )
         elif want != got:
-            raise _error("size", batch, 0, key, f"shape {list(declared)}", f"shape {list(row)}",
-                         "the column's rows must have the declared shape", id_key)
+            raise _error(
+                "size",
+                batch,
+                0,
+                key,
+                f"shape {list(declared)}",
+                f"shape {list(row)}",
+                "the column's rows must have the declared shape",
+                id_key,
+            )
 
 
 def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch) -> None:
@@ -209,15 +259,36 @@ def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch) -> None:
         position = int(rows[0])
         flat = int(bad[position].nonzero()[0])
         value = float(real[position, flat])
-        got = ("NaN" if value != value else "a value below the range" if value < low
-               else "a value at or above the upper bound") + f" at flat position {flat}"
-        raise _error("value", batch, position, out.key, f"values in [{low:g}, {high:g})", got,
-                     "fix the label, or widen the declared range", "id")
+        got = (
+            "NaN"
+            if value != value
+            else "a value below the range"
+            if value < low
+            else "a value at or above the upper bound"
+        ) + f" at flat position {flat}"
+        raise _error(
+            "value",
+            batch,
+            position,
+            out.key,
+            f"values in [{low:g}, {high:g})",
+            got,
+            "fix the label, or widen the declared range",
+            "id",
+        )
 
 
-def _error(kind: str, batch: ArrayBatch, position: int, field: str, expected: str, got: str, hint: str,
-           id_key: str) -> Exception:
+def _error(
+    kind: str, batch: ArrayBatch, position: int, field: str, expected: str, got: str, hint: str, id_key: str
+) -> Exception:
     dataset = batch.dataset
     sample_id = int(batch.indices[position]) if dataset.id_key is not None and len(batch) else None
-    return ERROR_KINDS[kind](sample_id=sample_id, position=position, field=field, expected=expected, got=got,
-                             hint=hint, id_key=dataset.id_key or id_key)
+    return ERROR_KINDS[kind](
+        sample_id=sample_id,
+        position=position,
+        field=field,
+        expected=expected,
+        got=got,
+        hint=hint,
+        id_key=dataset.id_key or id_key,
+    )

@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
 import fastcollate
-from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows
-from fastcollate import gather
+from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows, gather
 from fastcollate.arrays import ArrayBatch
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
@@ -70,15 +69,23 @@ def ragged_datasets(draw):
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     mask_dtype = draw(st.sampled_from([torch.bool, torch.int64]))
     lengths_key = draw(st.sampled_from(["", None]))
-    contract = Contract({"id": Field(kind="number"), "label": Field(kind="number"),
-                         "tokens": Field(dtype=dtype, shape=("T", *inner), pad=-1, mask_dtype=mask_dtype,
-                                         lengths=lengths_key)})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "label": Field(kind="number"),
+            "tokens": Field(
+                dtype=dtype, shape=("T", *inner), pad=-1, mask_dtype=mask_dtype, lengths=lengths_key
+            ),
+        }
+    )
     dataset = Arrays(tokens=Ragged(values, offsets), label=np.arange(rows) % 7)
     indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=20))
     return dataset, contract, indices
 
 
-@settings(max_examples=max(100, EXAMPLES * 2 // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=max(100, EXAMPLES * 2 // 3), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(ragged_datasets())
 def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
     dataset, contract, indices = case
@@ -92,12 +99,19 @@ def test_a_contract_casts_during_the_gather_and_checks_ranges_per_column():
     tokens = np.arange(40, dtype=np.uint16).reshape(10, 4)
     labels = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 12])
     dataset = Arrays(tokens=tokens, label=labels)
-    contract = Contract({"id": Field(kind="number"),
-                         "tokens": Field(dtype=torch.int64, shape=(4,), cast_from=(torch.uint16,)),
-                         "label": Field(kind="number", range=(0, 10))})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "tokens": Field(dtype=torch.int64, shape=(4,), cast_from=(torch.uint16,)),
+            "label": Field(kind="number", range=(0, 10)),
+        }
+    )
     collate = fastcollate.assemble.using(contract)
     batch = collate(dataset.__getitems__([3, 0]))
-    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
+    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].tolist() == [
+        [12, 13, 14, 15],
+        [0, 1, 2, 3],
+    ]
     with pytest.raises(ContractError) as caught:
         collate(dataset.__getitems__([1, 9, 2]))
     error = caught.value
@@ -109,11 +123,13 @@ def test_a_column_of_the_wrong_dtype_or_shape_is_named_with_the_first_sample():
     dataset = Arrays(image=np.zeros((5, 2, 3), dtype=np.uint16))
     with pytest.raises(ContractError) as caught:
         fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(dtype=torch.uint8)}))(
-            dataset.__getitems__([4, 1]))
+            dataset.__getitems__([4, 1])
+        )
     assert caught.value.field == "image" and caught.value.sample_id == 4 and "cast_from" in str(caught.value)
     with pytest.raises(ContractError, match="shape") as caught:
         fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(shape=(3, 3))}))(
-            dataset.__getitems__([0]))
+            dataset.__getitems__([0])
+        )
     assert isinstance(caught.value, RuntimeError) and caught.value.field == "image"
 
 
@@ -142,7 +158,11 @@ def test_the_gather_op_checks_every_index_before_writing_a_byte():
         torch.ops.fastcollate.gather_into(source, torch.tensor([0, 1, 6]), out)
     assert (out == -7).all(), "nothing written"
     values, offsets = torch.arange(5), torch.tensor([0, 2, 5])
-    out, mask, lengths = torch.full((2, 3), -7), torch.zeros(2, 3, dtype=torch.bool), torch.zeros(2, dtype=torch.long)
+    out, mask, lengths = (
+        torch.full((2, 3), -7),
+        torch.zeros(2, 3, dtype=torch.bool),
+        torch.zeros(2, dtype=torch.long),
+    )
     with pytest.raises(IndexError, match="out of range for 2 rows"):
         torch.ops.fastcollate.gather_ragged_into(values, offsets, torch.tensor([1, 2]), 0, out, mask, lengths)
     assert (out == -7).all() and not mask.any()
@@ -166,7 +186,10 @@ def test_a_memmap_column_pickles_as_its_file_and_maps_again(tmp_path):
     sent = pickle.dumps(dataset)
     assert len(sent) < 8 * 1024, "the 64 KiB column crossed as its path, not its bytes"
     again = pickle.loads(sent)
-    _same(fastcollate.assemble(again.__getitems__([5, 200])), fastcollate.assemble(dataset.__getitems__([5, 200])))
+    _same(
+        fastcollate.assemble(again.__getitems__([5, 200])),
+        fastcollate.assemble(dataset.__getitems__([5, 200])),
+    )
 
 
 @pytest.mark.parametrize(("workers", "context"), [(0, None), (1, "fork"), (2, "fork"), (2, "spawn")])
@@ -174,11 +197,19 @@ def test_dataloader_workers_deliver_each_sample_once_with_the_gathered_values(tm
     path = tmp_path / "images.u8"
     images = np.random.default_rng(0).integers(0, 255, (300, 3, 8, 8), dtype=np.uint8)
     images.tofile(path)
-    dataset = Arrays(image=np.memmap(path, dtype=np.uint8, mode="r", shape=images.shape),
-                     label=torch.arange(300) % 10)
+    dataset = Arrays(
+        image=np.memmap(path, dtype=np.uint8, mode="r", shape=images.shape), label=torch.arange(300) % 10
+    )
     collate = fastcollate.Assembler()
-    loader = DataLoader(dataset, batch_size=32, shuffle=True, num_workers=workers, collate_fn=collate,
-                        multiprocessing_context=context, persistent_workers=workers > 0)
+    loader = DataLoader(
+        dataset,
+        batch_size=32,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate,
+        multiprocessing_context=context,
+        persistent_workers=workers > 0,
+    )
     for _ in range(2):
         seen = []
         for batch in loader:
@@ -211,12 +242,18 @@ def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path
     windows = TokenWindows(tokens, length=64, step=1)
     assert len(windows) == len(data) - 64
     starts = np.random.default_rng(1).integers(0, len(windows), 16)
-    contract = Contract({"id": Field(kind="number"),
-                         "input_ids": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,)),
-                         "labels": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,))})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "input_ids": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,)),
+            "labels": Field(dtype=torch.int64, shape=(64,), cast_from=(torch.uint16,)),
+        }
+    )
     batch = fastcollate.assemble.using(contract)(windows.__getitems__(starts))
-    x = torch.stack([torch.from_numpy(data[i:i + 64].astype(np.int64)) for i in starts])  # nanoGPT's get_batch
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + 64].astype(np.int64)) for i in starts])
+    x = torch.stack(
+        [torch.from_numpy(data[i : i + 64].astype(np.int64)) for i in starts]
+    )  # nanoGPT's get_batch
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + 64].astype(np.int64)) for i in starts])
     assert torch.equal(batch["input_ids"], x) and torch.equal(batch["labels"], y)
     sent = pickle.dumps(windows)
     assert len(sent) < 4096, "the stream crossed as its path"
@@ -227,13 +264,18 @@ def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path
 
 def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_the_same_result():
     dataset = Arrays(image=torch.zeros(4, 1, 2, 2, dtype=torch.uint8))
-    contract = Contract({"id": Field(kind="number"),
-                         "image": Field(dtype=torch.uint8, shape=(3, 2, 2), expand_from=((1, 2, 2),))})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "image": Field(dtype=torch.uint8, shape=(3, 2, 2), expand_from=((1, 2, 2),)),
+        }
+    )
     batch = fastcollate.assemble.using(contract)(dataset.__getitems__([0, 1]))
     assert batch["image"].shape == (2, 3, 2, 2)
     with pytest.raises(ContractError, match="'extra'"):
-        fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(),
-                                             "extra": Field()}))(dataset.__getitems__([0]))
+        fastcollate.assemble.using(
+            Contract({"id": Field(kind="number"), "image": Field(), "extra": Field()})
+        )(dataset.__getitems__([0]))
 
 
 def test_one_assembler_keeps_a_layout_per_dataset_and_batch_size_and_still_checks_every_batch():
@@ -278,7 +320,9 @@ def test_a_worker_killed_after_gathering_into_a_slot_leaves_no_slot_held():
 
 
 def test_device_loader_on_the_cpu_passes_gathered_batches_through_unchanged():
-    dataset = Arrays(image=torch.randint(0, 255, (40, 3, 4, 4), dtype=torch.uint8), label=torch.arange(40) % 3)
+    dataset = Arrays(
+        image=torch.randint(0, 255, (40, 3, 4, 4), dtype=torch.uint8), label=torch.arange(40) % 3
+    )
     loader = DataLoader(dataset, batch_size=16, collate_fn=fastcollate.assemble)
     seen = []
     for batch in fastcollate.DeviceLoader(loader, device="cpu"):

@@ -547,7 +547,7 @@ def test_rounds_rotate_the_order_so_no_configuration_runs_twice_in_a_row(monkeyp
     plan = [("loader", v.key, w) for w in (0, 2) for v in setup.variants]
     runs, _ = command.run_configs(setup, plan, disable_progress=True)
     assert all(len(r) == 4 for r in runs.values())
-    assert all(a != b for a, b in zip(order, order[1:])), order
+    assert all(a != b for a, b in zip(order, order[1:], strict=False)), order
     positions = {c: {order[r * len(plan):(r + 1) * len(plan)].index(c) for r in range(4)} for c in plan}
     assert all(len(p) == 4 for p in positions.values()), "each configuration in a new position each round"
 

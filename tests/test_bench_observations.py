@@ -163,9 +163,11 @@ def _fastest_line(entries: list[dict]) -> str:
 
 def test_the_fastest_configuration_is_named_only_when_its_runs_are_apart_from_every_other():
     flagged = _entry("device_loader", 0, [10, 11, 12], ranked=False)
-    line = _fastest_line([_entry("default", 0, [90, 100, 110]), _entry("assemble", 0, [95, 104, 113]), flagged])
+    line = _fastest_line([_entry("default", 0, [90, 100, 110]), _entry("assemble", 0, [95, 104, 113]),
+                          flagged])
     assert flagged["not_different_from_default"] is None, "a flagged configuration is not compared"
-    assert line == ("fastest correct: none faster beyond noise, every configuration's runs reach the lead (best "
+    assert line == ("fastest correct: none faster beyond noise, every configuration's runs reach the lead "
+                    "(best "
                     "median: assemble + pin_memory + .to(), 0 workers (104))"), line
 
 
@@ -183,7 +185,8 @@ def test_a_configuration_whose_runs_overlap_the_best_across_worker_counts_is_lis
     entries = [_entry("default", 0, [40, 50, 95]), _entry("default", 2, [90, 110, 115]),
                _entry("assemble", 2, [20, 30, 40])]
     assert _fastest_line(entries) == (
-        "fastest correct: none alone beyond noise; the lead, whose runs overlap: default_collate + pin_memory "
+        "fastest correct: none alone beyond noise; the lead, whose runs overlap: default_collate + "
+        "pin_memory "
         "+ .to(), 0 workers (50), default_collate + pin_memory + .to(), 2 workers (110)")
 
 
@@ -230,7 +233,8 @@ def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_t
 def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
     text = " ".join(command.build_parser().format_help().split())
     for words in ("Measured: samples/s", "median of --repeat runs", "the machine's noise",
-                  "runs overlap is marked ~ (not different", "DataLoader worker processes", "on the GPU, or on the CPU",
+                  "runs overlap is marked ~ (not different", "DataLoader worker processes",
+                  "on the GPU, or on the CPU",
                   "loader-only leaves the device transforms out"):
         assert words in text, words
 

@@ -105,7 +105,8 @@ def test_gather_into_refuses_rows_that_are_not_contiguous_and_a_wrong_out():
 def test_opcheck_gather_into_and_gather_ragged_into():
     torch.library.opcheck(torch.ops.fastcollate.gather_into.default,
                           (torch.randn(8, 3), torch.tensor([1, 5]), torch.empty(2, 3)))
-    args = (torch.arange(6), torch.tensor([0, 2, 6]), torch.tensor([1, 0]), 0, torch.empty(2, 4, dtype=torch.int64),
+    args = (torch.arange(6), torch.tensor([0, 2, 6]), torch.tensor([1, 0]), 0,
+            torch.empty(2, 4, dtype=torch.int64),
             torch.empty(2, 4, dtype=torch.bool), torch.empty(2, dtype=torch.int64))
     torch.library.opcheck(torch.ops.fastcollate.gather_ragged_into.default, args)
 

@@ -44,5 +44,6 @@ def test_a_best_median_that_lost_a_round_is_not_called_fastest():
         ("default_collate", 2): [150, 160, 140], ("assemble, slots off", 2): [140, 150, 500],
         ("assemble, slots on", 2): [450, 500, 480],
     })
-    assert line.startswith("fastest: none beyond noise: the best median is assemble, slots on at workers=2"), line
+    assert line.startswith(
+        "fastest: none beyond noise: the best median is assemble, slots on at workers=2"), line
     assert line.endswith("but assemble, slots off at workers=2 matched or beat it in some round"), line

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens per s) over the measured steps, median of --repeat runs, with their spread (half the "
         f"min-max range: the machine's noise); a ratio whose two configurations' runs overlap is marked "
         f"{NOT_DIFFERENT} (not different: two configurations that are one path have apart runs 1 time in "
-        "126 at 5 runs each, 1 in 10 at 3, 1 in 3 at 2). Where: the samples are loaded and collated on the CPU, in the main process "
+        "126 at 5 runs each, 1 in 10 at 3, 1 in 3 at 2). Where: the samples are loaded and collated on the "
+        "CPU, in the main process "
         "(workers 0) or in DataLoader worker processes; the copy, the device transforms and the model "
         "run on the GPU, or on the CPU without one, where loader-only leaves the device transforms "
         "out (they would be CPU work timed as the loader's) and integrated keeps them.",

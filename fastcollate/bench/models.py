@@ -134,7 +134,8 @@ class TrainStep:
             model = FieldsMLP(TABULAR_FEATURES, width)
         else:
             raise ValueError(
-                f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp, tabular_mlp"
+                f"unknown model {name!r}: fashion_cnn, imagenet_cnn, token_classifier, fields_mlp, "
+                "tabular_mlp"
             )
         self.width = width
         self.model = model.to(self.device)

@@ -121,7 +121,8 @@ def not_different(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
     two runs or no rate: one run has no spread to judge by."""
     if not (_has_spread(a) and _has_spread(b)):
         return None
-    return a["samples_per_s_min"] <= b["samples_per_s_max"] and b["samples_per_s_min"] <= a["samples_per_s_max"]
+    low_a, high_a, low_b, high_b = (e[f"samples_per_s_{k}"] for e in (a, b) for k in ("min", "max"))
+    return low_a <= high_b and low_b <= high_a
 
 
 def _has_spread(e: dict[str, Any]) -> bool:
@@ -349,14 +350,18 @@ def _fastest(ranked: list[dict[str, Any]]) -> str:
         )
     best_median = f"best median: {_name(best)}"
     if len(lead) == len(ranked):
-        return f"fastest correct: none faster beyond noise, every configuration's runs reach the lead ({best_median})"
+        return (
+            "fastest correct: none faster beyond noise, every configuration's runs reach the lead "
+            f"({best_median})"
+        )
     counts = {e["workers"] for e in lead}
     if len(counts) == 1 and len(lead) == sum(e["workers"] in counts for e in ranked):
         return (
             f"fastest correct: {_workers(lead[0]['workers'])}, with any of its {len(lead)} configurations "
             f"(their runs overlap: no difference beyond noise; {best_median})"
         )
-    return f"fastest correct: none alone beyond noise; the lead, whose runs overlap: {', '.join(map(_name, lead))}"
+    lead_names = ", ".join(map(_name, lead))
+    return f"fastest correct: none alone beyond noise; the lead, whose runs overlap: {lead_names}"
 
 
 def _workers(count: int) -> str:

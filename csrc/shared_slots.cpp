@@ -137,13 +137,13 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are share
 struct SharedSlots::Mapping {
   void* base = nullptr;
   size_t length = 0;
-  uint64_t offset = 0;                  // the region it maps: a slot that moved needs a new mapping
-  uint64_t last_claim = 0;              // the writer's claim count when it last wrote here (least recent goes)
+  uint64_t offset = 0;                   // the region it maps: a slot that moved needs a new mapping
+  uint64_t last_claim = 0;               // the writer's claim count when it last wrote here (least recent goes)
   std::atomic<int64_t> lent_batches{0};  // received batches over it alive in this process
-  pid_t pid = 0;                        // a forked child inherits the mapping but not the CUDA registration
-  std::atomic<bool> registered{false};  // read without the lock by shared_slot_kind
-  bool registration_failed = false;     // tried once: not again on every batch
-  int64_t device = -1;                  // the CUDA device it was registered with: unregistered there too
+  pid_t pid = 0;                         // a forked child inherits the mapping but not the CUDA registration
+  std::atomic<bool> registered{false};   // read without the lock by shared_slot_kind
+  bool registration_failed = false;      // tried once: not again on every batch
+  int64_t device = -1;                   // the CUDA device it was registered with: unregistered there too
   ~Mapping() {
     if (registered.load() && ::getpid() == pid) {
       unregister_host_memory(base, device);
@@ -212,8 +212,7 @@ void SharedSlots::privatize_received_batches() {
       continue;  // no memory for it: the batch stays a view of the slot, as before
     }
     std::memcpy(copy, mapping->base, mapping->length);
-    if (::mremap(copy, mapping->length, mapping->length, MREMAP_MAYMOVE | MREMAP_FIXED, mapping->base) ==
-        MAP_FAILED) {
+    if (::mremap(copy, mapping->length, mapping->length, MREMAP_MAYMOVE | MREMAP_FIXED, mapping->base) == MAP_FAILED) {
       ::munmap(copy, mapping->length);
     }
   }
@@ -406,8 +405,8 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, ClaimRefusal& refus
         }
         const bool large_enough = entry.region_bytes.load(std::memory_order_relaxed) >= need;
         const auto& mapped = writer_maps_[static_cast<size_t>(i)];
-        if ((pass == 0 && !(large_enough && mapped &&
-                            mapped->offset == entry.region_offset.load(std::memory_order_relaxed))) ||
+        if ((pass == 0 &&
+             !(large_enough && mapped && mapped->offset == entry.region_offset.load(std::memory_order_relaxed))) ||
             (pass == 1 && !large_enough)) {
           continue;
         }
@@ -544,8 +543,9 @@ void SharedSlots::release_reader(int64_t slot, uint32_t seq) {
 at::Tensor SharedSlots::receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
                                 at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device) {
   TORCH_CHECK(slot >= 0 && slot < capacity(), "fastcollate: a batch names shared slot ", slot, " of ", capacity());
-  TORCH_CHECK(nbytes >= 0 && static_cast<uint64_t>(nbytes) <= header_->max_batch_bytes && sizes.size() == strides.size(),
-              "fastcollate: a batch from a worker describes an impossible view of shared slot ", slot);
+  TORCH_CHECK(
+      nbytes >= 0 && static_cast<uint64_t>(nbytes) <= header_->max_batch_bytes && sizes.size() == strides.size(),
+      "fastcollate: a batch from a worker describes an impossible view of shared slot ", slot);
   int64_t extent = 1;  // elements the view reaches past its offset
   for (size_t d = 0; d < sizes.size(); ++d) {
     TORCH_CHECK(sizes[d] >= 0 && strides[d] >= 0, "fastcollate: a negative size or stride in a slot view");

@@ -2,12 +2,12 @@
 //
 // The main process owns one memfd (no name in /dev/shm, mode 0600, sealed against shrinking) for each
 // pool: a header page with one state word per slot, then the slots' regions, each appended when its slot
-// is first written or outgrown, so the file is as large as the slots in use (a `ulimit -f` counts it). A worker claims a free slot with a compare-and-swap on its
-// state word, writes the batch through its own long-lived mapping, and sends the main process only
-// (slot, sequence number, views). The main process maps each slot once and lends every batch a storage
-// over its mapping; when that storage dies the slot is free again. So per batch there is no new
-// segment, no new mapping, no page fault after warm-up and no copy; with CUDA, the main process's
-// mapping of each slot is registered (page-locked) once.
+// is first written or outgrown, so the file is as large as the slots in use (a `ulimit -f` counts it). A worker claims
+// a free slot with a compare-and-swap on its state word, writes the batch through its own long-lived mapping, and sends
+// the main process only (slot, sequence number, views). The main process maps each slot once and lends every batch a
+// storage over its mapping; when that storage dies the slot is free again. So per batch there is no new segment, no new
+// mapping, no page fault after warm-up and no copy; with CUDA, the main process's mapping of each slot is registered
+// (page-locked) once.
 //
 // A slot's state word (64 bits, in shared memory, changed only by compare-and-swap):
 //   bits 0-1  state: free / being written / delivered (sent to the main process) / lent (held there)

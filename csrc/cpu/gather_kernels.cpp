@@ -41,10 +41,10 @@ bool rows_are_contiguous(const at::Tensor& source) {
 }
 
 void check_indices(const at::Tensor& indices, int64_t rows, const char* op) {
-  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 &&
-                  indices.is_contiguous(),
-              op, ": indices must be a contiguous 1-D int64 CPU tensor, got ", indices.scalar_type(), " of shape ",
-              indices.sizes(), " on ", indices.device());
+  TORCH_CHECK(
+      indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
+      op, ": indices must be a contiguous 1-D int64 CPU tensor, got ", indices.scalar_type(), " of shape ",
+      indices.sizes(), " on ", indices.device());
   const int64_t* index = indices.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < indices.numel(); ++b) {
     TORCH_CHECK_INDEX(index[b] >= 0 && index[b] < rows, op, ": index ", index[b], " (batch position ", b,
@@ -170,9 +170,9 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
 void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
                             const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
                             const at::Tensor& lengths) {
-  TORCH_CHECK(values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() &&
-                  !values.is_neg(),
-              "gather_ragged_into: values must be a contiguous CPU tensor with a leading dim");
+  TORCH_CHECK(
+      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
+      "gather_ragged_into: values must be a contiguous CPU tensor with a leading dim");
   TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
                   offsets.is_contiguous() && offsets.numel() >= 1,
               "gather_ragged_into: offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");

@@ -9,7 +9,10 @@ instead of building and walking one object per sample.
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
 import os
+import types
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,30 +34,90 @@ class Ragged:
         self.offsets = offsets
 
 
+@dataclasses.dataclass(frozen=True)
+class MappedFile:
+    """Where a memory-mapped array lies in its file: enough to map it again in another process (a
+    spawned worker gets a few hundred bytes, not the array) and to tell that the file shrank. Any
+    slice of a memmap is described by the file position of its first element and its byte strides."""
+
+    path: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def of(cls, array: Any) -> MappedFile | None:
+        """The description of ``array`` if it is a view of an ``np.memmap`` with no negative stride."""
+        mapping = getattr(array, "_mmap", None)  # np.memmap keeps its mmap object, slices included
+        if not isinstance(array, np.memmap) or array.filename is None or mapping is None:
+            return None
+        if any(stride < 0 for stride in array.strides):
+            return None
+        # np.memmap maps from its offset rounded down to the allocation granularity.
+        start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+        mapped_at = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        return cls(
+            os.fspath(array.filename),
+            start + array.ctypes.data - mapped_at,
+            array.dtype.str,
+            tuple(array.shape),
+            tuple(array.strides),
+        )
+
+    @property
+    def span(self) -> int:
+        """Bytes from the first element to the end of the last one."""
+        if 0 in self.shape:
+            return 0
+        last = sum((n - 1) * stride for n, stride in zip(self.shape, self.strides, strict=True))
+        return last + np.dtype(self.dtype).itemsize
+
+    def open(self) -> np.ndarray:
+        """The array, mapped again read-only."""
+        if self.span == 0:
+            return np.empty(self.shape, dtype=np.dtype(self.dtype))
+        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.span,))
+        return np.ndarray(self.shape, np.dtype(self.dtype), buffer=raw, strides=self.strides)
+
+    def check(self, column: str) -> None:
+        """Raises if the file is now too short for the array: reading past a mapped file's end would
+        kill the process (SIGBUS) instead of raising."""
+        size = os.stat(self.path).st_size
+        if size < self.offset + self.span:
+            raise RuntimeError(
+                f"Arrays: column {column!r}: its file {self.path} shrank to {size} bytes, but the column "
+                f"needs {self.offset + self.span}: it was truncated or rewritten while mapped"
+            )
+
+
 class Column:
     """One column as the gather reads it: ``rows`` (a tensor whose dim 0 is the sample, each row
-    contiguous), or a ragged pair (``values``, ``offsets``); ``file`` describes a memory-mapped source,
-    so the column pickles as its file (a spawned worker maps it again) and a file that shrank is caught."""
+    contiguous), or a ragged pair (``values``, ``offsets``). ``files`` names those of them that are views
+    of memory-mapped files: they pickle as their file and are mapped again where unpickled, and a file
+    that shrank is caught before a gather reads it."""
 
     def __init__(self, name: str, value: Any) -> None:
         self.name = name
-        self.file: tuple[str, int, str, tuple[int, ...], str] | None = None
         self.rows: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
+        self.files: dict[str, MappedFile] = {}
         if isinstance(value, Ragged):
-            self.values = _as_tensor(name, value.values, "values")
-            self.offsets = _as_tensor(name, value.offsets, "offsets")
+            self.values = self._tensor("values", value.values)
+            offsets = self._tensor("offsets", value.offsets)
             if self.values.dim() < 1 or not self.values.is_contiguous():
                 raise ValueError(
                     f"Arrays: column {name!r}: ragged values must be a contiguous array with a leading "
                     f"dim, got shape {tuple(self.values.shape)}"
                 )
-            if self.offsets.dim() != 1 or len(self.offsets) < 1:
+            if offsets.dim() != 1 or len(offsets) < 1:
                 raise ValueError(
                     f"Arrays: column {name!r}: offsets must be 1-D with one entry more than rows"
                 )
-            self.offsets = self.offsets.to(torch.int64).contiguous()
+            self.offsets = offsets.to(torch.int64).contiguous()
+            if self.offsets.data_ptr() != offsets.data_ptr():
+                self.files.pop("offsets", None)  # converted: a copy in memory, no longer the file's
             steps = self.offsets.diff()
             if (
                 int(self.offsets[0]) != 0
@@ -66,25 +129,22 @@ class Column:
                     f"len(values) ({len(self.values)})"
                 )
             return
-        if isinstance(value, np.memmap) and value.filename is not None:
-            self.file = (
-                os.fspath(value.filename),
-                int(value.offset),
-                value.dtype.str,
-                tuple(value.shape),
-                "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C",
-            )
-        rows = _as_tensor(name, value, "column")
+        rows = self._tensor("rows", value)
         if rows.dim() < 1:
             raise ValueError(f"Arrays: column {name!r} is 0-d: a column needs a leading sample dim")
         if not _rows_contiguous(rows):
             raise ValueError(
                 f"Arrays: column {name!r} (shape {tuple(rows.shape)}, strides {rows.stride()}) has rows that "
-                "are "
-                "not contiguous in memory, so a row cannot be copied as one block: pass a contiguous copy "
-                "(np.ascontiguousarray or tensor.contiguous()), made once"
+                "are not contiguous in memory, so a row cannot be copied as one block: pass a contiguous "
+                "copy (np.ascontiguousarray or tensor.contiguous()), made once"
             )
         self.rows = rows
+
+    def _tensor(self, role: str, value: Any) -> torch.Tensor:
+        mapped = MappedFile.of(value)
+        if mapped is not None:
+            self.files[role] = mapped
+        return _as_tensor(self.name, value, "column" if role == "rows" else role)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1 if self.rows is None else len(self.rows)
@@ -95,34 +155,21 @@ class Column:
         return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
 
     def check_file(self) -> None:
-        """Raises if the mapped file is now shorter than the column: reading past its end would kill the
-        process (SIGBUS) instead of raising."""
-        if self.file is None:
-            return
-        path, offset, dtype, shape, _ = self.file
-        needed = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
-        size = os.stat(path).st_size
-        if size < needed:
-            raise RuntimeError(
-                f"Arrays: column {self.name!r}: its file {path} shrank to {size} bytes, but the "
-                f"column needs {needed}: it was truncated or rewritten while mapped"
-            )
+        """Raises if a mapped file this column reads is now too short (see MappedFile.check)."""
+        for mapped in self.files.values():
+            mapped.check(self.name)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        if self.file is not None:
-            state["rows"] = None  # mapped again where it is unpickled, not copied through the pipe
+        for role in self.files:
+            state[role] = None  # mapped again where it is unpickled, not copied through the pipe
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if self.file is not None and self.rows is None:
-            path, offset, dtype, shape, order = self.file
-            self.rows = _as_tensor(
-                self.name,
-                np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape, order=order),
-                "column",
-            )
+        for role, mapped in self.files.items():
+            if getattr(self, role) is None:
+                setattr(self, role, _as_tensor(self.name, mapped.open(), role))
 
 
 def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
@@ -134,7 +181,14 @@ def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
         with warnings.catch_warnings():
             # A read-only memmap: the tensor over it is only ever read (gathered, or indexed for a sample).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(value)
+            try:
+                return torch.from_numpy(value)
+            except (TypeError, ValueError) as error:  # object or big-endian dtypes, negative strides
+                raise type(error)(
+                    f"Arrays: column {name!r}: torch cannot view this {what} ({value.dtype}, strides "
+                    f"{value.strides}): {error}. Pass np.ascontiguousarray(x, dtype=<a native numeric "
+                    "dtype>), made once"
+                ) from error
     raise TypeError(
         f"Arrays: column {name!r}: {what} must be a torch.Tensor, a numpy array (np.memmap included) "
         f"or fastcollate.Ragged, got {type(value).__name__}"
@@ -142,8 +196,8 @@ def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
 
 
 def _rows_contiguous(rows: torch.Tensor) -> bool:
-    if 0 in rows.shape[1:]:
-        return True  # empty rows: nothing to copy
+    if rows.numel() == 0:
+        return True  # no bytes to copy (a column of zero rows, or of empty rows)
     expected = 1
     for size, stride in zip(reversed(rows.shape[1:]), reversed(rows.stride()[1:]), strict=True):
         if size != 1 and stride != expected:
@@ -179,7 +233,8 @@ class Arrays(Dataset):
                 "column, or pass id_key=None to use it as the id"
             )
         self.id_key = id_key
-        self.columns = {name: Column(name, value) for name, value in given.items()}
+        # Read-only: assemble keeps each batch size's layout, which names these columns.
+        self.columns = types.MappingProxyType({name: Column(name, value) for name, value in given.items()})
         lengths = {name: len(column) for name, column in self.columns.items()}
         if len(set(lengths.values())) > 1:
             described = ", ".join(f"{name!r}: {n}" for name, n in lengths.items())
@@ -188,6 +243,12 @@ class Arrays(Dataset):
 
     def __len__(self) -> int:
         return self._length
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "columns": dict(self.columns)}  # a mappingproxy does not pickle
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, columns=types.MappingProxyType(state["columns"]))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
@@ -222,6 +283,10 @@ class ArrayBatch(Sequence):
         if isinstance(indices, torch.Tensor):
             indices = indices.numpy()
         array = np.asarray(indices)
+        if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+            raise IndexError(
+                f"Arrays: index {int(array.max())} is out of range for a dataset of {len(dataset)} samples"
+            )
         if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
             raise TypeError(
                 f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "

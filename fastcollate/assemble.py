@@ -123,7 +123,10 @@ class Assembler:
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),
         or None when the per-sample path must collate it."""
-        sizes = self._layouts.setdefault(batch.dataset, {})
+        try:
+            sizes = self._layouts.setdefault(batch.dataset, {})
+        except TypeError:  # a dataset class that is not hashable: no layout kept
+            sizes = {}
         planned = sizes.get(len(batch))
         if planned is not None:
             planned = dataclasses.replace(planned, batch=batch)

@@ -113,15 +113,17 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
     size = len(batch)
     fields = contract.fields if contract is not None else {}
     keys = ([dataset.id_key] if dataset.id_key is not None else []) + list(dataset.columns)
-    if contract is not None and (set(fields) - set(keys) or set(keys) - set(fields) - {dataset.id_key}):
-        return None  # a missing or extra key: the per-sample path names the sample and the key
+    if contract is not None and (set(fields) != set(keys) or _shares_a_padded_dim(fields)):
+        # A missing or extra key (the id included), or a padded dim another field names too: the
+        # per-sample path names the sample and the key, or checks the dim sample by sample.
+        return None
     outs: list[_Out] = []
     named: dict[str, tuple[int, str]] = {}  # dim name -> (size, the column that set it)
     for key in keys:
         field = fields.get(key)
         if key == dataset.id_key:
             if field is not None and (
-                field.kind == "text" or field.range is not None or field.dtype not in (None, torch.int64)
+                field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
             ):
                 return None
             outs.append(_Out(key, (size,), torch.int64))
@@ -130,7 +132,15 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         source = column.rows if column.rows is not None else column.values
         if field is not None and (field.kind == "text" or field.expand_from):
             return None
+        if field is not None and field.kind == "number" and (column.rows is None or column.rows.dim() != 1):
+            return None  # a number per sample is a 1-D column
         dtype = _dtype(field, source.dtype, key, batch, id_key)
+        if (
+            field is not None
+            and field.range is not None
+            and torch.promote_types(source.dtype, dtype) != dtype
+        ):
+            return None  # a cast that can change values (narrowing, float to int): check the source's
         if column.rows is not None:
             if field is not None and field.pad is not None:
                 return None
@@ -171,6 +181,19 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         offset += (out.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     result.nbytes = offset
     return result
+
+
+def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
+    """Whether a padded field's named dim is named by another field too: its size then varies by sample,
+    and agreement is the per-sample path's to check."""
+    padded = {d for f in fields.values() if f.pad is not None for d in f.shape or () if isinstance(d, str)}
+    seen: set[str] = set()
+    for field in fields.values():
+        names = {d for d in field.shape or () if isinstance(d, str)}
+        if names & padded & seen:
+            return True
+        seen |= names
+    return False
 
 
 def _ragged_lengths(column: Column, indices: np.ndarray) -> np.ndarray:
@@ -244,6 +267,8 @@ def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch) -> None:
     error names the first sample that breaks it. Padding is not checked (it is not the sample's)."""
     low, high = out.field.range
     size = len(values)
+    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch compares these in few ops
+        values = values.to(torch.float64 if values.dtype == torch.uint64 else torch.int64)
     if out.mask is None:
         real = values.reshape(size, -1)
         inside = (real >= low) & (real < high)

@@ -329,3 +329,98 @@ def test_device_loader_on_the_cpu_passes_gathered_batches_through_unchanged():
         assert torch.equal(batch["image"], dataset.columns["image"].rows[batch["id"]])
         seen += batch["id"].tolist()
     assert seen == list(range(40))
+
+
+# --- found by a hostile review ----------------------------------------------------------------------
+
+
+def test_slices_of_a_memmap_pickle_as_their_place_in_the_file(tmp_path):
+    path = tmp_path / "x.i32"
+    np.arange(4000, dtype=np.int32).tofile(path)
+    mm = np.memmap(path, dtype=np.int32, mode="r", shape=(1000, 4))
+    flat = np.memmap(path, dtype=np.int32, mode="r")
+    for column in (mm[800:], mm[::3], mm[:, 1:3], mm[10:20, 2]):
+        dataset = Arrays(x=column)
+        sent = pickle.dumps(dataset)
+        assert len(sent) < 4096, "crossed as its file"
+        again = pickle.loads(sent)
+        _same(
+            fastcollate.assemble(again.__getitems__([0, len(column) - 1])),
+            default_collate([dataset[0], dataset[len(column) - 1]]),
+        )
+    windows = pickle.loads(pickle.dumps(TokenWindows(flat[100:], 8)))
+    assert windows[0]["input_ids"].tolist() == list(range(100, 108))
+
+
+def test_a_ragged_column_cast_on_the_way_is_padded_in_the_output_dtype():
+    values, offsets = np.arange(10, dtype=np.uint16), np.array([0, 3, 3, 10])
+    dataset = Arrays(t=Ragged(values, offsets))
+    for pad in (-100, 70000):
+        contract = Contract(
+            {
+                "id": Field(kind="number"),
+                "t": Field(dtype=torch.int64, shape=("T",), pad=pad, cast_from=(torch.uint16,)),
+            }
+        )
+        batch = fastcollate.assemble.using(contract)(dataset.__getitems__([0, 1, 2]))
+        assert batch["t"][0].tolist() == [0, 1, 2] + [pad] * 4
+        assert batch["t"][1].tolist() == [pad] * 7
+
+
+def test_a_ragged_memmap_column_is_checked_against_its_file_and_pickles_as_it(tmp_path):
+    path = tmp_path / "v.i64"
+    np.arange(100_000, dtype=np.int64).tofile(path)
+    values = np.memmap(path, dtype=np.int64, mode="r")
+    dataset = Arrays(t=Ragged(values, np.arange(0, 100_001, 100)))
+    assert len(pickle.dumps(dataset)) < 8192 + 1001 * 8, "values crossed as their file"
+    assert torch.equal(pickle.loads(pickle.dumps(dataset))[999]["t"], dataset[999]["t"])
+    os.truncate(path, 800)
+    with pytest.raises(RuntimeError, match="column 't'.*shrank to 800 bytes"):
+        fastcollate.assemble(dataset.__getitems__([999]))
+
+
+def test_contracts_the_column_path_must_not_loosen_give_the_per_sample_result():
+    def both(dataset, contract, indices):
+        collate = fastcollate.assemble.using(contract)
+        results = []
+        for batch in (dataset.__getitems__(indices), [dataset[i] for i in indices]):
+            try:
+                results.append(("ok", collate(batch)))
+            except ContractError as error:
+                results.append((type(error).__name__, error.field))
+        return results
+
+    narrowing = Contract(
+        {"id": Field(kind="number"), "x": Field(dtype=torch.uint8, range=(0, 100), cast_from=(torch.int64,))}
+    )
+    gathered, per_sample = both(Arrays(x=np.full(8, 300, np.int64)), narrowing, [0, 1])
+    assert gathered == per_sample and gathered[0] == "ContractValueError", gathered
+    no_id = Contract({"x": Field()})
+    gathered, per_sample = both(Arrays(x=np.zeros(4)), no_id, [0, 1])
+    assert gathered == per_sample and gathered[0] != "ok"
+    shared = Contract({"id": Field(kind="number"), "a": Field(shape=("T",), pad=0), "b": Field(shape=("T",))})
+    dataset = Arrays(a=Ragged(np.arange(7), np.array([0, 3, 7])), b=np.zeros((2, 3)))
+    gathered, per_sample = both(dataset, shared, [0, 1])
+    assert gathered == per_sample and gathered[0] == "ContractSizeError", gathered
+
+
+def test_ranges_on_unsigned_columns_and_casts_of_complex_columns_work():
+    contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.uint16, range=(0, 2))})
+    with pytest.raises(ContractError, match="values in"):
+        fastcollate.assemble.using(contract)(Arrays(x=np.array([0, 1, 5], np.uint16)).__getitems__([2]))
+    complex_column = Arrays(z=np.arange(6, dtype=np.complex64))
+    contract = Contract(
+        {"id": Field(kind="number"), "z": Field(dtype=torch.complex128, cast_from=(torch.complex64,))}
+    )
+    assert fastcollate.assemble.using(contract)(complex_column.__getitems__([5]))["z"].tolist() == [5 + 0j]
+
+
+def test_columns_are_read_only_and_odd_arrays_are_named_or_taken():
+    dataset = Arrays(x=np.zeros(3))
+    with pytest.raises(TypeError):
+        dataset.columns["x"] = dataset.columns["x"]
+    assert len(Arrays(x=np.zeros((0, 3)))) == 0
+    with pytest.raises((TypeError, ValueError), match="column 'b'.*np.ascontiguousarray"):
+        Arrays(b=np.arange(4, dtype=">i4"))
+    with pytest.raises(IndexError, match="out of range"):
+        Arrays(x=np.zeros(3)).__getitems__(np.array([2**64 - 1], dtype=np.uint64))

@@ -72,7 +72,8 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
                     int64_t row_elements) {
   const bool in_floating = at::isFloatingType(in);
   const bool out_floating = at::isFloatingType(out.scalar_type());
-  if (in == at::kBool || (in_floating && !out_floating)) {
+  if (in == at::kBool || at::isComplexType(in) || at::isComplexType(out.scalar_type()) ||
+      (in_floating && !out_floating)) {
     return false;
   }
   const int64_t batch = static_cast<int64_t>(rows.size());
@@ -211,7 +212,10 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
   auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
   int64_t* length_values = lengths.data_ptr<int64_t>();
-  const uint64_t pad = element_pattern(value, values.scalar_type());
+  // Casting, the padding is written after the cast, in out's dtype (-100 stays -100 when uint16 tokens
+  // become int64 labels); the gather in the values' dtype pads with zeros meanwhile.
+  const bool casting = !target.is_same(out);
+  const uint64_t pad = casting ? 0 : element_pattern(value, values.scalar_type());
   const uint64_t one = element_pattern(1, mask.scalar_type());
   const size_t mask_element = mask.element_size();
   CopyJobs jobs;
@@ -230,8 +234,19 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
     length_values[b] = static_cast<int64_t>(length);
   }
   jobs.run();
-  if (!target.is_same(out)) {
+  if (casting) {
     const_cast<at::Tensor&>(out).copy_(target);
+    const uint64_t out_pad = element_pattern(value, out.scalar_type());
+    const size_t out_step_bytes = step_elements * out.element_size();
+    auto* cast_bytes = static_cast<unsigned char*>(out.data_ptr());
+    CopyJobs padding;
+    for (int64_t b = 0; b < batch; ++b) {
+      const size_t length = static_cast<size_t>(length_values[b]);
+      unsigned char* row = cast_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * out_step_bytes;
+      padding.fills.push_back({row + length * out_step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
+                               out.element_size(), out_pad});
+    }
+    padding.run();
   }
 }
 

@@ -339,6 +339,7 @@ py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool
 void bind_batch_plan(py::module_& m) {
   bind_field_spec(m);
   m.attr("SMALL_FIELD_BYTES") = kSmallFieldBytes;
+  m.attr("FIELD_ALIGNMENT") = kFieldAlignment;
   m.attr("LARGE_BATCH_BYTES") = kLargeBatchBytes;
   py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
       .def_property_readonly("nbytes", &BatchPlan::nbytes)

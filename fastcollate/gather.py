@@ -4,8 +4,9 @@ out in. Python runs once per column, never once per sample.
 
 A contract applies per column, once per batch: dtype (``cast_from`` casts during the copy), fixed and
 named dims, and ranges, checked vectorized over the gathered column. What this path does not cover
-(``expand_from``, text fields, padding a column that is not ragged, one mask shared by two fields) goes
-the per-sample way instead, with the same result: :func:`layout` returns None.
+(``expand_from``, text fields, padding a column that is not ragged, one mask shared by two fields, a
+padded dim another field names, a range with a cast that can change values, a contract the per-sample
+path would refuse) goes the per-sample way instead, with the same result: :func:`layout` returns None.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._ext import _C  # noqa: F401  (registers the ops)
+from ._ext import _C  # also registers the ops
 from .arrays import ArrayBatch, Column
 from .contract import Contract, Field
 from .errors import ERROR_KINDS
@@ -25,7 +26,7 @@ from .small_fields import needs_own_storage
 
 __all__ = ["Layout", "layout"]
 
-_ALIGN = 64  # every field starts at a multiple of this in the buffer, as csrc/copy_kernels.h lays them out
+_ALIGN: int = _C.FIELD_ALIGNMENT  # every field starts at a multiple of this, as the per-sample path lays them
 
 
 @dataclasses.dataclass

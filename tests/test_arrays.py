@@ -424,3 +424,31 @@ def test_columns_are_read_only_and_odd_arrays_are_named_or_taken():
         Arrays(b=np.arange(4, dtype=">i4"))
     with pytest.raises(IndexError, match="out of range"):
         Arrays(x=np.zeros(3)).__getitems__(np.array([2**64 - 1], dtype=np.uint64))
+
+
+def test_a_batch_refused_after_its_gather_in_a_worker_gives_its_slot_back():
+    # The range is checked on the gathered column, after the slot was claimed: the refused batch's slot
+    # must come back, epoch after epoch, with no fresh fallback.
+    labels = np.arange(64) % 10
+    labels[20] = 99
+    dataset = Arrays(x=np.zeros((64, 1024), np.float32), y=labels)
+    collate = fastcollate.Assembler(
+        Contract({"id": Field(kind="number"), "x": Field(), "y": Field(kind="number", range=(0, 10))})
+    )
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate, persistent_workers=True)
+    for _ in range(3):
+        delivered, refused = 0, 0
+        batches = iter(loader)
+        while True:
+            try:
+                batch = next(batches)
+                delivered += 1
+            except StopIteration:
+                break
+            except ContractError as error:
+                assert error.sample_id == 20 and error.field == "y"
+                refused += 1
+        del batch
+        assert (delivered, refused) == (7, 1)
+        stats = collate.shared_slot_stats()
+        assert stats.writing == 0 and stats.delivered == 0 and stats.fresh_fallbacks == 0, stats

@@ -329,8 +329,11 @@ class TokenWindows(Arrays):
             raise ValueError(f"TokenWindows: length and step must be >= 1, got {length} and {step}")
         self.tokens = tokens if isinstance(tokens, Column) else Column("tokens", tokens)
         flat = self.tokens.rows
-        if flat.dim() != 1:
-            raise ValueError(f"TokenWindows: tokens must be 1-D, got shape {tuple(flat.shape)}")
+        if flat.dim() != 1 or (len(flat) > 1 and flat.stride(0) != 1):
+            raise ValueError(
+                f"TokenWindows: tokens must be one contiguous 1-D stream, got shape {tuple(flat.shape)} and "
+                f"strides {flat.stride()}"
+            )
         self.length, self.step = length, step
         windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
         offset = flat.storage_offset()

@@ -260,6 +260,8 @@ def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path
     again = pickle.loads(sent)
     assert torch.equal(fastcollate.assemble.using(contract)(again.__getitems__(starts))["labels"], y)
     assert len(TokenWindows(tokens, length=64)) == (len(data) - 65) // 64 + 1
+    with pytest.raises(ValueError, match="one contiguous 1-D stream"):
+        TokenWindows(tokens[::2], length=8)
 
 
 def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_the_same_result():

@@ -55,6 +55,7 @@ class Layout:
     outs: list[_Out]
     nbytes: int = 0
     views: int = 0  # tensors of the batch that are views of the buffer (see StagingRing.views_handed_out)
+    id_key: str = "id"  # the collate function's, to name samples when the dataset carries no ids
 
     def fill(self, buffer: torch.Tensor, small_fields_apart: bool) -> dict[str, Any]:
         """Gathers every column into ``buffer`` (a 1-D uint8 tensor of at least ``nbytes``) and returns the
@@ -91,7 +92,7 @@ class Layout:
                     out.column.values, out.column.offsets, indices, pad, target, mask, lengths
                 )
             if out.field is not None and out.field.range is not None:
-                _check_range(target, out, self.batch)
+                _check_range(target, out, self.batch, self.id_key)
         return made
 
     def reusable(self) -> bool:
@@ -175,7 +176,7 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         if lengths_key is not None:
             out.lengths = _Out(lengths_key, (size,), torch.int64)
         outs += [o for o in (out, out.mask, out.lengths) if o is not None]
-    result = Layout(batch, outs)
+    result = Layout(batch, outs, id_key=id_key)
     offset = 0
     for out in outs:
         out.offset = offset
@@ -263,7 +264,7 @@ def _check_shape(
             )
 
 
-def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch) -> None:
+def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch, id_key: str) -> None:
     """The per-sample path's range rule (``low <= v < high``, NaN fails), vectorized over the column; the
     error names the first sample that breaks it. Padding is not checked (it is not the sample's)."""
     low, high = out.field.range
@@ -300,7 +301,7 @@ def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch) -> None:
             f"values in [{low:g}, {high:g})",
             got,
             "fix the label, or widen the declared range",
-            "id",
+            id_key,
         )
 
 

@@ -92,7 +92,8 @@ class Layout:
                     out.column.values, out.column.offsets, indices, pad, target, mask, lengths
                 )
             if out.field is not None and out.field.range is not None:
-                _check_range(target, out, self.batch, self.id_key)
+                mask = made[out.mask.key] if out.mask is not None else None
+                _check_range(target, mask, out, self.batch, self.id_key)
         return made
 
     def reusable(self) -> bool:
@@ -226,59 +227,46 @@ def _check_shape(
 ) -> None:
     """Fixed dims must match; a named dim takes its size from the first column that has it, and every
     other column with it must agree (every row of a column has the same shape, so sample 0 stands for all)."""
+
+    def refuse(expected: str, got: str, hint: str) -> Exception:
+        return _error("size", batch, 0, key, expected, got, hint, id_key)
+
+    mismatch = (
+        f"shape {list(declared)}",
+        f"shape {list(row)}",
+        "the column's rows must have the declared shape",
+    )
     if len(declared) != len(row):
-        raise _error(
-            "size",
-            batch,
-            0,
-            key,
-            f"shape {list(declared)}",
-            f"shape {list(row)}",
-            "the column's rows must have the declared shape",
-            id_key,
-        )
+        raise refuse(*mismatch)
     for want, got in zip(declared, row, strict=True):
         if isinstance(want, str):
             size, owner = named.setdefault(want, (got, key))
             if size != got:
-                raise _error(
-                    "size",
-                    batch,
-                    0,
-                    key,
+                raise refuse(
                     f"dim {want!r} of size {size} (as in {owner!r})",
                     f"size {got}",
                     "columns sharing a named dim must agree",
-                    id_key,
                 )
         elif want != got:
-            raise _error(
-                "size",
-                batch,
-                0,
-                key,
-                f"shape {list(declared)}",
-                f"shape {list(row)}",
-                "the column's rows must have the declared shape",
-                id_key,
-            )
+            raise refuse(*mismatch)
 
 
-def _check_range(values: torch.Tensor, out: _Out, batch: ArrayBatch, id_key: str) -> None:
+def _check_range(
+    values: torch.Tensor, mask: torch.Tensor | None, out: _Out, batch: ArrayBatch, id_key: str
+) -> None:
     """The per-sample path's range rule (``low <= v < high``, NaN fails), vectorized over the column; the
-    error names the first sample that breaks it. Padding is not checked (it is not the sample's)."""
+    error names the first sample that breaks it. Padding (0 in the ragged column's ``mask``, just
+    gathered) is not checked: it is not the sample's."""
     low, high = out.field.range
     size = len(values)
     if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch compares these in few ops
         values = values.to(torch.float64 if values.dtype == torch.uint64 else torch.int64)
-    if out.mask is None:
+    if mask is None:
         real = values.reshape(size, -1)
         inside = (real >= low) & (real < high)
     else:
         real = values.reshape(size, values.shape[1], -1)  # [batch, longest, the rest]
-        lengths = torch.from_numpy(_ragged_lengths(out.column, batch.indices))
-        padding = torch.arange(values.shape[1])[None, :] >= lengths[:, None]
-        inside = ((real >= low) & (real < high)) | padding[..., None]
+        inside = ((real >= low) & (real < high)) | (mask == 0)[..., None]
         real = real.reshape(size, -1)
     bad = ~inside.reshape(size, -1)
     rows = bad.any(dim=1).nonzero()

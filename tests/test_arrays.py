@@ -454,3 +454,16 @@ def test_a_batch_refused_after_its_gather_in_a_worker_gives_its_slot_back():
         assert (delivered, refused) == (7, 1)
         stats = collate.shared_slot_stats()
         assert stats.writing == 0 and stats.delivered == 0 and stats.fresh_fallbacks == 0, stats
+
+
+def test_a_range_on_a_ragged_column_checks_real_positions_only_whatever_the_mask_dtype():
+    dataset = Arrays(t=Ragged(np.array([1, 2, 3, 9, 4]), np.array([0, 2, 3, 5])))
+    for mask_dtype in (torch.bool, torch.int64, torch.float32):
+        contract = Contract({"id": Field(kind="number"),
+                             "t": Field(shape=("T",), pad=-5, mask_dtype=mask_dtype, range=(0, 5))})
+        collate = fastcollate.assemble.using(contract)
+        # -5 pads sample 1 and is out of range: padding is not checked
+        assert collate(dataset.__getitems__([0, 1]))["t"].tolist() == [[1, 2], [3, -5]]
+        with pytest.raises(ContractError) as caught:
+            collate(dataset.__getitems__([0, 2]))
+        assert (caught.value.sample_id, caught.value.position) == (2, 1) and "flat position 0" in str(caught.value)

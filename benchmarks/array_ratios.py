@@ -40,6 +40,9 @@ except ImportError:  # run from a checkout without an install
 from fastcollate import Arrays, Contract, Field, TokenWindows
 from fastcollate.bench.datasets import samples_on_the_heap
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_ratios import quartiles  # noqa: E402  (the spread of paired ratios, as that script reports it)
+
 Epoch = Callable[[int], Iterator]  # batches -> an iterator over that many batches
 
 
@@ -114,9 +117,7 @@ def floor_epoch(columns: dict[str, torch.Tensor], n: int, batch: int, seed: int)
     return endless(epoch)
 
 
-def array_contenders(
-    columns: dict[str, torch.Tensor], batch: int, seed: int, with_index_batches: bool
-) -> dict:
+def array_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int) -> dict:
     n = len(next(iter(columns.values())))
     per_sample = Rows(columns)
     arrays = Arrays(columns)
@@ -133,16 +134,15 @@ def array_contenders(
         "Arrays + assemble, sampler lists": loader_epoch(
             DataLoader(arrays, batch_sampler=sampler(n, batch, seed), collate_fn=fastcollate.assemble)
         ),
-    }
-    if with_index_batches:
-        contenders["Arrays + assemble, IndexBatches"] = loader_epoch(
+        "Arrays + assemble, IndexBatches": loader_epoch(
             DataLoader(
                 arrays,
                 batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=seed),
                 collate_fn=fastcollate.assemble,
             )
-        )
-    contenders["index_select into a reused buffer"] = floor_epoch(columns, n, batch, seed)
+        ),
+        "index_select into a reused buffer": floor_epoch(columns, n, batch, seed),
+    }
     return contenders
 
 
@@ -263,13 +263,6 @@ def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[
     return runs
 
 
-def quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
-
-
 def summarize(
     case: str, runs: list[dict], pairs: list[tuple[str, str, str]], names: list[str], targets: bool = True
 ) -> tuple[list[str], dict]:
@@ -322,7 +315,6 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples_on_the_heap()
-    has_index_batches = hasattr(fastcollate, "IndexBatches")
     print(
         f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of\n"
         f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); medians, spread = p25-p75 "
@@ -342,23 +334,18 @@ def main() -> int:
     for case in args.cases:
         print(f"  {case} ...", flush=True)
         if case == "tabular":
-            contenders = array_contenders(tabular(args.rows), 4096, args.seed, has_index_batches)
+            contenders = array_contenders(tabular(args.rows), 4096, args.seed)
             pairs = [
                 ("Arrays + assemble, sampler lists", idiom, ">= 5x"),
                 ("per-sample + assemble", "per-sample + default_collate", "(for reference)"),
+                ("Arrays + assemble, IndexBatches", idiom, ">= 20x"),
+                (floor, "Arrays + assemble, IndexBatches", "<= 3x"),
             ]
-            if has_index_batches:
-                pairs += [
-                    ("Arrays + assemble, IndexBatches", idiom, ">= 20x"),
-                    (floor, "Arrays + assemble, IndexBatches", "<= 3x"),
-                ]
             keys = ("id", "x", "label")
         elif case == "images":
             columns = images(args.images)
-            contenders = array_contenders(columns, 256, args.seed, has_index_batches)
-            gathered = (
-                "Arrays + assemble, IndexBatches" if has_index_batches else "Arrays + assemble, sampler lists"
-            )
+            contenders = array_contenders(columns, 256, args.seed)
+            gathered = "Arrays + assemble, IndexBatches"
             contenders[f"{gathered}, 2 threads"] = with_threads(2, contenders[gathered])
             pairs = [
                 (gathered, floor, ">= 0.8x"),

@@ -466,4 +466,5 @@ def test_a_range_on_a_ragged_column_checks_real_positions_only_whatever_the_mask
         assert collate(dataset.__getitems__([0, 1]))["t"].tolist() == [[1, 2], [3, -5]]
         with pytest.raises(ContractError) as caught:
             collate(dataset.__getitems__([0, 2]))
-        assert (caught.value.sample_id, caught.value.position) == (2, 1) and "flat position 0" in str(caught.value)
+        assert (caught.value.sample_id, caught.value.position) == (2, 1)
+        assert "flat position 0" in str(caught.value)

@@ -144,6 +144,7 @@ class _Staged:
     batch: Any
     ready: torch.cuda.Event | None = None
     device_tensors: list[torch.Tensor] = field(default_factory=list)
+    loader_state: Any = None  # the wrapped loader's state_dict() just after it gave this batch
 
 
 class DeviceLoader:
@@ -161,7 +162,10 @@ class DeviceLoader:
             ``copy_events``, so copy intervals can be laid against compute intervals.
 
     ``dataset``, ``sampler``, ``batch_sampler``, ``batch_size`` and ``num_workers`` are the wrapped
-    loader's, and ``len()`` is its length.
+    loader's, and ``len()`` is its length. Any iterable works: a DataLoader, a torchdata.nodes
+    ``Loader``, an SPDL ``Pipeline`` (iterated inside its ``auto_stop()``). A loader with
+    ``state_dict``/``load_state_dict`` (torchdata's ``Loader``, ``StatefulDataLoader``) is resumable
+    through this one, at the batch last handed out (see ``state_dict``).
     """
 
     dataset = _read_through("dataset")
@@ -211,6 +215,9 @@ class DeviceLoader:
         self._unpooled: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
         self._finalizer = weakref.finalize(self, _wait_for_copies, self._unpooled)
         self._closed = False
+        # The wrapped loader's state as of the batch last handed out (None: before any iteration).
+        self._state_handed_out: Any = None
+        self._tracks_state = callable(getattr(loader, "state_dict", None))
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]  (TypeError when the loader has no length)
@@ -235,6 +242,29 @@ class DeviceLoader:
             if callable(getattr(sampler, "set_epoch", None)) and id(sampler) not in told:
                 told.add(id(sampler))
                 sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's ``state_dict()`` as of the batch this loader last handed out. The loader
+        itself is ``depth`` batches further on (they are staged here): its own state would skip them on
+        resume. Before any iteration, the loader's current state."""
+        if not self._tracks_state:
+            raise AttributeError(
+                f"DeviceLoader: the wrapped loader ({type(self.loader).__name__}) has no 'state_dict'"
+            )
+        if self._state_handed_out is None:
+            return self.loader.state_dict()
+        return self._state_handed_out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Passes ``state_dict`` (from ``state_dict()``) to the wrapped loader, which resumes from it on
+        the next ``iter()``."""
+        load = getattr(self.loader, "load_state_dict", None)
+        if not callable(load):
+            raise AttributeError(
+                f"DeviceLoader: the wrapped loader ({type(self.loader).__name__}) has no 'load_state_dict'"
+            )
+        load(state_dict)
+        self._state_handed_out = None
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -406,6 +436,8 @@ class DeviceLoader:
                 # memory until the consumer's work on it is done.
                 tensor.record_stream(consumer)
         self._counts["batches"] += 1
+        if self._tracks_state:
+            self._state_handed_out = staged.loader_state
         return staged.batch
 
 
@@ -456,6 +488,8 @@ class _DeviceIterator:
     def __init__(self, owner: DeviceLoader) -> None:
         self.owner = owner
         self.source = iter(owner.loader)
+        if owner._tracks_state:  # a new epoch (or a resumed one) starts from here
+            owner._state_handed_out = owner.loader.state_dict()
         self.staged: deque[_Staged] = deque()
         self.error: BaseException | None = None  # raised once the batches before it are delivered
         self.exhausted = False
@@ -494,5 +528,8 @@ class _DeviceIterator:
                     _name_the_waited_worker(error, self.source)
                     self.error = error
                     return
+            state = owner.loader.state_dict() if owner._tracks_state else None
             with record_function("h2d_transfer"):
-                self.staged.append(owner._stage(batch))
+                staged = owner._stage(batch)
+            staged.loader_state = state
+            self.staged.append(staged)

@@ -15,6 +15,7 @@ from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
 from .index_batches import IndexBatches
 from .staging import StagingRing
+from .thread_pipelines import fetch_batches
 from .transforms import Normalize
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "TokenWindows",
     "assemble",
     "audit",
+    "fetch_batches",
     "with_ids",
 ]
 

@@ -363,3 +363,48 @@ def test_four_threads_each_iterating_its_own_device_loader_over_one_assemble():
     for thread, ids in results.items():
         assert ids == list(range(thread * 10_000, thread * 10_000 + 200))
 
+
+
+# --------------------------------------------------------------------------------------------------
+# fetch_batches: the map stage, for any map-style dataset.
+
+
+def test_fetch_batches_hands_an_arrays_dataset_the_whole_index_array_and_gathers_it_in_threads():
+    from torch.utils.data import default_collate
+
+    features = torch.arange(4096 * 8, dtype=torch.float32).view(4096, 8)
+    dataset = fastcollate.Arrays(x=features, label=torch.arange(4096) % 5)
+    sampler = fastcollate.IndexBatches(len(dataset), 256, shuffle=True, generator=torch.Generator().manual_seed(0))
+    batches = list(sampler)  # int64 arrays
+    handed: list[str] = []
+
+    def collate(batch):
+        handed.append(type(batch).__name__)
+        return fastcollate.assemble(batch)
+
+    loader = nodes_loader(batches, fastcollate.fetch_batches(dataset, collate))
+    delivered = []
+    for indices, batch in zip(batches, loader, strict=True):  # in order (in_order=True)
+        reference = default_collate([dataset[int(i)] for i in indices])
+        assert batch.keys() == reference.keys()
+        for key in reference:
+            assert batch[key].dtype == reference[key].dtype and torch.equal(batch[key], reference[key]), key
+        delivered += batch["id"].tolist()
+    every_id_once(delivered, 4096)
+    assert handed == ["ArrayBatch"] * 16  # the lazy batch, gathered column by column: no sample made
+
+
+def test_fetch_batches_over_a_plain_dataset_matches_a_dataloader_batch_for_batch():
+    from torch.utils.data import DataLoader
+
+    from tests.fault_datasets import Numbered
+
+    dataset = Numbered(96, shape=(4,))
+    batches = batch_indices(12, 8)
+    pipeline, executor = spdl_pipeline(batches, fastcollate.fetch_batches(dataset), max_failures=0)
+    with pipeline.auto_stop():
+        got = sorted((batch["id"].tolist(), batch["x"].tolist()) for batch in pipeline)
+    executor.shutdown()
+    expected = sorted((b["id"].tolist(), b["x"].tolist())
+                      for b in DataLoader(dataset, batch_size=8, collate_fn=fastcollate.assemble))
+    assert got == expected

@@ -45,3 +45,14 @@ def test_the_error_the_usage_shows_is_the_one_its_contract_gives():
 def test_every_linked_page_exists():
     for link in re.findall(r"\]\((docs/[^)#]+)\)", README):
         assert (ROOT / link).is_file(), link
+
+
+def test_the_thread_pipeline_examples_run_as_written():
+    section = README.split("## With thread pipelines", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2 and "spdl" in blocks[0] and "torchdata" in blocks[1]
+    for code in blocks:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines

@@ -561,3 +561,14 @@ def test_arrays_preset_runs_the_gathered_path_and_default_collate_gets_the_same_
     assert {c["observation"] for c in result["configs"]} == {"loader", "integrated"}
     assert all(c["ids_match_reference"] for c in result["configs"])
     assert "tabular_mlp" in result["config"]["model"]
+
+
+def test_the_memmap_example_runs_under_the_bench_with_workers_and_every_id_checked(tmp_path):
+    """examples/memmap_bench.py: a memory-mapped Arrays dataset, as a user's --dataset factory."""
+    status = command.main(["--dataset", "examples/memmap_bench.py:make", "--size", "12000", "--batch-size", "1024",
+                           "--steps", "2", "--warmup", "1", "--repeat", "1", "--workers", "0", "2",
+                           "--observation", "loader", "--no-progress", "--out", str(tmp_path)])
+    assert status == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {c["workers"] for c in result["configs"]} == {0, 2}
+    assert all(c["ids_match_reference"] and c["ranked"] for c in result["configs"])

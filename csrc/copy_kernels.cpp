@@ -160,6 +160,11 @@ void CopyJobs::run() const {
   for (const auto& fill : fills) {
     run_fill(fill);
   }
+  for (const auto& job : counts) {
+    for (size_t i = 0; i < job.count; ++i) {
+      job.dst[i] = job.start + static_cast<int64_t>(i);
+    }
+  }
   const bool streaming = bytes >= kStreamingThresholdBytes;
   if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
     for (const auto& job : memcpys) {

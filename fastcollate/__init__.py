@@ -9,7 +9,7 @@ from . import audit
 from .arrays import Arrays, Ragged, TokenWindows
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
-from .contract import Contract, Field
+from .contract import Contract, Field, Packing
 from .device_loader import DeviceLoader
 from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
@@ -29,6 +29,7 @@ __all__ = [
     "IndexBatches",
     "Ledger",
     "Normalize",
+    "Packing",
     "Ragged",
     "StagingRing",
     "TagWorker",

@@ -334,3 +334,50 @@ def test_an_arrays_dataset_with_packed_columns_is_packed_by_the_per_sample_walk(
     assert batch["input_ids"].tolist() == [list(range(10))]
     assert batch["labels"].tolist() == [[-100, 1, 2, -100, -100, 5, 6, 7, 8, 9]]
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 4, 10]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny causal LM: packed and padded batches give the same per-token losses
+
+
+def tiny_llama(attn_implementation):
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def per_token_losses(logits, labels):
+    """Each position's loss for predicting the next label, where that label is not -100."""
+    losses = torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="none", ignore_index=-100)
+    return losses[labels[1:] != -100]
+
+
+# transformers 5's masking_utils builds a block-causal mask from packed position_ids for eager and SDPA
+# (and flex); flash_attention_2 reads cu_seq_lens instead and needs a GPU, so it is not run here.
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_tiny_llama_gives_the_same_per_token_losses_packed_and_padded(attn_implementation):
+    model = tiny_llama(attn_implementation)
+    samples = token_samples(count=6, lengths=[5, 17, 1, 9, 24, 3], seed=5)
+    packed = assemble.using(packed_contract())(samples)
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        ours = per_token_losses(logits[0], packed["labels"][0])
+        # Without position ids the row is one long sequence: tokens attend across samples, losses change.
+        across = per_token_losses(model(input_ids=packed["input_ids"], use_cache=False).logits[0],
+                                  packed["labels"][0])
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.zeros(len(samples), longest, dtype=torch.int64)
+        mask = torch.zeros(len(samples), longest, dtype=torch.int64)
+        for i, sample in enumerate(samples):
+            ids[i, : len(sample["input_ids"])] = sample["input_ids"]
+            mask[i, : len(sample["input_ids"])] = 1
+        padded_logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    padded = torch.cat([
+        per_token_losses(padded_logits[i, : len(s["input_ids"])], s["labels"]) for i, s in enumerate(samples)
+    ])
+    assert ours.shape == padded.shape == (sum(len(s["input_ids"]) - 1 for s in samples),)
+    torch.testing.assert_close(ours, padded, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(across, padded, rtol=1e-4, atol=1e-5)

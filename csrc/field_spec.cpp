@@ -101,7 +101,8 @@ void bind_field_spec(py::module_& m) {
       .def_readwrite("position_ids_start", &FieldSpec::position_ids_start)
       .def_readwrite("cu_seq_lens_names", &FieldSpec::cu_seq_lens_names)
       .def_readwrite("max_length_names", &FieldSpec::max_length_names)
-      .def_readwrite("seq_idx_name", &FieldSpec::seq_idx_name);
+      .def_readwrite("seq_idx_name", &FieldSpec::seq_idx_name)
+      .def_readwrite("max_tokens", &FieldSpec::max_tokens);
 }
 
 }  // namespace fastcollate

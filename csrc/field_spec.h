@@ -44,6 +44,7 @@ struct FieldSpec {
   std::vector<std::string> cu_seq_lens_names;  // q and k, or none
   std::vector<std::string> max_length_names;   // q and k, or none
   std::string seq_idx_name;
+  int64_t max_tokens = 0;  // a batch of more tokens is refused; 0 for no budget (still under 2^31)
 
   bool padded() const { return pad_value.has_value(); }
   bool has_named_dims() const;

@@ -15,6 +15,7 @@ from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
 from .index_batches import IndexBatches
 from .staging import StagingRing
+from .token_batches import TokenBudgetBatches
 from .transforms import Normalize
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Ragged",
     "StagingRing",
     "TagWorker",
+    "TokenBudgetBatches",
     "TokenWindows",
     "assemble",
     "audit",

@@ -184,6 +184,8 @@ class Packing:
             self-attention).
         max_length: the two keys of the longest sample's length, as Python ints (no GPU sync to read).
         seq_idx: int32 ``[1, total_tokens]``, each token's sample index in the batch.
+        max_tokens: a batch of more tokens is refused (a ``ContractSizeError`` naming the sample that
+            passes it); None for no budget. Every batch must stay under 2^31 tokens (int32 offsets).
     """
 
     position_ids: str | None = "position_ids"
@@ -191,8 +193,11 @@ class Packing:
     cu_seq_lens: tuple[str, str] | None = ("cu_seq_lens_q", "cu_seq_lens_k")
     max_length: tuple[str, str] | None = ("max_length_q", "max_length_k")
     seq_idx: str | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"Packing.max_tokens must be a positive int or None, got {self.max_tokens!r}")
         for name in ("cu_seq_lens", "max_length"):
             value = getattr(self, name)
             if value is not None:
@@ -252,7 +257,8 @@ class Contract:
         packed = [path for path, field in self.fields.items() if field.pack]
         if not packed:
             if self.packing is not None:
-                raise ValueError("Contract: packing is given but no field is packed: declare Field(pack=True)")
+                raise ValueError("Contract: packing is given but no field is packed: "
+                                 "declare Field(pack=True)")
             return
         if self.packing is None:
             object.__setattr__(self, "packing", Packing())
@@ -260,8 +266,8 @@ class Contract:
         parent, dim = first.rpartition(".")[0], self.fields[first].shape[0]
         for path in packed[1:]:
             if path.rpartition(".")[0] != parent or self.fields[path].shape[0] != dim:
-                raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and name "
-                                 f"the same first dim ({dim!r}): they are packed into one row")
+                raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
+                                 f"name the same first dim ({dim!r}): they are packed into one row")
         for key in self.packing.keys():
             full = f"{parent}.{key}" if parent else key
             if full in keys or full in added:
@@ -374,6 +380,7 @@ class Contract:
         spec.cu_seq_lens_names = list(packing.cu_seq_lens or ())
         spec.max_length_names = list(packing.max_length or ())
         spec.seq_idx_name = packing.seq_idx or ""
+        spec.max_tokens = packing.max_tokens or 0
 
 
 def _named_dims(field: Field) -> tuple[str, ...]:

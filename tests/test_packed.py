@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 
 def token_samples(count=12, token_type_ids=False, seed=0, lengths=None, vocab=50):
-    """What a tokenizing Dataset returns: int64 token tensors (labels = input_ids, as for causal LM), an id."""
+    """What a tokenizing Dataset returns: int64 token tensors (labels = input_ids, as for a causal
+    LM), an id."""
     rng = random.Random(seed)
     lengths = lengths or [rng.randint(1, 24) for _ in range(count)]
     samples = []
@@ -35,8 +36,11 @@ def token_samples(count=12, token_type_ids=False, seed=0, lengths=None, vocab=50
 
 def packed_contract(token_type_ids=False, separator=-100, **packing):
     tokens = dict(dtype=torch.int64, shape=("T",), pack=True)
-    fields = {"id": Field(kind="number"), "input_ids": Field(**tokens),
-              "labels": Field(**tokens, separator=separator)}
+    fields = {
+        "id": Field(kind="number"),
+        "input_ids": Field(**tokens),
+        "labels": Field(**tokens, separator=separator),
+    }
     if token_type_ids:
         fields["token_type_ids"] = Field(**tokens)
     return Contract(fields, packing=Packing(**packing))
@@ -44,7 +48,9 @@ def packed_contract(token_type_ids=False, separator=-100, **packing):
 
 def flattening(samples, seq_idx=False, position_ids_start=0, separator=-100):
     collator = transformers.DataCollatorWithFlattening(
-        return_flash_attn_kwargs=True, return_seq_idx=seq_idx, position_ids_start=position_ids_start,
+        return_flash_attn_kwargs=True,
+        return_seq_idx=seq_idx,
+        position_ids_start=position_ids_start,
         separator_id=separator,
     )
     # The HF collator reads input_ids and labels only: the rest of the sample is not its business.
@@ -66,11 +72,16 @@ def assert_same_as_flattening(ours, theirs):
 @pytest.mark.parametrize("seq_idx", [False, True])
 @pytest.mark.parametrize("position_ids_start", [0, 2])
 @pytest.mark.parametrize("separator", [-100, 7])
-def test_the_batch_equals_data_collator_with_flattening_key_for_key(token_type_ids, seq_idx, position_ids_start,
-                                                                     separator):
+def test_the_batch_equals_data_collator_with_flattening_key_for_key(
+    token_type_ids, seq_idx, position_ids_start, separator
+):
     samples = token_samples(token_type_ids=token_type_ids)
-    contract = packed_contract(token_type_ids, separator=separator, position_ids_start=position_ids_start,
-                               seq_idx="seq_idx" if seq_idx else None)
+    contract = packed_contract(
+        token_type_ids,
+        separator=separator,
+        position_ids_start=position_ids_start,
+        seq_idx="seq_idx" if seq_idx else None,
+    )
     ours = assemble.using(contract)(samples)
     theirs = flattening(samples, seq_idx=seq_idx, position_ids_start=position_ids_start, separator=separator)
     assert_same_as_flattening(ours, theirs)
@@ -90,20 +101,33 @@ def test_keys_packing_sets_to_none_are_left_out_and_renamed_ones_used():
 
 
 def test_a_cast_token_field_and_a_non_contiguous_one_are_packed_through_aten():
-    contract = Contract({"id": Field(kind="number"),
-                         "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,)),
-                         "labels": Field(dtype=torch.int64, shape=("T",), pack=True, separator=-100)})
-    samples = [{"id": 0, "input_ids": torch.tensor([5, 6, 7], dtype=torch.int32),
-                "labels": torch.tensor([[1, 2], [3, 4], [5, 6]])[:, 0]},
-               {"id": 1, "input_ids": torch.tensor([8], dtype=torch.int32), "labels": torch.tensor([9])}]
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,)),
+            "labels": Field(dtype=torch.int64, shape=("T",), pack=True, separator=-100),
+        }
+    )
+    samples = [
+        {
+            "id": 0,
+            "input_ids": torch.tensor([5, 6, 7], dtype=torch.int32),
+            "labels": torch.tensor([[1, 2], [3, 4], [5, 6]])[:, 0],
+        },
+        {"id": 1, "input_ids": torch.tensor([8], dtype=torch.int32), "labels": torch.tensor([9])},
+    ]
     batch = assemble.using(contract)(samples)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8]]
     assert batch["labels"].tolist() == [[-100, 3, 5, -100]]
 
 
 def test_a_packed_field_with_fixed_dims_after_the_token_dim_keeps_them():
-    contract = Contract({"id": Field(kind="number"),
-                         "embeddings": Field(dtype=torch.float32, shape=("T", 3), pack=True, separator=0)})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "embeddings": Field(dtype=torch.float32, shape=("T", 3), pack=True, separator=0),
+        }
+    )
     samples = [{"id": i, "embeddings": torch.full((n, 3), float(i + 1))} for i, n in enumerate([2, 1, 3])]
     batch = assemble.using(contract)(samples)
     expected = torch.cat([s["embeddings"] for s in samples])[None]
@@ -140,7 +164,9 @@ def test_packed_batches_from_workers_equal_the_collator_s(workers):
 def test_a_large_packed_batch_from_workers_keeps_its_small_keys_apart():
     # 1 MiB and more: small fields (cu_seq_lens, ids) get their own storage, the rows stay one buffer.
     samples = token_samples(count=64, lengths=[2048] * 64)
-    loader = DataLoader(Tokens(samples), batch_size=32, num_workers=2, collate_fn=assemble.using(packed_contract()))
+    loader = DataLoader(
+        Tokens(samples), batch_size=32, num_workers=2, collate_fn=assemble.using(packed_contract())
+    )
     for number, batch in enumerate(loader):
         assert_same_as_flattening(batch, flattening(samples[32 * number : 32 * number + 32]))
 
@@ -170,8 +196,9 @@ def test_two_packed_fields_of_different_lengths_are_named_with_their_lengths():
 
 def test_a_batch_of_2_to_the_31_tokens_is_refused_before_anything_is_allocated():
     # Stride-0 expands claim 2^30 tokens each without the memory: the check must come before the layout.
-    contract = Contract({"id": Field(kind="number"),
-                         "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True)})
+    contract = Contract(
+        {"id": Field(kind="number"), "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True)}
+    )
     huge = torch.zeros(1, dtype=torch.int64).expand(2**30)
     samples = [{"id": 10, "input_ids": huge}, {"id": 11, "input_ids": huge}, {"id": 12, "input_ids": huge}]
     with pytest.raises(ContractSizeError) as raised:
@@ -181,8 +208,9 @@ def test_a_batch_of_2_to_the_31_tokens_is_refused_before_anything_is_allocated()
 
 
 def test_a_batch_of_2_to_the_31_minus_one_tokens_passes_the_check():
-    contract = Contract({"id": Field(kind="number"),
-                         "input_ids": Field(dtype=torch.uint8, shape=("T",), pack=True)})
+    contract = Contract(
+        {"id": Field(kind="number"), "input_ids": Field(dtype=torch.uint8, shape=("T",), pack=True)}
+    )
     samples = [{"id": 0, "input_ids": torch.zeros(1, dtype=torch.uint8).expand(2**31 - 1)}]
     collator = _C.Collator("id", contract.native_specs(), True)
     # Planned, not refused: the tokens, then 8 bytes of position ids each (nothing is executed).
@@ -214,7 +242,9 @@ def test_a_batch_of_empty_samples_only_is_a_value_error_as_with_the_collator():
 
 
 def test_a_separator_the_dtype_cannot_hold_is_refused():
-    contract = Contract({"labels": Field(dtype=torch.uint8, shape=("T",), pack=True, separator=-100)}, id=None)
+    contract = Contract(
+        {"labels": Field(dtype=torch.uint8, shape=("T",), pack=True, separator=-100)}, id=None
+    )
     with pytest.raises(ContractValueError, match="separator=-100"):
         assemble.using(contract)([{"labels": torch.ones(3, dtype=torch.uint8)}])
 
@@ -228,7 +258,9 @@ def test_a_packed_field_of_the_wrong_dtype_is_named():
 
 
 def test_a_packed_field_in_a_tuple_sample_is_refused():
-    contract = Contract({"0": Field(dtype=torch.int64, shape=("T",), pack=True), "1": Field(kind="number")}, id=None)
+    contract = Contract(
+        {"0": Field(dtype=torch.int64, shape=("T",), pack=True), "1": Field(kind="number")}, id=None
+    )
     with pytest.raises(ContractTypeError, match="packed field in a mapping"):
         assemble.using(contract)([(torch.ones(2, dtype=torch.int64), 0)])
 
@@ -261,8 +293,7 @@ def test_the_contract_describes_its_packing():
     contract = packed_contract(seq_idx="seq_idx")
     text = str(contract)
     assert "packed, separator -100" in text and "seq_idx" in text
-    assert contract.diff(packed_contract()) == [
-        f"packing: {contract.packing} != {packed_contract().packing}"]
+    assert contract.diff(packed_contract()) == [f"packing: {contract.packing} != {packed_contract().packing}"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,7 +314,9 @@ def reference_pack(samples, keys, separators, start, seq_idx):
     lengths = [len(s[keys[0]]) for s in samples]
     out["position_ids"] = torch.cat([torch.arange(start, start + n) for n in lengths])[None]
     if seq_idx:
-        out["seq_idx"] = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
+        out["seq_idx"] = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[
+            None
+        ]
     offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = offsets
     out["max_length_q"] = out["max_length_k"] = max(lengths)
@@ -295,7 +328,9 @@ DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32, tor
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    lengths=st.lists(st.one_of(st.integers(1, 40), st.just(1), st.just(2048), st.just(0)), min_size=1, max_size=12),
+    lengths=st.lists(
+        st.one_of(st.integers(1, 40), st.just(1), st.just(2048), st.just(0)), min_size=1, max_size=12
+    ),
     dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=3),
     separators=st.lists(st.one_of(st.none(), st.integers(0, 100)), min_size=3, max_size=3),
     start=st.integers(0, 3),
@@ -307,14 +342,24 @@ def test_any_packed_batch_equals_the_pure_python_packer(lengths, dtypes, separat
         lengths = [*lengths[:-1], 1]
     keys = [f"f{k}" for k in range(len(dtypes))]
     generator = torch.Generator().manual_seed(seed)
-    samples = [{"id": i, **{key: torch.randint(0, 100, (n,), generator=generator).to(dtype)
-                            for key, dtype in zip(keys, dtypes)}} for i, n in enumerate(lengths)]
+    samples = [
+        {
+            "id": i,
+            **{
+                key: torch.randint(0, 100, (n,), generator=generator).to(dtype)
+                for key, dtype in zip(keys, dtypes, strict=True)
+            },
+        }
+        for i, n in enumerate(lengths)
+    ]
     fields = {"id": Field(kind="number")}
-    for key, dtype, separator in zip(keys, dtypes, separators):
+    for key, dtype, separator in zip(keys, dtypes, separators[: len(keys)], strict=True):
         fields[key] = Field(dtype=dtype, shape=("T",), pack=True, separator=separator)
-    contract = Contract(fields, packing=Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None))
+    contract = Contract(
+        fields, packing=Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None)
+    )
     ours = assemble.using(contract)(samples)
-    expected = reference_pack(samples, keys, dict(zip(keys, separators)), start, seq_idx)
+    expected = reference_pack(samples, keys, dict(zip(keys, separators[: len(keys)], strict=True)), start, seq_idx)
     assert set(ours) == set(expected) | {"id"}
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -342,8 +387,14 @@ def test_an_arrays_dataset_with_packed_columns_is_packed_by_the_per_sample_walk(
 
 def tiny_llama(attn_implementation):
     config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn_implementation,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn_implementation,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
@@ -351,7 +402,9 @@ def tiny_llama(attn_implementation):
 
 def per_token_losses(logits, labels):
     """Each position's loss for predicting the next label, where that label is not -100."""
-    losses = torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="none", ignore_index=-100)
+    losses = torch.nn.functional.cross_entropy(
+        logits[:-1].float(), labels[1:], reduction="none", ignore_index=-100
+    )
     return losses[labels[1:] != -100]
 
 
@@ -363,11 +416,14 @@ def test_a_tiny_llama_gives_the_same_per_token_losses_packed_and_padded(attn_imp
     samples = token_samples(count=6, lengths=[5, 17, 1, 9, 24, 3], seed=5)
     packed = assemble.using(packed_contract())(samples)
     with torch.no_grad():
-        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        logits = model(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
+        ).logits
         ours = per_token_losses(logits[0], packed["labels"][0])
         # Without position ids the row is one long sequence: tokens attend across samples, losses change.
-        across = per_token_losses(model(input_ids=packed["input_ids"], use_cache=False).logits[0],
-                                  packed["labels"][0])
+        across = per_token_losses(
+            model(input_ids=packed["input_ids"], use_cache=False).logits[0], packed["labels"][0]
+        )
         longest = max(len(s["input_ids"]) for s in samples)
         ids = torch.zeros(len(samples), longest, dtype=torch.int64)
         mask = torch.zeros(len(samples), longest, dtype=torch.int64)
@@ -375,9 +431,12 @@ def test_a_tiny_llama_gives_the_same_per_token_losses_packed_and_padded(attn_imp
             ids[i, : len(sample["input_ids"])] = sample["input_ids"]
             mask[i, : len(sample["input_ids"])] = 1
         padded_logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    padded = torch.cat([
-        per_token_losses(padded_logits[i, : len(s["input_ids"])], s["labels"]) for i, s in enumerate(samples)
-    ])
+    padded = torch.cat(
+        [
+            per_token_losses(padded_logits[i, : len(s["input_ids"])], s["labels"])
+            for i, s in enumerate(samples)
+        ]
+    )
     assert ours.shape == padded.shape == (sum(len(s["input_ids"]) - 1 for s in samples),)
     torch.testing.assert_close(ours, padded, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(across, padded, rtol=1e-4, atol=1e-5)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from . import gather, worker_slots
+from . import gather, jagged, worker_slots
 from ._ext import _C
 from ._torch_compat import new_shared_storage
 from .arrays import ArrayBatch
@@ -109,6 +109,9 @@ class Assembler:
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
+        return self._nested(self._collate(batch))
+
+    def _collate(self, batch: Sequence[Any]) -> Any:
         if get_worker_info() is not None:
             plan = self._collator.plan(batch)
             slot = self._claim_slot(plan.nbytes)
@@ -119,6 +122,13 @@ class Assembler:
         ring = self.ring or main_process_ring()
         # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
         return ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+
+    def _nested(self, out: Any) -> Any:
+        contract = self.contract
+        if contract is None or contract.packing is None or not contract.packing.nested:
+            return out
+        parent, keys = contract.packed_fields()
+        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0])
 
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),

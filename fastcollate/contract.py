@@ -184,6 +184,8 @@ class Packing:
             self-attention).
         max_length: the two keys of the longest sample's length, as Python ints (no GPU sync to read).
         seq_idx: int32 ``[1, total_tokens]``, each token's sample index in the batch.
+        nested: each packed field as ``torch.nested.nested_tensor_from_jagged(row[0], cu_seq_lens)``
+            (shape ``[batch, j, ...]``), a view over the same memory; needs ``cu_seq_lens``.
         max_tokens: a batch of more tokens is refused (a ``ContractSizeError`` naming the sample that
             passes it); None for no budget. Every batch must stay under 2^31 tokens (int32 offsets).
     """
@@ -194,8 +196,11 @@ class Packing:
     max_length: tuple[str, str] | None = ("max_length_q", "max_length_k")
     seq_idx: str | None = None
     max_tokens: int | None = None
+    nested: bool = False
 
     def __post_init__(self) -> None:
+        if self.nested and self.cu_seq_lens is None:
+            raise ValueError("Packing(nested=True) needs cu_seq_lens: they are the nested tensors' offsets")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"Packing.max_tokens must be a positive int or None, got {self.max_tokens!r}")
         for name in ("cu_seq_lens", "max_length"):
@@ -268,6 +273,7 @@ class Contract:
             if path.rpartition(".")[0] != parent or self.fields[path].shape[0] != dim:
                 raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
                                  f"name the same first dim ({dim!r}): they are packed into one row")
+        object.__setattr__(self, "_packed", (parent, [p.rpartition(".")[2] for p in packed]))
         for key in self.packing.keys():
             full = f"{parent}.{key}" if parent else key
             if full in keys or full in added:
@@ -368,6 +374,10 @@ class Contract:
             specs.append(spec)
         return specs
 
+
+    def packed_fields(self) -> tuple[str, list[str]] | None:
+        """The packed fields' parent path and their keys in it; None when nothing is packed."""
+        return getattr(self, "_packed", None)
 
     def _packing_spec(self, spec, field: Field) -> None:
         packing = self.packing

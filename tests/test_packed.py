@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from fastcollate import Contract, Field, Packing, assemble
+from fastcollate import Contract, DeviceLoader, Field, Packing, assemble, jagged
 from fastcollate._ext import _C
 from fastcollate.errors import ContractKeyError, ContractSizeError, ContractTypeError, ContractValueError
 
@@ -359,7 +359,9 @@ def test_any_packed_batch_equals_the_pure_python_packer(lengths, dtypes, separat
         fields, packing=Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None)
     )
     ours = assemble.using(contract)(samples)
-    expected = reference_pack(samples, keys, dict(zip(keys, separators[: len(keys)], strict=True)), start, seq_idx)
+    expected = reference_pack(
+        samples, keys, dict(zip(keys, separators[: len(keys)], strict=True)), start, seq_idx
+    )
     assert set(ours) == set(expected) | {"id"}
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -440,3 +442,84 @@ def test_a_tiny_llama_gives_the_same_per_token_losses_packed_and_padded(attn_imp
     assert ours.shape == padded.shape == (sum(len(s["input_ids"]) - 1 for s in samples),)
     torch.testing.assert_close(ours, padded, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(across, padded, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing(nested=True): jagged tensors over the packed row
+
+
+def test_nested_packed_fields_are_jagged_views_of_the_packed_row_and_cu_seq_lens():
+    samples = token_samples(count=5, seed=9)
+    batch = assemble.using(packed_contract(nested=True))(samples)
+    flat = assemble.using(packed_contract())(samples)
+    for key in ("input_ids", "labels"):
+        nested = batch[key]
+        assert nested.is_nested and nested.layout == torch.jagged and nested.shape[0] == 5
+        assert torch.equal(nested.values(), flat[key][0])
+        # No copy: the offsets are cu_seq_lens themselves, the values a view of the batch's one buffer.
+        assert nested.offsets().data_ptr() == batch["cu_seq_lens_q"].data_ptr()
+        storage = batch["position_ids"].untyped_storage().data_ptr()
+        assert nested.values().untyped_storage().data_ptr() == storage
+    for sample, row in zip(samples, batch["input_ids"].unbind(), strict=True):
+        assert torch.equal(row, sample["input_ids"])
+
+
+def test_nested_needs_cu_seq_lens():
+    with pytest.raises(ValueError, match="needs cu_seq_lens"):
+        Packing(nested=True, cu_seq_lens=None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nested_batches_from_workers_hold_every_sample(workers):
+    samples = token_samples(count=24, seed=4)
+    collate = assemble.using(packed_contract(nested=True))
+    loader = DataLoader(Tokens(samples), batch_size=8, num_workers=workers, collate_fn=collate)
+    for number, batch in enumerate(loader):
+        part = samples[8 * number : 8 * number + 8]
+        assert [row.tolist() for row in batch["input_ids"].unbind()] == [
+            s["input_ids"].tolist() for s in part
+        ]
+        assert batch["input_ids"].offsets().tolist() == batch["cu_seq_lens_q"].tolist()
+        # Through the pipe too: the values stay a view of the slot (or ring slot) the batch came in.
+        values = batch["input_ids"].values()
+        assert values.untyped_storage().data_ptr() == batch["position_ids"].untyped_storage().data_ptr()
+        assert _C.shared_slot_kind(values) == _C.shared_slot_kind(batch["position_ids"])
+
+
+def test_split_and_join_move_a_jagged_tensor_as_its_values_and_offsets():
+    batch = assemble.using(packed_contract(nested=True))(token_samples(count=4))
+    leaves = [batch["id"], batch["input_ids"], 3]
+    split, places = jagged.split(leaves)
+    assert split[1] is None and places == [(1, 3, 4)]
+    assert split[3].data_ptr() == batch["input_ids"].values().data_ptr()
+    moved = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in split]  # "on the device"
+    joined = jagged.join(moved, places, len(leaves))
+    assert len(joined) == 3 and joined[2] == 3
+    assert joined[1].values().data_ptr() == moved[3].data_ptr()
+    assert joined[1].offsets().data_ptr() == moved[4].data_ptr()
+    assert [r.tolist() for r in joined[1].unbind()] == [r.tolist() for r in batch["input_ids"].unbind()]
+
+
+def test_device_loader_on_the_cpu_passes_a_nested_batch_through():
+    loader = DataLoader(
+        Tokens(token_samples(count=8)), batch_size=4, collate_fn=assemble.using(packed_contract(nested=True))
+    )
+    for batch in DeviceLoader(loader, device="cpu"):
+        assert jagged.is_jagged(batch["input_ids"]) and batch["input_ids"].shape[0] == 4
+
+
+@pytest.mark.needs_cuda
+def test_device_loader_moves_a_nested_batch_in_its_one_copy_and_makes_the_view_on_the_device():
+    samples = token_samples(count=16, seed=2)
+    loader = DataLoader(
+        Tokens(samples), batch_size=8, collate_fn=assemble.using(packed_contract(nested=True))
+    )
+    for number, batch in enumerate(DeviceLoader(loader, device="cuda")):
+        nested = batch["input_ids"]
+        assert jagged.is_jagged(nested) and nested.is_cuda and nested.offsets().is_cuda
+        # The values are a view of the batch's one device copy, as position_ids are.
+        assert (
+            nested.values().untyped_storage().data_ptr() == batch["position_ids"].untyped_storage().data_ptr()
+        )
+        part = samples[8 * number : 8 * number + 8]
+        assert [r.tolist() for r in nested.unbind()] == [s["input_ids"].tolist() for s in part]

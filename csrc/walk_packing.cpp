@@ -3,6 +3,7 @@
 // ids, cu_seq_lens, max_length, seq_idx). The names and dtypes are transformers'
 // DataCollatorWithFlattening's. The walk has checked each sample as any contract field (dtype, fixed dims,
 // range, the named dim agreeing with the sample's other fields); here only the layout is decided.
+#include <algorithm>
 #include <limits>
 
 #include "copy_kernels.h"

@@ -109,19 +109,18 @@ class Assembler:
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        return self._nested(self._collate(batch))
-
-    def _collate(self, batch: Sequence[Any]) -> Any:
+        # ring.assemble is called from here, one frame below the caller: its overflow warning points there.
         if get_worker_info() is not None:
             plan = self._collator.plan(batch)
             slot = self._claim_slot(plan.nbytes)
             if slot is not None:
                 # Small fields stay in the slot: they cross the pipe by value (worker_slots).
-                return plan.execute(slot, small_fields_apart=False)
-            return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
+                return self._nested(plan.execute(slot, small_fields_apart=False))
+            return self._nested(plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True))
         ring = self.ring or main_process_ring()
         # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
-        return ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+        out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+        return self._nested(out)
 
     def _nested(self, out: Any) -> Any:
         contract = self.contract

@@ -37,6 +37,8 @@ __all__ = [
     "build_case",
     "HF_PAD_SEQUENCE",
     "HF_REFERENCE",
+    "PACKED_CAT",
+    "PACKED_REFERENCE",
     "build_cases",
     "fashion_mnist_samples",
     "have_transformers",
@@ -45,6 +47,8 @@ __all__ = [
     "imagenet_samples",
     "leaves",
     "outputs_equal",
+    "packed_contract",
+    "packed_samples",
     "small_fields_samples",
     "token_samples",
 ]
@@ -194,6 +198,20 @@ def hf_token_samples(
     return out
 
 
+def packed_samples(
+    n: int = BATCH, low: int = 16, high: int = 2048, vocab: int = 32000, seed: int = SEED
+) -> list[dict]:
+    """What a tokenizing Dataset hands ``DataCollatorWithFlattening`` for causal-LM fine-tuning:
+    ``input_ids`` and ``labels`` (a copy) int64 [T], T uniform in ``[low, high]``. Seeded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    out = []
+    for length in lengths:
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Contenders.
 
@@ -264,6 +282,47 @@ def pad_sequence_hf(batch: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tenso
                                        padding_value=0),
         "attention_mask": (torch.arange(padded.shape[1])[None] < lengths[:, None]).long(),
         "labels": torch.tensor([sample["labels"] for sample in batch]),
+    }
+
+
+PACKED_REFERENCE = "DataCollatorWithFlattening"
+PACKED_CAT = "torch.cat+arange"
+
+
+def packed_contract() -> Contract:
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``'s batch."""
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True)
+    return Contract({"input_ids": Field(**tokens), "labels": Field(**tokens, separator=-100)}, id=None,
+                    packing=fastcollate.Packing(seq_idx="seq_idx"))
+
+
+def flattening_collator() -> Collate:
+    import transformers
+
+    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+
+
+def cat_arange_packed(batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+    """The packed batch written by hand with torch ops, no Python per token: the same keys, dtypes and
+    values as DataCollatorWithFlattening's."""
+    ids = [sample["input_ids"] for sample in batch]
+    lengths = torch.tensor([len(x) for x in ids])
+    cu_seq_lens = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=cu_seq_lens[1:])
+    starts = cu_seq_lens[:-1].long()
+    labels = torch.cat([sample["labels"] for sample in batch])
+    labels[starts] = -100
+    total = int(cu_seq_lens[-1])
+    max_length = int(lengths.max())
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "labels": labels[None],
+        "position_ids": (torch.arange(total) - torch.repeat_interleave(starts, lengths))[None],
+        "seq_idx": torch.repeat_interleave(torch.arange(len(ids), dtype=torch.int32), lengths)[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
     }
 
 
@@ -345,7 +404,7 @@ def _tensor_bytes(batch: Any) -> int:
 # ---------------------------------------------------------------------------------------------------
 # The cases.
 
-CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded", "hf_padded")
+CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded", "hf_padded", "packed")
 # The plain copy of the batch's bytes into a buffer made once: the floor any collate is measured against.
 FLOOR = "copy_ into reused"
 
@@ -394,6 +453,8 @@ def build_case(key: str) -> Case:
         return case
     elif key == "hf_padded":
         return hf_padded_case()
+    elif key == "packed":
+        return packed_case()
     else:
         raise KeyError(f"unknown case {key!r}; cases: {', '.join(CASES)}")
 
@@ -462,6 +523,47 @@ def hf_padded_case() -> Case:
     if HF_REFERENCE in contenders:
         case.targets.insert(
             0, Target(f"HF: >= 50x {HF_REFERENCE}", "assemble+contract", HF_REFERENCE, "faster", 50.0)
+        )
+    return case
+
+
+def packed_case() -> Case:
+    """Causal-LM samples packed as DataCollatorWithFlattening packs them (the reference, when transformers
+    is installed), by hand with torch.cat + arange, and by assemble under packed_contract(); the title
+    gives the padding packing avoids on the same samples."""
+    samples = packed_samples()
+    contenders: dict[str, Collate] = {}
+    lengths = [len(s["input_ids"]) for s in samples]
+    packed, padded = sum(lengths), len(lengths) * max(lengths)
+    title = (f"256 causal-LM samples, T in [16,2048]: {packed} tokens packed; padded to the longest "
+             f"{padded} ({1 - packed / padded:.0%} padding avoided)")
+    if have_transformers():
+        contenders[PACKED_REFERENCE] = flattening_collator()
+    else:
+        title += f" ({PACKED_REFERENCE} left out: transformers is not installed)"
+    contenders[PACKED_CAT] = cat_arange_packed
+    contenders["assemble+contract"] = assemble.using(packed_contract())
+    case = Case(
+        "packed",
+        title,
+        samples,
+        contenders,
+        tuple(name for name in contenders if name != next(iter(contenders))),
+        _tensor_bytes(cat_arange_packed(samples)) - (len(samples) + 1) * 4,  # cu_seq_lens once, not twice
+        tokens=packed,
+        repeat=40,
+        build=packed_samples,
+    )
+    case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
+    case.targets = [
+        Target(f"packed: >= 3x {PACKED_CAT}", "assemble+contract", PACKED_CAT, "faster", 3.0),
+        Target("packed: <= 1.5x one flat copy_ into reused", "assemble+contract", FLOOR, "within", 1.5),
+    ]
+    if PACKED_REFERENCE in contenders:
+        case.targets.insert(
+            0,
+            Target(f"packed: >= 50x {PACKED_REFERENCE}", "assemble+contract", PACKED_REFERENCE, "faster",
+                   50.0),
         )
     return case
 

@@ -15,7 +15,16 @@ import functools
 
 import pytest
 import torch
-from collate_cases import CASES, HF_PAD_SEQUENCE, HF_REFERENCE, build_case, have_transformers, outputs_equal
+from collate_cases import (
+    CASES,
+    HF_PAD_SEQUENCE,
+    HF_REFERENCE,
+    PACKED_CAT,
+    PACKED_REFERENCE,
+    build_case,
+    have_transformers,
+    outputs_equal,
+)
 
 THREADS = (1, 2)
 
@@ -38,6 +47,8 @@ def contenders(key: str) -> tuple[str, str]:
         return ("pad_sequence+mask", "assemble+contract")
     if key == "hf_padded":
         return ((HF_REFERENCE,) if have_transformers() else ()) + (HF_PAD_SEQUENCE, "assemble+contract")
+    if key == "packed":
+        return ((PACKED_REFERENCE,) if have_transformers() else ()) + (PACKED_CAT, "assemble+contract")
     return ("default_collate", "assemble")
 
 

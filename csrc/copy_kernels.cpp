@@ -134,6 +134,43 @@ size_t pieces_per_row(const RowsJob& job) {
   return std::max<size_t>(1, job.row_bytes / kChunkBytes);
 }
 
+void run_count(const CountJob& job) {
+  for (size_t i = 0; i < job.count; ++i) {
+    job.dst[i] = job.start + static_cast<int64_t>(i);
+  }
+}
+
+// Fills and counts, before the copies (which may overwrite part of a fill). A packed batch writes as many
+// bytes here as it copies (its position ids and seq_idx): large ones spread over the threads too.
+void run_fills_and_counts(const std::vector<FillJob>& fills, const std::vector<CountJob>& counts) {
+  size_t bytes = 0;
+  for (const auto& job : fills) {
+    bytes += job.count * job.element_size;
+  }
+  for (const auto& job : counts) {
+    bytes += job.count * sizeof(int64_t);
+  }
+  const size_t units = fills.size() + counts.size();
+  auto run_units = [&](size_t begin, size_t end) {
+    for (size_t unit = begin; unit < end; ++unit) {
+      if (unit < fills.size()) {
+        run_fill(fills[unit]);
+      } else {
+        run_count(counts[unit - fills.size()]);
+      }
+    }
+  };
+  if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
+    run_units(0, units);
+    return;
+  }
+  const size_t average = std::max<size_t>(1, bytes / std::max<size_t>(1, units));
+  const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / average));
+  at::parallel_for(0, static_cast<int64_t>(units), grain, [&](int64_t begin, int64_t end) {
+    run_units(static_cast<size_t>(begin), static_cast<size_t>(end));
+  });
+}
+
 }  // namespace
 
 void CopyJobs::add_rows(const void* const* sources, void* dst, size_t row_bytes, size_t count) {
@@ -157,9 +194,7 @@ void CopyJobs::add_memcpy(const void* src, void* dst, size_t n) {
 }
 
 void CopyJobs::run() const {
-  for (const auto& fill : fills) {
-    run_fill(fill);
-  }
+  run_fills_and_counts(fills, counts);
   const bool streaming = bytes >= kStreamingThresholdBytes;
   if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
     for (const auto& job : memcpys) {

@@ -48,16 +48,24 @@ struct FillJob {
   uint64_t pattern;  // the element's bytes (element_size <= 8)
 };
 
+// Writes start, start + 1, ... into `count` int64 elements at dst (a packed batch's position ids).
+struct CountJob {
+  int64_t* dst;
+  size_t count;
+  int64_t start;
+};
+
 // A copy that needs ATen: non-contiguous or channels-last input, a declared cast, a declared broadcast.
 struct TensorCopyJob {
   at::Tensor src;
   at::Tensor dst;
 };
 
-// The copies that fill one batch. Run order: fills, then memcpys and tensor copies (which may overwrite
-// part of a fill, as padded rows do).
+// The copies that fill one batch. Run order: fills and counts, then memcpys and tensor copies (which may
+// overwrite part of a fill, as padded rows do).
 struct CopyJobs {
   std::vector<FillJob> fills;
+  std::vector<CountJob> counts;
   std::vector<MemcpyJob> memcpys;
   std::vector<RowsJob> rows;
   std::vector<TensorCopyJob> tensor_copies;

@@ -89,7 +89,20 @@ void bind_field_spec(py::module_& m) {
           [](FieldSpec& spec, double value) { spec.pad_value = value; })
       .def_readwrite("mask_name", &FieldSpec::mask_name)
       .def_readwrite("mask_dtype", &FieldSpec::mask_dtype)
-      .def_readwrite("lengths_name", &FieldSpec::lengths_name);
+      .def_readwrite("lengths_name", &FieldSpec::lengths_name)
+      .def_readwrite("packed", &FieldSpec::packed)
+      .def_property(
+          "has_separator", [](const FieldSpec& spec) { return spec.separator.has_value(); },
+          [](FieldSpec& spec, bool declared) { declare(spec.separator, declared, 0.0); })
+      .def_property(
+          "separator", [](const FieldSpec& spec) { return spec.separator.value_or(0.0); },
+          [](FieldSpec& spec, double value) { spec.separator = value; })
+      .def_readwrite("position_ids_name", &FieldSpec::position_ids_name)
+      .def_readwrite("position_ids_start", &FieldSpec::position_ids_start)
+      .def_readwrite("cu_seq_lens_names", &FieldSpec::cu_seq_lens_names)
+      .def_readwrite("max_length_names", &FieldSpec::max_length_names)
+      .def_readwrite("seq_idx_name", &FieldSpec::seq_idx_name)
+      .def_readwrite("max_tokens", &FieldSpec::max_tokens);
 }
 
 }  // namespace fastcollate

@@ -35,6 +35,16 @@ struct FieldSpec {
   std::string mask_name;                  // padded: key of the mask put beside the field
   at::ScalarType mask_dtype = at::kBool;  // padded: the mask's dtype (1 at real positions, 0 at padding)
   std::string lengths_name;               // padded: key of the lengths put beside the field ("" for none)
+  // Packed: samples concatenated into one row [1, total, *fixed dims] (contract.Field.pack). The keys beside
+  // it are the contract's Packing, the same on every packed field; "" (or no names) leaves one out.
+  bool packed = false;
+  std::optional<double> separator;  // written at each sample's first token
+  std::string position_ids_name;
+  int64_t position_ids_start = 0;
+  std::vector<std::string> cu_seq_lens_names;  // q and k, or none
+  std::vector<std::string> max_length_names;   // q and k, or none
+  std::string seq_idx_name;
+  int64_t max_tokens = 0;  // a batch of more tokens is refused; 0 for no budget (still under 2^31)
 
   bool padded() const { return pad_value.has_value(); }
   bool has_named_dims() const;

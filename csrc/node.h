@@ -37,6 +37,22 @@ struct Node {
   std::unique_ptr<Node> lengths;
   std::string mask_name;
   std::string lengths_name;
+  // Packed tensors: each sample's first token in the row (count + 1 entries, the last the total), the
+  // separator's bytes, and the keys beside the row. Only the parent's first packed field builds those
+  // (position_ids, seq_idx, cu_seq_lens; null where not asked for); the others share them.
+  bool packed = false;
+  std::vector<int64_t> starts;
+  bool has_separator = false;
+  uint64_t separator_pattern = 0;
+  std::unique_ptr<Node> position_ids;
+  int64_t position_ids_start = 0;
+  std::unique_ptr<Node> seq_idx;
+  std::unique_ptr<Node> cu_seq_lens;
+  int64_t max_length = -1;  // -1: this field builds no keys beside it
+  std::string position_ids_name;
+  std::string seq_idx_name;
+  std::vector<std::string> cu_seq_lens_names;
+  std::vector<std::string> max_length_names;
   // Numbers: the values, already converted.
   std::vector<int64_t> ints;
   std::vector<double> floats;

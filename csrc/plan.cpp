@@ -5,6 +5,7 @@
 #include <ATen/Dispatch_v2.h>
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 
 #include "node.h"
@@ -55,6 +56,11 @@ int64_t make_views(Node& node, const at::Storage& storage, size_t offset, int64_
       views += make_views(*node.mask, storage, offset, batch_bytes);
     }
     views += make_views(*node.lengths, storage, offset, batch_bytes);
+  }
+  for (Node* beside : {node.position_ids.get(), node.seq_idx.get(), node.cu_seq_lens.get()}) {
+    if (beside != nullptr) {
+      views += make_views(*beside, storage, offset, batch_bytes);
+    }
   }
   return views;
 }
@@ -146,9 +152,66 @@ void add_padded_jobs(Node& node, CopyJobs& jobs) {
   }
 }
 
+// Copies into a packed row: sample i at token starts[i], its first token replaced by the separator when
+// one is declared (a fill of that token, and the copy starts one token later: no order between them).
+// The parent's first packed field also writes the position ids, seq_idx and cu_seq_lens beside it.
+void add_packed_jobs(Node& node, CopyJobs& jobs) {
+  const size_t count = node.inputs.size();
+  const size_t element_size = c10::elementSize(node.dtype);
+  const int64_t token_elements = c10::multiply_integers(node.out.sizes().slice(2));
+  const size_t token_bytes = static_cast<size_t>(token_elements) * element_size;
+  auto* out = static_cast<unsigned char*>(node.out.data_ptr());
+  at::Tensor tokens = node.out.select(0, 0);  // [total, *fixed dims], for the copies ATen makes
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t length = node.starts[i + 1] - node.starts[i];
+    if (length == 0) {
+      continue;
+    }
+    unsigned char* row = out + static_cast<size_t>(node.starts[i]) * token_bytes;
+    const int64_t skip = node.has_separator ? 1 : 0;
+    if (node.has_separator) {
+      jobs.fills.push_back({row, static_cast<size_t>(token_elements), element_size, node.separator_pattern});
+    }
+    if (length == skip) {
+      continue;
+    }
+    if (const void* source = node.sources[i]) {
+      jobs.add_memcpy(static_cast<const unsigned char*>(source) + skip * token_bytes, row + skip * token_bytes,
+                      static_cast<size_t>(length - skip) * token_bytes);
+    } else {
+      jobs.tensor_copies.push_back(
+          {node.inputs[i].narrow(0, skip, length - skip), tokens.narrow(0, node.starts[i] + skip, length - skip)});
+    }
+  }
+  if (node.position_ids) {
+    auto* positions = node.position_ids->out.data_ptr<int64_t>();
+    for (size_t i = 0; i < count; ++i) {
+      jobs.counts.push_back({positions + node.starts[i], static_cast<size_t>(node.starts[i + 1] - node.starts[i]),
+                             node.position_ids_start});
+    }
+  }
+  if (node.seq_idx) {
+    auto* seq_idx = static_cast<unsigned char*>(node.seq_idx->out.data_ptr());
+    for (size_t i = 0; i < count; ++i) {
+      const int32_t index = static_cast<int32_t>(i);
+      uint64_t pattern = 0;
+      std::memcpy(&pattern, &index, sizeof(index));  // FillJob reads an element's bytes from the pattern's first
+      jobs.fills.push_back({seq_idx + node.starts[i] * sizeof(int32_t),
+                            static_cast<size_t>(node.starts[i + 1] - node.starts[i]), sizeof(int32_t), pattern});
+    }
+  }
+  if (node.cu_seq_lens) {
+    write_numbers(*node.cu_seq_lens);
+  }
+}
+
 void add_tensor_jobs(Node& node, CopyJobs& jobs) {
   if (node.padded) {
     add_padded_jobs(node, jobs);
+    return;
+  }
+  if (node.packed) {
+    add_packed_jobs(node, jobs);
     return;
   }
   const size_t count = node.inputs.size();
@@ -201,6 +264,29 @@ py::object build_output(Node& node) {
           if (!child.lengths_name.empty()) {
             values[py::str(child.lengths_name)] = build_output(*child.lengths);
           }
+        }
+      }
+      // The keys beside packed rows go after the fields, in DataCollatorWithFlattening's order.
+      for (auto& each : node.children) {
+        Node& child = *each;
+        if (!child.packed || child.max_length < 0) {
+          continue;
+        }
+        if (child.position_ids) {
+          values[py::str(child.position_ids_name)] = build_output(*child.position_ids);
+        }
+        if (child.seq_idx) {
+          values[py::str(child.seq_idx_name)] = build_output(*child.seq_idx);
+        }
+        if (child.cu_seq_lens) {
+          // One tensor under both keys: q's and k's offsets are equal in self-attention.
+          py::object offsets = build_output(*child.cu_seq_lens);
+          for (const auto& name : child.cu_seq_lens_names) {
+            values[py::str(name)] = offsets;
+          }
+        }
+        for (const auto& name : child.max_length_names) {
+          values[py::str(name)] = py::int_(child.max_length);
         }
       }
       return node.kind == Node::Kind::Dict ? py::object(values) : refs.rebuild_mapping(node.elem, values);

@@ -309,6 +309,11 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
            "a padded field in a " + type_name(elem),
            "make the sample a dict (e.g. {\"tokens\": ..., \"label\": ...}), or declare no pad");
     }
+    if (child->packed) {
+      // The keys beside a packed row (position ids, cu_seq_lens, ...) go beside it, by key.
+      fail("type", 0, child->path, "a packed field in a mapping (the keys beside it go there, by key)",
+           "a packed field in a " + type_name(elem), "make the sample a dict (e.g. {\"input_ids\": ..., \"id\": ...})");
+    }
     if (child->text) {
       child->ready = py::tuple(child->ready);  // default_collate hands strings back as zip gave them
     }

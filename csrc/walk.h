@@ -55,6 +55,11 @@ class Walk {
   void check_declared_shape(const at::Tensor& value, const FieldSpec& spec, size_t index, size_t count);
   void widen_named_dims(const FieldSpec& spec, const Node& node, std::vector<int64_t>& row_shape);
   void lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& row_shape, Node& node);
+  uint64_t value_pattern(double value, at::ScalarType dtype, const std::string& path, const char* what,
+                         const char* hint) const;
+  // Packing (walk_packing.cpp).
+  void lay_out_packing(const FieldSpec& spec, Node& node);
+  void lay_out_beside_packing(const FieldSpec& spec, Node& node);
   void check_range(const at::Tensor& value, const FieldSpec& spec, size_t index);
   void check_cast(const at::Tensor& value, at::ScalarType dtype, const std::string& path, size_t index);
   void check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count);
@@ -67,6 +72,8 @@ class Walk {
   std::unordered_map<std::string, std::pair<std::string, std::vector<int64_t>>> named_dims_;
   // Padded fields' masks by the key they go under (parent path and mask name): the field that builds it.
   std::unordered_map<std::string, const Node*> mask_owners_;
+  // Packed fields' parents (their path) that already have the keys beside the packed row.
+  std::unordered_map<std::string, const Node*> pack_owners_;
 };
 
 // The path of a container's child: "meta" + "boxes" is "meta.boxes"; the sample's own children have

@@ -100,6 +100,10 @@ std::unique_ptr<Node> Walk::tensors(const Items& items, const std::string& path,
     }
   } else {
     const std::vector<int64_t> row_shape = check_contract_rows(path, *spec, *node);
+    if (spec->packed) {
+      lay_out_packing(*spec, *node);  // lays the row out itself: its shape is the batch's total
+      return node;
+    }
     if (spec->padded()) {
       lay_out_padding(*spec, row_shape, *node);
     }
@@ -346,7 +350,7 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
     int64_t longest = 0;
     for (size_t i = 0; i < count; ++i) {
       const int64_t size = node.inputs[i].size(dim);
-      if (!spec.padded() && i > 0 && size != first_size) {
+      if (!spec.padded() && !spec.packed && i > 0 && size != first_size) {
         fail("size", i, spec.path, "dim " + spec.dim_names[d] + " = " + std::to_string(first_size) + " (as sample 0)",
              "dim " + spec.dim_names[d] + " = " + std::to_string(size),
              "declare pad=<value> on the field to pad it to the batch's longest");
@@ -361,25 +365,9 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
 // already laid out beside an earlier field of the same parent is that field's mask (the Collator has
 // checked that both pad the same named dims into the same mask dtype): this field builds none.
 void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& row_shape, Node& node) {
-  const at::ScalarType dtype = node.dtype;
-  const double pad_value = *spec.pad_value;
   const size_t count = node.inputs.size();
-  try {
-    // Not 1e10 as float16 (inf) or 300 as int8 (44): the pad must be a value of the dtype.
-    if (dtype != at::kBool) {  // any value is a bool
-      bool holds = false;
-      AT_DISPATCH_V2(dtype, "pad_value", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(pad_value); }),
-                     AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
-                     AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES));
-      TORCH_CHECK(holds, "pad value out of range");
-    }
-    node.pad_pattern = element_pattern(pad_value, dtype);
-  } catch (const std::exception&) {  // c10::Error, or std::runtime_error from c10's checked conversion
-    std::ostringstream pad;
-    pad << "pad=" << pad_value;
-    fail("value", 0, node.path, "a pad value " + dtype_string(dtype) + " can hold", pad.str(),
-         "declare a pad value the field's dtype can hold");
-  }
+  node.pad_pattern =
+      value_pattern(*spec.pad_value, node.dtype, node.path, "pad", "declare a pad value the field's dtype can hold");
   node.mask_name = spec.mask_name;
   node.lengths_name = spec.lengths_name;
   for (size_t d = 0; d < spec.dim_names.size(); ++d) {
@@ -417,6 +405,27 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
                           node.path, " share mask ", spec.mask_name, " but differ in length");
   }
   lay_out(*node.lengths);
+}
+
+// The bytes of `value` as `dtype`, for a fill; `what` (pad, separator) is declared on the field at `path`.
+uint64_t Walk::value_pattern(double value, at::ScalarType dtype, const std::string& path, const char* what,
+                             const char* hint) const {
+  try {
+    // Not 1e10 as float16 (inf) or 300 as int8 (44): the value must be one of the dtype.
+    if (dtype != at::kBool) {  // any value is a bool
+      bool holds = false;
+      AT_DISPATCH_V2(dtype, "value_pattern", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(value); }),
+                     AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+                     AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES));
+      TORCH_CHECK(holds, what, " value out of range");
+    }
+    return element_pattern(value, dtype);
+  } catch (const std::exception&) {  // c10::Error, or std::runtime_error from c10's checked conversion
+    std::ostringstream declared;
+    declared << what << "=" << value;
+    fail("value", 0, path, std::string("a ") + what + " value " + dtype_string(dtype) + " can hold", declared.str(),
+         hint);
+  }
 }
 
 void Walk::check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count) {

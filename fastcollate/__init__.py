@@ -9,13 +9,14 @@ from . import audit
 from .arrays import Arrays, Ragged, TokenWindows
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
-from .contract import Contract, Field
+from .contract import Contract, Field, Packing
 from .device_loader import DeviceLoader
 from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
 from .index_batches import IndexBatches
 from .staging import StagingRing
 from .thread_pipelines import fetch_batches
+from .token_batches import TokenBudgetBatches
 from .transforms import Normalize
 
 __all__ = [
@@ -30,9 +31,11 @@ __all__ = [
     "IndexBatches",
     "Ledger",
     "Normalize",
+    "Packing",
     "Ragged",
     "StagingRing",
     "TagWorker",
+    "TokenBudgetBatches",
     "TokenWindows",
     "assemble",
     "audit",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from . import gather, worker_slots
+from . import gather, jagged, worker_slots
 from ._ext import _C
 from ._torch_compat import new_shared_storage
 from .arrays import ArrayBatch
@@ -109,16 +109,25 @@ class Assembler:
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
+        # ring.assemble is called from here, one frame below the caller: its overflow warning points there.
         if get_worker_info() is not None:
             plan = self._collator.plan(batch)
             slot = self._claim_slot(plan.nbytes)
             if slot is not None:
                 # Small fields stay in the slot: they cross the pipe by value (worker_slots).
-                return plan.execute(slot, small_fields_apart=False)
-            return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
+                return self._nested(plan.execute(slot, small_fields_apart=False))
+            return self._nested(plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True))
         ring = self.ring or main_process_ring()
         # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
-        return ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+        out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+        return self._nested(out)
+
+    def _nested(self, out: Any) -> Any:
+        contract = self.contract
+        if contract is None or contract.packing is None or not contract.packing.nested:
+            return out
+        parent, keys = contract.packed_fields()
+        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0])
 
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),

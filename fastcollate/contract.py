@@ -17,7 +17,7 @@ import torch
 
 from . import tree
 
-__all__ = ["Contract", "Field"]
+__all__ = ["Contract", "Field", "Packing"]
 
 Dim = int | str
 _QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
@@ -56,6 +56,13 @@ class Field:
         expand_from: other shapes accepted and broadcast to ``shape`` on copy: ``expand_from=((1, 16, 16),)``
             on a ``(3, 16, 16)`` field turns a grayscale image into three identical channels.
         cast_from: other dtypes accepted and converted to ``dtype`` on copy.
+        pack: concatenate the field's samples into one row instead of padding them: the batch holds it
+            as ``[1, total_tokens, *fixed dims]``, in batch order, beside the keys the contract's
+            ``Packing`` names (position ids, ``cu_seq_lens``, ...). Its shape's first dim must be named
+            (``("T",)``); every packed field of a contract shares that name and parent mapping.
+        separator: only with ``pack``: the value written at each sample's first token (Hugging Face's
+            ``DataCollatorWithFlattening`` writes -100 there in ``labels``, so no token predicts the
+            first token of the next sample).
     """
 
     kind: Literal["tensor", "number", "text"] = "tensor"
@@ -68,6 +75,8 @@ class Field:
     lengths: str | None = ""
     expand_from: tuple[tuple[int, ...], ...] = ()
     cast_from: tuple[torch.dtype, ...] = ()
+    pack: bool = False
+    separator: float | int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("tensor", "number", "text"):
@@ -101,6 +110,18 @@ class Field:
                 raise ValueError(f"a range bounds real values: {self.dtype} has no order")
         for accepted in self.expand_from:
             self._check_expand_from(accepted)
+        if self.pack:
+            self._check_pack()
+        elif self.separator is not None:
+            raise ValueError("separator only applies to packed fields: set pack=True")
+
+    def _check_pack(self) -> None:
+        shape = self.shape or ()
+        if not shape or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
+            raise ValueError(f"a packed field's shape names its first dim and only that one, e.g. ('T',), "
+                             f"got {self.shape}")
+        if self.pad is not None or self.expand_from:
+            raise ValueError("a packed field is not padded and does not expand: drop pad and expand_from")
 
     def _check_expand_from(self, accepted: tuple[int, ...]) -> None:
         """Each shape in expand_from must broadcast to ``shape`` (checked here, not on the first batch)."""
@@ -144,7 +165,57 @@ class Field:
             parts.append("expands from " + ", ".join(str(list(s)) for s in self.expand_from))
         if self.cast_from:
             parts.append("casts from " + ", ".join(str(d) for d in self.cast_from))
+        if self.pack:
+            parts.append("packed" if self.separator is None else f"packed, separator {self.separator!r}")
         return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """The keys a packed batch holds beside its packed fields (``Field(pack=True)``), in the parent
+    mapping of those fields. The defaults are ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s
+    names and dtypes; ``seq_idx="seq_idx"`` adds its ``return_seq_idx=True``. A key set to None is left out.
+
+    Args:
+        position_ids: int64 ``[1, total_tokens]``, counting from ``position_ids_start`` in each sample.
+        position_ids_start: the first token's position (RoBERTa-like models start at padding_idx + 1).
+        cu_seq_lens: the two keys of the int32 ``[batch + 1]`` offsets, from 0 to total_tokens (one
+            tensor under both keys: they are equal, as FlashAttention's q and k offsets are for
+            self-attention).
+        max_length: the two keys of the longest sample's length, as Python ints (no GPU sync to read).
+        seq_idx: int32 ``[1, total_tokens]``, each token's sample index in the batch.
+        nested: each packed field as ``torch.nested.nested_tensor_from_jagged(row[0], cu_seq_lens)``
+            (shape ``[batch, j, ...]``), a view over the same memory; needs ``cu_seq_lens``.
+        max_tokens: a batch of more tokens is refused (a ``ContractSizeError`` naming the sample that
+            passes it); None for no budget. Every batch must stay under 2^31 tokens (int32 offsets).
+    """
+
+    position_ids: str | None = "position_ids"
+    position_ids_start: int = 0
+    cu_seq_lens: tuple[str, str] | None = ("cu_seq_lens_q", "cu_seq_lens_k")
+    max_length: tuple[str, str] | None = ("max_length_q", "max_length_k")
+    seq_idx: str | None = None
+    max_tokens: int | None = None
+    nested: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nested and self.cu_seq_lens is None:
+            raise ValueError("Packing(nested=True) needs cu_seq_lens: they are the nested tensors' offsets")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"Packing.max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        for name in ("cu_seq_lens", "max_length"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+                if len(value) != 2 or not all(isinstance(k, str) and k for k in value):
+                    raise ValueError(f"Packing.{name} is two keys (q, k) or None, got {value!r}")
+        if not isinstance(self.position_ids_start, int) or isinstance(self.position_ids_start, bool):
+            raise ValueError(f"Packing.position_ids_start must be an int, got {self.position_ids_start!r}")
+
+    def keys(self) -> list[str]:
+        """The keys this packing adds, in the order the batch holds them."""
+        keys = [self.position_ids, self.seq_idx, *(self.cu_seq_lens or ()), *(self.max_length or ())]
+        return [k for k in keys if k]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +225,12 @@ class Contract:
     Args:
         fields: field path to Field. Paths join mapping keys and sequence indices with dots.
         id: the path of the field holding each sample's id (named in errors), or None.
+        packing: the keys beside packed fields (``Field(pack=True)``); None for ``Packing()``'s defaults.
     """
 
     fields: Mapping[str, Field]
     id: str | None = "id"
+    packing: Packing | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", dict(self.fields))
@@ -181,6 +254,31 @@ class Contract:
                     self._check_shared_key(full, added[full], (path, role))
                 else:
                     added[full] = (path, role)
+        self._check_packed(keys, added)
+
+    def _check_packed(self, keys: set[str], added: dict[str, tuple[str, str]]) -> None:
+        """Packed fields are one row in one mapping: the same parent and the same named dim, whose
+        lengths then agree within each sample; the keys their Packing adds must be free."""
+        packed = [path for path, field in self.fields.items() if field.pack]
+        if not packed:
+            if self.packing is not None:
+                raise ValueError("Contract: packing is given but no field is packed: "
+                                 "declare Field(pack=True)")
+            return
+        if self.packing is None:
+            object.__setattr__(self, "packing", Packing())
+        first = packed[0]
+        parent, dim = first.rpartition(".")[0], self.fields[first].shape[0]
+        for path in packed[1:]:
+            if path.rpartition(".")[0] != parent or self.fields[path].shape[0] != dim:
+                raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
+                                 f"name the same first dim ({dim!r}): they are packed into one row")
+        object.__setattr__(self, "_packed", (parent, [p.rpartition(".")[2] for p in packed]))
+        for key in self.packing.keys():
+            full = f"{parent}.{key}" if parent else key
+            if full in keys or full in added:
+                raise ValueError(f"the packed fields would add {full!r}, which is already a field: give "
+                                 "Packing another key for it, or None")
 
     def _check_shared_key(self, key: str, first: tuple[str, str], second: tuple[str, str]) -> None:
         """Two padded fields may put their masks under one key only when the masks are equal by
@@ -224,6 +322,8 @@ class Contract:
         lines = [f"Contract ({len(self.fields)} fields, id field: {self.id!r})"]
         for path, field in self.fields.items():
             lines.append(f"  {path.ljust(width)}  {field.describe()}")
+        if self.packing is not None:
+            lines.append(f"  packed beside: {', '.join(self.packing.keys())}")
         return "\n".join(lines)
 
     def diff(self, other: Contract) -> list[str]:
@@ -238,6 +338,8 @@ class Contract:
                 out.append(f"{path}: {self.fields[path].describe()} != {other.fields[path].describe()}")
         if self.id != other.id:
             out.append(f"id field: {self.id!r} != {other.id!r}")
+        if self.packing != other.packing:
+            out.append(f"packing: {self.packing} != {other.packing}")
         return sorted(out)
 
     def native_specs(self) -> list:
@@ -267,8 +369,28 @@ class Contract:
                 spec.mask_name = self.mask_key(path)
                 spec.mask_dtype = field.mask_dtype
                 spec.lengths_name = self.lengths_key(path) or ""
+            if field.pack:
+                self._packing_spec(spec, field)
             specs.append(spec)
         return specs
+
+
+    def packed_fields(self) -> tuple[str, list[str]] | None:
+        """The packed fields' parent path and their keys in it; None when nothing is packed."""
+        return getattr(self, "_packed", None)
+
+    def _packing_spec(self, spec, field: Field) -> None:
+        packing = self.packing
+        spec.packed = True
+        if field.separator is not None:
+            spec.has_separator = True
+            spec.separator = float(field.separator)
+        spec.position_ids_name = packing.position_ids or ""
+        spec.position_ids_start = packing.position_ids_start
+        spec.cu_seq_lens_names = list(packing.cu_seq_lens or ())
+        spec.max_length_names = list(packing.max_length or ())
+        spec.seq_idx_name = packing.seq_idx or ""
+        spec.max_tokens = packing.max_tokens or 0
 
 
 def _named_dims(field: Field) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from . import tree, worker_slots
+from . import jagged, tree, worker_slots
 from ._ext import _C
 from ._torch_compat import loader_workers, waited_worker
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
@@ -329,6 +329,9 @@ class DeviceLoader:
         if self._copy_stream is None:
             return _Staged(apply_to_fields(batch, self.transforms))
         leaves, rebuild = tree.flatten(batch)
+        count = len(leaves)
+        # A jagged tensor crosses as its values and offsets, in the same one copy, and is made again there.
+        leaves, jagged_places = jagged.split(leaves)
         host = [i for i, leaf in enumerate(leaves)
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
         staged = _Staged(batch)
@@ -373,7 +376,7 @@ class DeviceLoader:
                 staged.device_tensors.extend(clones)
                 self._counts["small_field_clones"] += len(clones)
                 del fields, clones
-            out = rebuild(leaves)
+            out = rebuild(jagged.join(leaves, jagged_places, count))
             del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
             out = apply_to_fields(out, self.transforms)
             if self.transforms:

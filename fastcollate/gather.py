@@ -133,8 +133,8 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
             continue
         column = dataset.columns[key]
         source = column.rows if column.rows is not None else column.values
-        if field is not None and (field.kind == "text" or field.expand_from):
-            return None
+        if field is not None and (field.kind == "text" or field.expand_from or field.pack):
+            return None  # packed columns: the per-sample walk packs them (no column-wise packing yet)
         if field is not None and field.kind == "number" and (column.rows is None or column.rows.dim() != 1):
             return None  # a number per sample is a 1-D column
         dtype = _dtype(field, source.dtype, key, batch, id_key)

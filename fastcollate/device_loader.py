@@ -13,6 +13,7 @@ no tensor references it; device memory is tied to the consumer stream with ``rec
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import multiprocessing.connection
 import signal
@@ -165,7 +166,7 @@ class DeviceLoader:
     loader's, and ``len()`` is its length. Any iterable works: a DataLoader, a torchdata.nodes
     ``Loader``, an SPDL ``Pipeline`` (iterated inside its ``auto_stop()``). A loader with
     ``state_dict``/``load_state_dict`` (torchdata's ``Loader``, ``StatefulDataLoader``) is resumable
-    through this one, at the batch last handed out (see ``state_dict``).
+    through this one: ``state_dict()`` is its state at the batch last handed out (see ``_state_dict``).
     """
 
     dataset = _read_through("dataset")
@@ -218,6 +219,14 @@ class DeviceLoader:
         # The wrapped loader's state as of the batch last handed out (None: before any iteration).
         self._state_handed_out: Any = None
         self._tracks_state = callable(getattr(loader, "state_dict", None))
+        # state_dict and load_state_dict exist only where the wrapped loader has them, as attributes of
+        # this instance: code that checks for the stateful protocol (Lightning's CombinedLoader, with
+        # hasattr or a static lookup) must find a plain DataLoader's DeviceLoader not stateful. Bound
+        # through a weak reference, so that a dropped DeviceLoader is finalized at once, not by the GC.
+        if self._tracks_state:
+            self.state_dict = _weakly_bound(self, DeviceLoader._state_dict)
+        if callable(getattr(loader, "load_state_dict", None)):
+            self.load_state_dict = _weakly_bound(self, DeviceLoader._load_state_dict)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]  (TypeError when the loader has no length)
@@ -243,28 +252,26 @@ class DeviceLoader:
                 told.add(id(sampler))
                 sampler.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped loader's ``state_dict()`` as of the batch this loader last handed out. The loader
-        itself is ``depth`` batches further on (they are staged here): its own state would skip them on
-        resume. Before any iteration, the loader's current state."""
-        if not self._tracks_state:
-            raise AttributeError(
-                f"DeviceLoader: the wrapped loader ({type(self.loader).__name__}) has no 'state_dict'"
-            )
+    def _state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state as of the batch this loader last handed out (a copy taken when the
+        loader gave it). The loader itself is ``depth`` batches further on (they are staged here): its own
+        state would skip them on resume. Before any iteration, the loader's current state; after the last
+        batch of an epoch, its state at the epoch's end."""
         if self._state_handed_out is None:
             return self.loader.state_dict()
         return self._state_handed_out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Passes ``state_dict`` (from ``state_dict()``) to the wrapped loader, which resumes from it on
         the next ``iter()``."""
-        load = getattr(self.loader, "load_state_dict", None)
-        if not callable(load):
-            raise AttributeError(
-                f"DeviceLoader: the wrapped loader ({type(self.loader).__name__}) has no 'load_state_dict'"
-            )
-        load(state_dict)
+        self.loader.load_state_dict(state_dict)
         self._state_handed_out = None
+
+    def _loader_state(self) -> Any:
+        """A copy of the wrapped loader's state now: a loader may hand out its own dict and change it as it
+        goes on, which would move a recorded state forward to where the loader is (deepcopy: about 10 us
+        for torchdata.nodes' state; a StatefulDataLoader's own state_dict costs more)."""
+        return copy.deepcopy(self.loader.state_dict())
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -481,6 +488,17 @@ def _name_the_waited_worker(error: BaseException, source: Any) -> None:
         return
 
 
+def _weakly_bound(owner: DeviceLoader, method: Callable) -> Callable:
+    proxy = weakref.proxy(owner)
+
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return method(proxy, *args, **kwargs)
+
+    bound.__doc__ = method.__doc__
+    bound.__name__ = method.__name__.lstrip("_")
+    return bound
+
+
 class _DeviceIterator:
     """One epoch: keeps ``depth`` batches staged ahead of the consumer.
 
@@ -492,7 +510,8 @@ class _DeviceIterator:
         self.owner = owner
         self.source = iter(owner.loader)
         if owner._tracks_state:  # a new epoch (or a resumed one) starts from here
-            owner._state_handed_out = owner.loader.state_dict()
+            owner._state_handed_out = owner._loader_state()
+        self.end_state: Any = None  # the loader's state once it is exhausted (when tracked)
         self.staged: deque[_Staged] = deque()
         self.error: BaseException | None = None  # raised once the batches before it are delivered
         self.exhausted = False
@@ -511,6 +530,8 @@ class _DeviceIterator:
             if self.error is not None:
                 error, self.error = self.error, None
                 raise error
+            if self.end_state is not None:  # every batch handed out: resume at the next epoch
+                self.owner._state_handed_out = self.end_state
             raise StopIteration
         batch = self.owner._hand_over(self.staged.popleft())
         self._fill()  # queue the next copy now, so it overlaps the consumer's compute on this batch
@@ -526,12 +547,14 @@ class _DeviceIterator:
                     batch = owner._next_from(self.source)
                 except StopIteration:
                     self.exhausted = True
+                    if owner._tracks_state:
+                        self.end_state = owner._loader_state()
                     return
                 except Exception as error:  # the loader's own error, delivered in order
                     _name_the_waited_worker(error, self.source)
                     self.error = error
                     return
-            state = owner.loader.state_dict() if owner._tracks_state else None
+            state = owner._loader_state() if owner._tracks_state else None
             with record_function("h2d_transfer"):
                 staged = owner._stage(batch)
             staged.loader_state = state

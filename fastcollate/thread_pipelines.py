@@ -30,8 +30,14 @@ def fetch_batches(dataset: Dataset, collate_fn: Callable[[Sequence[Any]], Any] =
     """
     getitems = getattr(dataset, "__getitems__", None)
     if callable(getitems):
-        # A list, as DataLoader passes; index arrays (IndexBatches') as they are, with no Python int each.
+        # As DataLoader passes them: a list as a list, index arrays (IndexBatches') as they are, with no
+        # Python int each; anything else (a range, a generator) as a list.
         return lambda indices: collate_fn(
             getitems(indices if isinstance(indices, (list, np.ndarray, torch.Tensor)) else list(indices))
         )
-    return lambda indices: collate_fn([dataset[i] for i in indices])
+    def fetch(indices):
+        if isinstance(indices, (np.ndarray, torch.Tensor)):
+            indices = indices.tolist()  # Python ints, as DataLoader's sampler gives: dataset[i] is keyed by them
+        return collate_fn([dataset[i] for i in indices])
+
+    return fetch

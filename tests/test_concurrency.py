@@ -48,7 +48,7 @@ def in_threads(*targets):
         raise errors[0]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_two_device_loaders_interleaved_in_one_thread(workers):
     a = DeviceLoader(DataLoader(Numbered(40, shape=(4, 4)), batch_size=8, num_workers=workers,
                                 collate_fn=assemble),
@@ -70,7 +70,7 @@ def test_two_device_loaders_interleaved_in_one_thread(workers):
     assert [i for batch in kept_b for i in check(batch)] == list(range(24)) * 2
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_two_device_loaders_in_two_threads(workers):
     """Both collate into the process's staging ring at once (num_workers=0): slots are never shared."""
     results = {}
@@ -90,7 +90,7 @@ def test_two_device_loaders_in_two_threads(workers):
     assert [i for batch in results["b"] for i in check(batch)] == list(range(30)) * 3
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_one_dataloader_iterated_from_two_threads(workers):
     loader = DataLoader(Numbered(64, shape=(5, 5)), batch_size=4, num_workers=workers, collate_fn=assemble)
     results = {}
@@ -103,7 +103,7 @@ def test_one_dataloader_iterated_from_two_threads(workers):
         assert [i for batch in results[name] for i in check(batch)] == list(range(64)) * 2, name
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_one_device_iterator_shared_by_two_threads_hands_each_batch_out_once(workers):
     loader = DataLoader(Numbered(96, shape=(6,)), batch_size=4, num_workers=workers, collate_fn=assemble)
     iterator = iter(DeviceLoader(loader, device="cpu", depth=2))

@@ -482,3 +482,19 @@ def test_fetch_batches_gives_a_dataset_without_getitems_python_ints_whatever_the
     fetch = fastcollate.fetch_batches(keyed)
     for indices in ([3, 4], range(3, 5), np.array([3, 4]), torch.tensor([3, 4]), (i for i in (3, 4))):
         assert intact(fetch(indices)) == [3, 4]
+
+
+@pytest.mark.needs_cuda
+def test_on_a_gpu_device_loader_over_a_thread_pipeline_packs_each_batch_once_and_delivers_it_intact():
+    """A batch collated on a pipeline's thread is in the process's pageable ring (the ring is chosen per
+    thread): DeviceLoader packs it into its pinned slot once, then one copy to the device."""
+    loader = nodes_loader(batch_indices(40, 16), fetch_and_collate(fastcollate.assemble))
+    device_loader = DeviceLoader(loader, device="cuda", depth=2)
+    kept = []
+    for batch in device_loader:
+        assert batch["x"].is_cuda
+        kept.append(batch)
+    torch.cuda.synchronize()
+    every_id_once([i for batch in kept for i in intact({k: v.cpu() for k, v in batch.items()})], 40 * 16)
+    stats = device_loader.stats()
+    assert stats["batches"] == 40 and stats["host_packs"] == 40 and stats["pinned_slots"] <= 2

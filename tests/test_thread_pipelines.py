@@ -459,7 +459,7 @@ def test_a_loader_that_hands_out_its_own_state_dict_still_resumes_at_the_batch_h
     assert taken + [i for batch in resumed for i in intact(batch)] == list(range(10))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_resuming_a_stateful_dataloader_from_the_end_of_an_epoch_starts_the_next_epoch_whole(workers):
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
     from tests.fault_datasets import Numbered

@@ -127,7 +127,8 @@ class Assembler:
         if contract is None or contract.packing is None or not contract.packing.nested:
             return out
         parent, keys = contract.packed_fields()
-        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0])
+        max_length = contract.packing.max_length
+        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0], max_length[0] if max_length else None)
 
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),

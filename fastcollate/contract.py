@@ -112,8 +112,29 @@ class Field:
             self._check_expand_from(accepted)
         if self.pack:
             self._check_pack()
+            self._check_separator()
         elif self.separator is not None:
             raise ValueError("separator only applies to packed fields: set pack=True")
+
+    def _check_separator(self) -> None:
+        """At declaration, not at the first batch: the separator crosses to C++ as a double, so an integer
+        one must be exact there (|s| <= 2**53) and fit the declared dtype."""
+        separator, dtype = self.separator, self.dtype
+        if separator is None:
+            return
+        if isinstance(separator, bool) or not isinstance(separator, (int, float)):
+            raise ValueError(f"separator must be an int or a float, got {separator!r}")
+        if dtype is None or dtype.is_floating_point or dtype.is_complex:
+            return
+        if dtype == torch.bool:
+            raise ValueError("a packed bool field has no separator value: leave separator unset")
+        if not float(separator).is_integer():
+            raise ValueError(f"separator {separator!r} is not a value of the field's dtype {dtype}")
+        info = torch.iinfo(dtype)
+        low, high = max(info.min, -(2**53)), min(info.max, 2**53)
+        if not low <= separator <= high:
+            raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} (a separator is "
+                             f"from {low} to {high})")
 
     def _check_pack(self) -> None:
         shape = self.shape or ()
@@ -211,6 +232,9 @@ class Packing:
                     raise ValueError(f"Packing.{name} is two keys (q, k) or None, got {value!r}")
         if not isinstance(self.position_ids_start, int) or isinstance(self.position_ids_start, bool):
             raise ValueError(f"Packing.position_ids_start must be an int, got {self.position_ids_start!r}")
+        # int64 positions, up to 2**31 tokens a sample: a start beyond this would wrap.
+        if not -(2**62) <= self.position_ids_start <= 2**62:
+            raise ValueError(f"Packing.position_ids_start must be within +-2**62, got {self.position_ids_start}")
 
     def keys(self) -> list[str]:
         """The keys this packing adds, in the order the batch holds them."""

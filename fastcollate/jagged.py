@@ -16,15 +16,18 @@ def is_jagged(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged
 
 
-def nest(batch: Any, parent: str, keys: list[str], offsets_key: str) -> Any:
+def nest(batch: Any, parent: str, keys: list[str], offsets_key: str, max_length_key: str | None = None) -> Any:
     """Replaces each packed row ``batch[parent][key]`` (``[1, total, ...]``) by the jagged tensor over it
-    whose offsets are ``batch[parent][offsets_key]``: once a batch, whatever its size."""
+    whose offsets are ``batch[parent][offsets_key]``: once a batch, whatever its size. With the batch's
+    longest sample under ``max_length_key`` (a Python int), the tensor carries it, so that an operation
+    that needs it (SDPA on a GPU) does not read the offsets back from the device."""
     mapping = batch
     for part in parent.split(".") if parent else ():
         mapping = mapping[part]
     offsets = mapping[offsets_key]
+    longest = mapping.get(max_length_key) if max_length_key else None
     for key in keys:
-        mapping[key] = torch.nested.nested_tensor_from_jagged(mapping[key][0], offsets)
+        mapping[key] = torch.nested.nested_tensor_from_jagged(mapping[key][0], offsets, max_seqlen=longest)
     return batch
 
 

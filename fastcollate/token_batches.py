@@ -129,7 +129,9 @@ def _fill(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.nd
 
 
 def _split_to_multiple(batches: list[np.ndarray], lengths: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Splits the largest multi-sample batches in two until every rank gets as many batches."""
+    """Splits the largest batches in two until every rank gets as many batches. Only a batch with two
+    samples that have tokens is split, between them: a half of empty samples alone is a batch of no
+    tokens, which the packed collate refuses, on that rank only (and DDP's other ranks would wait)."""
     if world_size == 1 or len(batches) % world_size == 0:
         return batches
     if len(batches) > 0 and sum(len(b) for b in batches) < world_size:
@@ -138,13 +140,17 @@ def _split_to_multiple(batches: list[np.ndarray], lengths: np.ndarray, world_siz
         )
     batches = list(batches)
     while len(batches) % world_size:
-        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
+        splittable = [i for i, b in enumerate(batches) if np.count_nonzero(lengths[b]) > 1]
         if not splittable:
             raise ValueError(
-                f"{len(batches)} batches of one sample each cannot be shared evenly by {world_size} "
-                "ranks without repeating a sample: raise max_tokens or use fewer ranks"
+                f"{len(batches)} batches, none with two samples that have tokens, cannot be shared evenly "
+                f"by {world_size} ranks without repeating a sample or making a batch of no tokens: raise "
+                "max_tokens or use fewer ranks"
             )
         largest = max(splittable, key=lambda i: int(lengths[batches[i]].sum()))
         batch = batches[largest]
-        batches[largest : largest + 1] = [batch[: len(batch) // 2], batch[len(batch) // 2 :]]
+        with_tokens = np.flatnonzero(lengths[batch])
+        # The middle, moved inside (first sample with tokens, last one]: both halves then have tokens.
+        cut = min(max(len(batch) // 2, int(with_tokens[0]) + 1), int(with_tokens[-1]))
+        batches[largest : largest + 1] = [batch[:cut], batch[cut:]]
     return batches

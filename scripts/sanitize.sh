@@ -51,8 +51,11 @@ say "building with FASTCOLLATE_SANITIZE=$BUILD_FLAG (CPU-only: the CUDA code is 
 (cd "$WORK/src" && FASTCOLLATE_SANITIZE=$BUILD_FLAG FASTCOLLATE_CUDA=0 "$PYTHON" setup.py build_ext --inplace -q \
    > "$WORK/logs/build.log" 2>&1) || { cat "$WORK/logs/build.log"; say "NOT CLEAN: the build failed"; exit 1; }
 SO="$(ls "$WORK"/src/fastcollate/_C*.so)"
+# Into a file first: grep -q stops reading at its match, and under pipefail ldd's broken pipe would
+# fail the check.
+ldd "$SO" > "$WORK/logs/ldd.txt"
 for lib in $LIBS; do
-  ldd "$SO" | grep -q "$lib" || { say "NOT CLEAN: $SO is not linked against $lib"; exit 1; }
+  grep -q "$lib" "$WORK/logs/ldd.txt" || { say "NOT CLEAN: $SO is not linked against $lib"; exit 1; }
 done
 
 # Python is not built with ASan: its runtime has to be loaded first. Leaks are not checked (the

@@ -241,10 +241,20 @@ def test_a_batch_of_empty_samples_only_is_a_value_error_as_with_the_collator():
     assert raised.value.field == "input_ids" and "every sample of the batch empty" in str(raised.value)
 
 
-def test_a_separator_the_dtype_cannot_hold_is_refused():
-    contract = Contract(
-        {"labels": Field(dtype=torch.uint8, shape=("T",), pack=True, separator=-100)}, id=None
-    )
+def test_a_separator_the_declared_dtype_cannot_hold_is_refused_when_declared():
+    with pytest.raises(ValueError, match=r"separator -100 does not fit the field's dtype torch.uint8"):
+        Field(dtype=torch.uint8, shape=("T",), pack=True, separator=-100)
+
+
+@pytest.mark.parametrize("separator", [2**53 + 1, 2**63 - 1, -100.5])
+def test_an_integer_separator_that_would_not_cross_exactly_is_refused_when_declared(separator):
+    """It crosses to C++ as a double: 2**53 + 1 would be written as 2**53, -100.5 as -100."""
+    with pytest.raises(ValueError, match="separator"):
+        Field(dtype=torch.int64, shape=("T",), pack=True, separator=separator)
+
+
+def test_a_separator_the_samples_dtype_cannot_hold_is_refused_naming_the_field():
+    contract = Contract({"labels": Field(shape=("T",), pack=True, separator=-100)}, id=None)  # dtype from the data
     with pytest.raises(ContractValueError, match="separator=-100"):
         assemble.using(contract)([{"labels": torch.ones(3, dtype=torch.uint8)}])
 

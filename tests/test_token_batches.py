@@ -81,8 +81,27 @@ def test_ranks_share_the_epoch_once_and_run_the_same_number_of_steps(world_size,
 
 def test_ranks_that_cannot_get_as_many_batches_without_a_repeat_are_refused():
     sampler = TokenBudgetBatches([5, 5, 5], max_tokens=5, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="3 batches of one sample each cannot be shared evenly by 2 ranks"):
+    with pytest.raises(ValueError, match="3 batches, none with two samples that have tokens, cannot be shared "
+                                         "evenly by 2 ranks"):
         list(sampler)
+
+
+@pytest.mark.parametrize("lengths", [[0, 0, 5, 5], [0, 0, 0, 7, 3], [4, 0, 0, 0, 0, 6], [0, 5, 0, 5, 0]])
+def test_a_batch_split_to_even_the_ranks_never_leaves_a_rank_a_batch_of_no_tokens(lengths):
+    """A half of empty samples alone would be refused by the packed collate on that rank only, and the
+    other ranks would wait for it in DDP (found by a hostile review)."""
+    batches = [list(TokenBudgetBatches(lengths, max_tokens=10, rank=rank, world_size=2)) for rank in (0, 1)]
+    assert len(batches[0]) == len(batches[1])
+    assert sorted(int(i) for shard in batches for batch in shard for i in batch) == list(range(len(lengths)))
+    for shard in batches:
+        for batch in shard:
+            assert sum(lengths[int(i)] for i in batch) > 0, batch
+
+
+def test_a_split_that_could_only_leave_a_batch_of_no_tokens_is_refused_on_every_rank_alike():
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="without repeating a sample or making a batch of no tokens"):
+            list(TokenBudgetBatches([0, 0, 5, 0], max_tokens=10, rank=rank, world_size=2))
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,12 @@ from worker_ratios import quartiles  # noqa: E402  (a sibling script, not a pack
 
 THREADS = 2
 PREFETCH = 2
-LOADERS = ("DataLoader, main process", "DataLoader, 2 processes", "SPDL, 2 threads", "torchdata.nodes, 2 threads")
+LOADERS = (
+    "DataLoader, main process",
+    "DataLoader, 2 processes",
+    "SPDL, 2 threads",
+    "torchdata.nodes, 2 threads",
+)
 COLLATES = ("default_collate", "assemble")
 
 
@@ -116,8 +121,12 @@ class Contender:
         if loader.startswith("DataLoader"):
             workers = 0 if "main" in loader else 2
             self.data_loader = DataLoader(
-                dataset, batch_sampler=_Replay(self), collate_fn=self.collate, num_workers=workers,
-                persistent_workers=workers > 0, prefetch_factor=PREFETCH if workers else None,
+                dataset,
+                batch_sampler=_Replay(self),
+                collate_fn=self.collate,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+                prefetch_factor=PREFETCH if workers else None,
                 worker_init_fn=_heap_in_worker if (workers and malloc_fixed) else None,
             )
 
@@ -128,16 +137,25 @@ class Contender:
         elif self.loader.startswith("SPDL"):
             from spdl.pipeline import PipelineBuilder
 
-            pipeline = (PipelineBuilder().add_source(batches)
-                        .pipe(self.stage, concurrency=THREADS, executor=self.executor, output_order="input")
-                        .add_sink(PREFETCH).build(num_threads=1, max_failures=0))
+            pipeline = (
+                PipelineBuilder()
+                .add_source(batches)
+                .pipe(self.stage, concurrency=THREADS, executor=self.executor, output_order="input")
+                .add_sink(PREFETCH)
+                .build(num_threads=1, max_failures=0)
+            )
             with pipeline.auto_stop():
                 yield from pipeline
         else:
             from torchdata import nodes
 
-            node = nodes.ParallelMapper(nodes.IterableWrapper(batches), map_fn=self.stage, num_workers=THREADS,
-                                        method="thread", in_order=True)
+            node = nodes.ParallelMapper(
+                nodes.IterableWrapper(batches),
+                map_fn=self.stage,
+                num_workers=THREADS,
+                method="thread",
+                in_order=True,
+            )
             yield from nodes.Loader(nodes.Prefetcher(node, prefetch_factor=PREFETCH))
 
     def close(self) -> None:
@@ -174,8 +192,10 @@ def run_epoch(contender: Contender, batches: list[list[int]]) -> tuple[float, in
     wall = time.perf_counter() - start
     expected = sorted(i for indices in batches for i in indices)
     if sorted(ids) != expected:
-        raise AssertionError(f"{contender.loader} with {contender.collate_name}: {len(ids)} ids delivered, "
-                             f"not each of the {len(expected)} once")
+        raise AssertionError(
+            f"{contender.loader} with {contender.collate_name}: {len(ids)} ids delivered, "
+            f"not each of the {len(expected)} once"
+        )
     return wall, len(ids)
 
 
@@ -209,8 +229,15 @@ def scaling(dataset, preset, batch_size: int, repeats: int = 5, per_thread: int 
     return {name: {str(t): statistics.median(v) for t, v in by.items()} for name, by in rates.items()}
 
 
-def run_preset(name: str, rounds: int, batches: int, seed: int, malloc_fixed: bool, phases: bool,
-               available: dict[str, bool]) -> dict:
+def run_preset(
+    name: str,
+    rounds: int,
+    batches: int,
+    seed: int,
+    malloc_fixed: bool,
+    phases: bool,
+    available: dict[str, bool],
+) -> dict:
     preset = PRESETS[name]
     dataset = preset.make_dataset(batches * preset.batch_size, seed)
     contenders = {}
@@ -229,14 +256,27 @@ def run_preset(name: str, rounds: int, batches: int, seed: int, malloc_fixed: bo
     order = random.Random(seed)
     runs = []
     for round_index in range(rounds + 1):
-        epoch = [list(b) for b in BatchSampler(RandomSampler(dataset, generator=generator), preset.batch_size,
-                                               drop_last=True)]
+        epoch = [
+            list(b)
+            for b in BatchSampler(
+                RandomSampler(dataset, generator=generator), preset.batch_size, drop_last=True
+            )
+        ]
         keys = list(contenders)
         order.shuffle(keys)
         for key in keys:
             wall, samples = run_epoch(contenders[key], epoch)
-            runs.append({"round": round_index, "warmup": round_index == 0, "loader": key[0], "collate": key[1],
-                         "seconds": wall, "samples": samples, "samples_per_s": samples / wall})
+            runs.append(
+                {
+                    "round": round_index,
+                    "warmup": round_index == 0,
+                    "loader": key[0],
+                    "collate": key[1],
+                    "seconds": wall,
+                    "samples": samples,
+                    "samples_per_s": samples / wall,
+                }
+            )
         if phases:
             stage = timers[("one thread", "assemble")](dataset, contenders[(LOADERS[0], "assemble")].collate)
             for indices in epoch:
@@ -246,9 +286,15 @@ def run_preset(name: str, rounds: int, batches: int, seed: int, malloc_fixed: bo
     for contender in contenders.values():
         contender.close()
     return {
-        "preset": name, "description": preset.description, "batch_size": preset.batch_size, "runs": runs,
-        "phases": {f"{loader}, {collate}": timed.summary() for (loader, collate), timed in timers.items()
-                   if timed.records},
+        "preset": name,
+        "description": preset.description,
+        "batch_size": preset.batch_size,
+        "runs": runs,
+        "phases": {
+            f"{loader}, {collate}": timed.summary()
+            for (loader, collate), timed in timers.items()
+            if timed.records
+        },
         "scaling": scaling(dataset, preset, preset.batch_size) if phases else {},
     }
 
@@ -270,11 +316,18 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
         values = sorted(by[key].values())
         return f"[{values[0] / 1e3:.1f}..{values[-1] / 1e3:.1f}]"
 
-    lines = [f"{result['preset']}: {result['description']}, batch {result['batch_size']}; malloc: {malloc}",
-             f"  {'samples/s, median [range]':<30}{'default_collate':>22}{'assemble':>22}{'assemble / default':>22}"]
+    lines = [
+        f"{result['preset']}: {result['description']}, batch {result['batch_size']}; malloc: {malloc}",
+        f"  {'samples/s, median [range]':<30}{'default_collate':>22}{'assemble':>22}"
+        f"{'assemble / default':>22}",
+    ]
     for loader in LOADERS:
-        cells = "".join(f"{f'{median[(loader, c)] / 1e3:.1f}k {spread((loader, c))}':>22}" if (loader, c) in median
-                        else f"{'(not installed)':>22}" for c in COLLATES)
+        cells = "".join(
+            f"{f'{median[(loader, c)] / 1e3:.1f}k {spread((loader, c))}':>22}"
+            if (loader, c) in median
+            else f"{'(not installed)':>22}"
+            for c in COLLATES
+        )
         gain = ""
         if (loader, "assemble") in median and (loader, "default_collate") in median:
             value, low, high = ratio((loader, "assemble"), (loader, "default_collate"))
@@ -282,20 +335,28 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
         lines.append(f"  {loader:<30}{cells}{gain:>22}")
     best = {c: max((key for key in median if key[1] == c), key=median.get) for c in COLLATES}
     value, low, high = ratio(best["assemble"], best["default_collate"])
-    lines.append(f"  best assemble: {best['assemble'][0]} ({median[best['assemble']] / 1e3:.1f}k); best "
-                 f"default_collate: {best['default_collate'][0]} ({median[best['default_collate']] / 1e3:.1f}k)")
+    lines.append(
+        f"  best assemble: {best['assemble'][0]} ({median[best['assemble']] / 1e3:.1f}k); best "
+        f"default_collate: {best['default_collate'][0]} ({median[best['default_collate']] / 1e3:.1f}k)"
+    )
     lines.append(f"  best assemble / best default_collate: {value:.2f}x ({low:.2f}-{high:.2f})")
     main = (LOADERS[0], "assemble")
     for loader in LOADERS[2:]:
         if (loader, "assemble") in median:
             value, low, high = ratio((loader, "assemble"), main)
-            lines.append(f"  {loader}, assemble / main process, assemble: {value:.2f}x ({low:.2f}-{high:.2f})")
+            lines.append(
+                f"  {loader}, assemble / main process, assemble: {value:.2f}x ({low:.2f}-{high:.2f})"
+            )
     for name, p in result["phases"].items():
-        lines.append(f"  per batch in {name}: fetch {p['fetch_wall_ms']:.2f} ms (ran {p['fetch_cpu_ms']:.2f}), "
-                     f"collate {p['collate_wall_ms']:.2f} ms (ran {p['collate_cpu_ms']:.2f})")
+        lines.append(
+            f"  per batch in {name}: fetch {p['fetch_wall_ms']:.2f} ms (ran {p['fetch_cpu_ms']:.2f}), "
+            f"collate {p['collate_wall_ms']:.2f} ms (ran {p['collate_cpu_ms']:.2f})"
+        )
     for part, rates in result.get("scaling", {}).items():
-        lines.append(f"  alone: {part}: {rates['1'] / 1e3:.1f}k samples/s on 1 thread, {rates['2'] / 1e3:.1f}k on 2 "
-                     f"({rates['2'] / rates['1']:.2f}x)")
+        lines.append(
+            f"  alone: {part}: {rates['1'] / 1e3:.1f}k samples/s on 1 thread, {rates['2'] / 1e3:.1f}k on 2 "
+            f"({rates['2'] / rates['1']:.2f}x)"
+        )
     if judge:
         lines += judge_targets(result["preset"], median, ratio)
     return lines
@@ -307,14 +368,22 @@ def judge_targets(preset: str, median: dict, ratio) -> list[str]:
     lines = []
 
     def verdict(label: str, value: float, target: float) -> None:
-        lines.append(f"  target: {label} {value:.2f}x >= {target}x: {'met' if value >= target else 'NOT MET'}")
+        lines.append(
+            f"  target: {label} {value:.2f}x >= {target}x: {'met' if value >= target else 'NOT MET'}"
+        )
 
     for loader in LOADERS[2:]:
         if (loader, "assemble") in median:
-            verdict(f"{loader}: assemble / its default_collate", ratio((loader, "assemble"),
-                                                                     (loader, "default_collate"))[0], 2.0)
-            verdict(f"{loader}: assemble / main process (threads add)",
-                    ratio((loader, "assemble"), (LOADERS[0], "assemble"))[0], 1.3)
+            verdict(
+                f"{loader}: assemble / its default_collate",
+                ratio((loader, "assemble"), (loader, "default_collate"))[0],
+                2.0,
+            )
+            verdict(
+                f"{loader}: assemble / main process (threads add)",
+                ratio((loader, "assemble"), (LOADERS[0], "assemble"))[0],
+                1.3,
+            )
     best_a = max((k for k in median if k[1] == "assemble"), key=median.get)
     best_d = max((k for k in median if k[1] == "default_collate"), key=median.get)
     verdict("best assemble / best default_collate", ratio(best_a, best_d)[0], 3.0)
@@ -327,27 +396,40 @@ def run_setting(args, malloc: str) -> dict:
     if malloc == "fixed":
         samples_on_the_heap()
     versions = peer_versions()
-    available = {LOADERS[0]: True, LOADERS[1]: True, LOADERS[2]: versions["spdl-core"] is not None,
-                 LOADERS[3]: versions["torchdata"] is not None}
+    available = {
+        LOADERS[0]: True,
+        LOADERS[1]: True,
+        LOADERS[2]: versions["spdl-core"] is not None,
+        LOADERS[3]: versions["torchdata"] is not None,
+    }
     report = {"malloc": malloc, "results": []}
     for name in args.presets:
-        report["results"].append(run_preset(name, args.rounds, args.batches, args.seed, malloc == "fixed",
-                                            args.phases, available))
+        report["results"].append(
+            run_preset(name, args.rounds, args.batches, args.seed, malloc == "fixed", args.phases, available)
+        )
     return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["predecoded", "fashion", "fields"],
-                        choices=["predecoded", "fashion", "fields", "imagenet"])
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=["predecoded", "fashion", "fields"],
+        choices=["predecoded", "fashion", "fields", "imagenet"],
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=15, help="batches per epoch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--malloc", choices=["both", "default", "fixed"], default="both")
-    parser.add_argument("--phases", action="store_true", help="time each batch's fetch and collate in the threads")
+    parser.add_argument(
+        "--phases", action="store_true", help="time each batch's fetch and collate in the threads"
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-targets", action="store_true")
-    parser.add_argument("--setting-out", type=Path, help=argparse.SUPPRESS)  # a child's report (--malloc both)
+    parser.add_argument(
+        "--setting-out", type=Path, help=argparse.SUPPRESS
+    )  # a child's report (--malloc both)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1 (the warm-up round is extra)")
@@ -355,24 +437,52 @@ def main() -> int:
         args.setting_out.write_text(json.dumps(run_setting(args, args.malloc)))
         return 0
     versions = peer_versions()
-    print(f"python {platform.python_version()}, torch {torch.__version__}, fastcollate {fastcollate.__version__}, "
-          + ", ".join(f"{k} {v or 'not installed (skipped)'}" for k, v in versions.items()))
-    print(textwrap.fill(
-        f"{THREADS} threads or processes, prefetch depth {PREFETCH}, one torch thread each; {args.rounds} rounds "
-        f"of {args.batches} batches after one warm-up, interleaved; medians, spread = p25-p75 of the per-round "
-        "ratios; malloc 'default' is glibc's own, 'fixed' its mmap threshold at 64 MiB", 100))
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"fastcollate {fastcollate.__version__}, "
+        + ", ".join(f"{k} {v or 'not installed (skipped)'}" for k, v in versions.items())
+    )
+    print(
+        textwrap.fill(
+            f"{THREADS} threads or processes, prefetch depth {PREFETCH}, one torch thread each; "
+            f"{args.rounds} rounds of {args.batches} batches after one warm-up, interleaved; medians, "
+            "spread = p25-p75 of the per-round "
+            "ratios; malloc 'default' is glibc's own, 'fixed' its mmap threshold at 64 MiB",
+            100,
+        )
+    )
     settings = ["default", "fixed"] if args.malloc == "both" else [args.malloc]
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "python": platform.python_version(), "torch": torch.__version__, "peers": versions,
-              "threads": THREADS, "prefetch": PREFETCH, "settings": []}
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "peers": versions,
+        "threads": THREADS,
+        "prefetch": PREFETCH,
+        "settings": [],
+    }
     lines = []
     for malloc in settings:
         print(f"malloc {malloc}:", flush=True)
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder) / "setting.json"
-            child = [sys.executable, __file__, "--malloc", malloc, "--setting-out", str(out), "--rounds",
-                     str(args.rounds), "--batches", str(args.batches), "--seed", str(args.seed), "--presets",
-                     *args.presets] + (["--phases"] if args.phases else [])
+            child = [
+                sys.executable,
+                __file__,
+                "--malloc",
+                malloc,
+                "--setting-out",
+                str(out),
+                "--rounds",
+                str(args.rounds),
+                "--batches",
+                str(args.batches),
+                "--seed",
+                str(args.seed),
+                "--presets",
+                *args.presets,
+            ] + (["--phases"] if args.phases else [])
             subprocess.run(child, check=True, env=os.environ)
             setting = json.loads(out.read_text())
         for result in setting["results"]:

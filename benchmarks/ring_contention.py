@@ -53,20 +53,25 @@ def timed_threads(threads: int, work) -> float:
 
 def measure(shape: str, threads: int, shared: bool, batches: int, samples: list) -> float:
     """Batches per second, all threads together."""
-    rings = [StagingRing(max_slots=8)] * threads if shared else [StagingRing(max_slots=8) for _ in range(threads)]
+    rings = (
+        [StagingRing(max_slots=8)] * threads if shared else [StagingRing(max_slots=8) for _ in range(threads)]
+    )
     collates = [fastcollate.assemble.using(ring=ring) for ring in rings]
     if shape == "slot-only":
+
         def work(k: int) -> None:
             ring = rings[k]
             for _ in range(batches):
                 buffer = ring.acquire(4096)
                 del buffer
     else:
+
         def work(k: int) -> None:
             collate = collates[k]
             for _ in range(batches):
                 batch = collate(samples)
                 del batch
+
     work(0)  # warm: the slots exist, the layout is compiled
     return threads * batches / timed_threads(threads, work)
 
@@ -84,31 +89,64 @@ def main() -> int:
     runs = []
     order = random.Random(0)
     for round_index in range(args.rounds):
-        cells = [(shape, t, shared) for shape in ("small", "slot-only") for t in args.threads
-                 for shared in (True, False)]
+        cells = [
+            (shape, t, shared)
+            for shape in ("small", "slot-only")
+            for t in args.threads
+            for shared in (True, False)
+        ]
         order.shuffle(cells)
         for shape, t, shared in cells:
             batches = args.batches * (20 if shape == "slot-only" else 1)
-            runs.append({"round": round_index, "shape": shape, "threads": t, "ring": "shared" if shared else
-                         "per thread", "batches_per_s": measure(shape, t, shared, batches, samples)})
+            runs.append(
+                {
+                    "round": round_index,
+                    "shape": shape,
+                    "threads": t,
+                    "ring": "shared" if shared else "per thread",
+                    "batches_per_s": measure(shape, t, shared, batches, samples),
+                }
+            )
     print(f"one torch thread; {args.rounds} interleaved rounds; batches/s, all threads together (median)")
-    print(f"  {'shape':<10}{'threads':>8}{'shared ring':>14}{'ring per thread':>17}{'shared / per thread':>24}")
+    print(
+        f"  {'shape':<10}{'threads':>8}{'shared ring':>14}{'ring per thread':>17}{'shared / per thread':>24}"
+    )
     summary = []
     for shape in ("small", "slot-only"):
         for t in args.threads:
-            cell = {ring: [r["batches_per_s"] for r in runs if (r["shape"], r["threads"], r["ring"]) ==
-                           (shape, t, ring)] for ring in ("shared", "per thread")}
+            cell = {
+                ring: [
+                    r["batches_per_s"]
+                    for r in runs
+                    if (r["shape"], r["threads"], r["ring"]) == (shape, t, ring)
+                ]
+                for ring in ("shared", "per thread")
+            }
             ratios = [a / b for a, b in zip(cell["shared"], cell["per thread"], strict=True)]
             low, high = quartiles(ratios)
             medians = {ring: statistics.median(values) for ring, values in cell.items()}
-            summary.append({"shape": shape, "threads": t, **medians, "ratio": statistics.median(ratios),
-                            "p25": low, "p75": high})
-            print(f"  {shape:<10}{t:>8}{medians['shared']:>14,.0f}{medians['per thread']:>17,.0f}"
-                  f"{f'{statistics.median(ratios):.2f}x ({low:.2f}-{high:.2f})':>24}")
+            summary.append(
+                {
+                    "shape": shape,
+                    "threads": t,
+                    **medians,
+                    "ratio": statistics.median(ratios),
+                    "p25": low,
+                    "p75": high,
+                }
+            )
+            print(
+                f"  {shape:<10}{t:>8}{medians['shared']:>14,.0f}{medians['per thread']:>17,.0f}"
+                f"{f'{statistics.median(ratios):.2f}x ({low:.2f}-{high:.2f})':>24}"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "torch": torch.__version__,
-                                         "runs": runs, "summary": summary}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"command": " ".join(sys.argv), "torch": torch.__version__, "runs": runs, "summary": summary},
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -30,7 +30,13 @@ def _file(size: int, seed: int, name: str, dtype, shape: tuple[int, ...], fill) 
 
 
 def make(size: int = 200_000, seed: int = 0) -> dict:
-    features = _file(size, seed, "x", np.float32, (size, FEATURES),
-                     lambda rng: rng.standard_normal((size, FEATURES), dtype=np.float32))
+    features = _file(
+        size,
+        seed,
+        "x",
+        np.float32,
+        (size, FEATURES),
+        lambda rng: rng.standard_normal((size, FEATURES), dtype=np.float32),
+    )
     labels = _file(size, seed, "label", np.int64, (size,), lambda rng: rng.integers(0, 10, size))
     return {"dataset": fastcollate.Arrays(x=features, label=labels), "batch_size": 4096, "unit": "bytes"}

@@ -128,7 +128,8 @@ class Assembler:
             return out
         parent, keys = contract.packed_fields()
         max_length = contract.packing.max_length
-        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0], max_length[0] if max_length else None)
+        longest = max_length[0] if max_length else None
+        return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0], longest)
 
     def _gather(self, batch: ArrayBatch) -> Any:
         """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),

@@ -133,8 +133,8 @@ class Field:
         info = torch.iinfo(dtype)
         low, high = max(info.min, -(2**53)), min(info.max, 2**53)
         if not low <= separator <= high:
-            raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} (a separator is "
-                             f"from {low} to {high})")
+            raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
+                             f"(a separator is from {low} to {high})")
 
     def _check_pack(self) -> None:
         shape = self.shape or ()
@@ -234,7 +234,9 @@ class Packing:
             raise ValueError(f"Packing.position_ids_start must be an int, got {self.position_ids_start!r}")
         # int64 positions, up to 2**31 tokens a sample: a start beyond this would wrap.
         if not -(2**62) <= self.position_ids_start <= 2**62:
-            raise ValueError(f"Packing.position_ids_start must be within +-2**62, got {self.position_ids_start}")
+            raise ValueError(
+                f"Packing.position_ids_start must be within +-2**62, got {self.position_ids_start}"
+            )
 
     def keys(self) -> list[str]:
         """The keys this packing adds, in the order the batch holds them."""

@@ -16,7 +16,9 @@ def is_jagged(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged
 
 
-def nest(batch: Any, parent: str, keys: list[str], offsets_key: str, max_length_key: str | None = None) -> Any:
+def nest(
+    batch: Any, parent: str, keys: list[str], offsets_key: str, max_length_key: str | None = None
+) -> Any:
     """Replaces each packed row ``batch[parent][key]`` (``[1, total, ...]``) by the jagged tensor over it
     whose offsets are ``batch[parent][offsets_key]``: once a batch, whatever its size. With the batch's
     longest sample under ``max_length_key`` (a Python int), the tensor carries it, so that an operation

@@ -35,9 +35,12 @@ def fetch_batches(dataset: Dataset, collate_fn: Callable[[Sequence[Any]], Any] =
         return lambda indices: collate_fn(
             getitems(indices if isinstance(indices, (list, np.ndarray, torch.Tensor)) else list(indices))
         )
+
     def fetch(indices):
         if isinstance(indices, (np.ndarray, torch.Tensor)):
-            indices = indices.tolist()  # Python ints, as DataLoader's sampler gives: dataset[i] is keyed by them
+            indices = (
+                indices.tolist()
+            )  # Python ints, as DataLoader's sampler gives: dataset[i] is keyed by them
         return collate_fn([dataset[i] for i in indices])
 
     return fetch

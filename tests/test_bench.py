@@ -565,7 +565,8 @@ def test_arrays_preset_runs_the_gathered_path_and_default_collate_gets_the_same_
 
 def test_the_memmap_example_runs_under_the_bench_with_workers_and_every_id_checked(tmp_path):
     """examples/memmap_bench.py: a memory-mapped Arrays dataset, as a user's --dataset factory."""
-    status = command.main(["--dataset", "examples/memmap_bench.py:make", "--size", "12000", "--batch-size", "1024",
+    status = command.main(["--dataset", "examples/memmap_bench.py:make", "--size", "12000",
+                           "--batch-size", "1024",
                            "--steps", "2", "--warmup", "1", "--repeat", "1", "--workers", "0", "2",
                            "--observation", "loader", "--no-progress", "--out", str(tmp_path)])
     assert status == 0

@@ -254,7 +254,8 @@ def test_an_integer_separator_that_would_not_cross_exactly_is_refused_when_decla
 
 
 def test_a_separator_the_samples_dtype_cannot_hold_is_refused_naming_the_field():
-    contract = Contract({"labels": Field(shape=("T",), pack=True, separator=-100)}, id=None)  # dtype from the data
+    # The dtype comes from the data: the C++ walk checks the separator against it.
+    contract = Contract({"labels": Field(shape=("T",), pack=True, separator=-100)}, id=None)
     with pytest.raises(ContractValueError, match="separator=-100"):
         assemble.using(contract)([{"labels": torch.ones(3, dtype=torch.uint8)}])
 

@@ -52,7 +52,9 @@ def test_the_thread_pipeline_examples_run_as_written():
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2 and "spdl" in blocks[0] and "torchdata" in blocks[1]
     for code in blocks:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
         assert done.returncode == 0, done.stderr[-3000:]
         lines = done.stdout.splitlines()
-        assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
+        assert len(lines) == 4, lines
+        assert all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines

@@ -31,8 +31,10 @@ KEPT_AT_ONCE = 3  # batches held back while the others run: with THREADS in flig
 
 
 def samples(first: int, count: int, width: int = 24) -> list[dict]:
-    return [{"id": first + k, "x": torch.full((width,), float(first + k)), "label": (first + k) % 7}
-            for k in range(count)]
+    return [
+        {"id": first + k, "x": torch.full((width,), float(first + k)), "label": (first + k) % 7}
+        for k in range(count)
+    ]
 
 
 def intact(batch: dict, width: int = 24) -> list[int]:
@@ -108,8 +110,13 @@ def test_four_threads_through_the_process_assemble_deliver_every_batch_intact_wi
 
 def test_four_threads_through_one_configured_assembler_with_its_own_ring():
     ring = StagingRing(max_slots=THREADS + KEPT_AT_ONCE + 1)
-    contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(24,)),
-                         "label": Field(kind="number", range=(0, 7))})
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "x": Field(dtype=torch.float32, shape=(24,)),
+            "label": Field(kind="number", range=(0, 7)),
+        }
+    )
     delivered, _ = stress(fastcollate.assemble.using(contract, ring=ring))
     every_id_once(delivered, THREADS * BATCHES * 16)
     stats = ring.stats()
@@ -200,21 +207,28 @@ def fetch_and_collate(collate, width: int = 24):
 def spdl_pipeline(source, stage, threads: int = THREADS, **build):
     builder = pytest.importorskip("spdl.pipeline").PipelineBuilder
     executor = ThreadPoolExecutor(threads, thread_name_prefix="spdl-test")
-    pipeline = (builder().add_source(source).pipe(stage, concurrency=threads, executor=executor)
-                .add_sink(2).build(num_threads=1, **build))
+    pipeline = (
+        builder()
+        .add_source(source)
+        .pipe(stage, concurrency=threads, executor=executor)
+        .add_sink(2)
+        .build(num_threads=1, **build)
+    )
     return pipeline, executor
 
 
 def nodes_loader(source, stage, threads: int = THREADS):
     nodes = pytest.importorskip("torchdata.nodes")
-    node = nodes.ParallelMapper(nodes.IterableWrapper(source), map_fn=stage, num_workers=threads,
-                                method="thread", in_order=True)
+    node = nodes.ParallelMapper(
+        nodes.IterableWrapper(source), map_fn=stage, num_workers=threads, method="thread", in_order=True
+    )
     return nodes.Loader(nodes.Prefetcher(node, prefetch_factor=2))
 
 
 def test_inside_an_spdl_pipeline_every_batch_arrives_intact():
-    pipeline, executor = spdl_pipeline(batch_indices(THREADS * BATCHES // 4, 16),
-                                       fetch_and_collate(fastcollate.assemble), max_failures=0)
+    pipeline, executor = spdl_pipeline(
+        batch_indices(THREADS * BATCHES // 4, 16), fetch_and_collate(fastcollate.assemble), max_failures=0
+    )
     keeper = Keeper()
     delivered = []
     with pipeline.auto_stop():
@@ -311,9 +325,11 @@ def test_device_loader_wraps_an_spdl_pipeline():
 def test_device_loader_over_torchdata_nodes_resumes_at_the_batch_it_last_handed_out():
     """The Loader is ``depth`` batches ahead of the consumer (they are staged): DeviceLoader's state is
     the one it had when the consumer's last batch left it, so resuming loses and repeats nothing."""
+
     def make():
-        return DeviceLoader(nodes_loader(batch_indices(30, 8), fetch_and_collate(fastcollate.assemble)),
-                            device="cpu", depth=3)
+        return DeviceLoader(
+            nodes_loader(batch_indices(30, 8), fetch_and_collate(fastcollate.assemble)), device="cpu", depth=3
+        )
 
     first = make()
     taken = []
@@ -346,8 +362,9 @@ def test_device_loader_has_the_length_and_epochs_of_what_it_wraps_where_that_has
     device_loader = DeviceLoader(wrapped, device="cpu")
     device_loader.set_epoch(4)
     assert len(device_loader) == 3 and wrapped.epoch == 4
-    loader = DeviceLoader(nodes_loader(batch_indices(3, 8), fetch_and_collate(fastcollate.assemble)),
-                          device="cpu")
+    loader = DeviceLoader(
+        nodes_loader(batch_indices(3, 8), fetch_and_collate(fastcollate.assemble)), device="cpu"
+    )
     with pytest.raises(TypeError):
         len(loader)  # a torchdata.nodes Loader has no length: neither has its DeviceLoader
 
@@ -364,7 +381,6 @@ def test_four_threads_each_iterating_its_own_device_loader_over_one_assemble():
         assert ids == list(range(thread * 10_000, thread * 10_000 + 200))
 
 
-
 # --------------------------------------------------------------------------------------------------
 # fetch_batches: the map stage, for any map-style dataset.
 
@@ -374,7 +390,9 @@ def test_fetch_batches_hands_an_arrays_dataset_the_whole_index_array_and_gathers
 
     features = torch.arange(4096 * 8, dtype=torch.float32).view(4096, 8)
     dataset = fastcollate.Arrays(x=features, label=torch.arange(4096) % 5)
-    sampler = fastcollate.IndexBatches(len(dataset), 256, shuffle=True, generator=torch.Generator().manual_seed(0))
+    sampler = fastcollate.IndexBatches(
+        len(dataset), 256, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     batches = list(sampler)  # int64 arrays
     handed: list[str] = []
 
@@ -405,8 +423,10 @@ def test_fetch_batches_over_a_plain_dataset_matches_a_dataloader_batch_for_batch
     with pipeline.auto_stop():
         got = sorted((batch["id"].tolist(), batch["x"].tolist()) for batch in pipeline)
     executor.shutdown()
-    expected = sorted((b["id"].tolist(), b["x"].tolist())
-                      for b in DataLoader(dataset, batch_size=8, collate_fn=fastcollate.assemble))
+    expected = sorted(
+        (b["id"].tolist(), b["x"].tolist())
+        for b in DataLoader(dataset, batch_size=8, collate_fn=fastcollate.assemble)
+    )
     assert got == expected
 
 
@@ -423,8 +443,9 @@ def test_a_device_loader_over_a_plain_dataloader_is_not_stateful_so_lightning_ch
     plain = DeviceLoader(DataLoader(range(8), batch_size=4), device="cpu")
     assert not hasattr(plain, "state_dict") and not hasattr(plain, "load_state_dict")
     assert not isinstance(plain, stateful)
-    resumable = DeviceLoader(nodes_loader(batch_indices(2, 8), fetch_and_collate(fastcollate.assemble)),
-                             device="cpu")
+    resumable = DeviceLoader(
+        nodes_loader(batch_indices(2, 8), fetch_and_collate(fastcollate.assemble)), device="cpu"
+    )
     assert isinstance(resumable, stateful)
 
 
@@ -465,8 +486,13 @@ def test_resuming_a_stateful_dataloader_from_the_end_of_an_epoch_starts_the_next
     from tests.fault_datasets import Numbered
 
     def make():
-        return DeviceLoader(stateful_dataloader(Numbered(40, shape=(4,)), batch_size=4, num_workers=workers,
-                                                collate_fn=fastcollate.assemble), device="cpu", depth=3)
+        return DeviceLoader(
+            stateful_dataloader(
+                Numbered(40, shape=(4,)), batch_size=4, num_workers=workers, collate_fn=fastcollate.assemble
+            ),
+            device="cpu",
+            depth=3,
+        )
 
     first = make()
     assert sorted(i for batch in first for i in batch["id"].tolist()) == list(range(40))
@@ -478,7 +504,9 @@ def test_resuming_a_stateful_dataloader_from_the_end_of_an_epoch_starts_the_next
 def test_fetch_batches_gives_a_dataset_without_getitems_python_ints_whatever_the_index_type():
     import numpy as np
 
-    keyed = {i: {"id": i, "x": torch.full((24,), float(i)), "label": i % 7} for i in range(16)}  # keyed by int
+    keyed = {
+        i: {"id": i, "x": torch.full((24,), float(i)), "label": i % 7} for i in range(16)
+    }  # keyed by int
     fetch = fastcollate.fetch_batches(keyed)
     for indices in ([3, 4], range(3, 5), np.array([3, 4]), torch.tensor([3, 4]), (i for i in (3, 4))):
         assert intact(fetch(indices)) == [3, 4]

@@ -81,8 +81,8 @@ def test_ranks_share_the_epoch_once_and_run_the_same_number_of_steps(world_size,
 
 def test_ranks_that_cannot_get_as_many_batches_without_a_repeat_are_refused():
     sampler = TokenBudgetBatches([5, 5, 5], max_tokens=5, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="3 batches, none with two samples that have tokens, cannot be shared "
-                                         "evenly by 2 ranks"):
+    expected = "3 batches, none with two samples that have tokens, cannot be shared evenly by 2 ranks"
+    with pytest.raises(ValueError, match=expected):
         list(sampler)
 
 

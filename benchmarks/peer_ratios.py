@@ -280,8 +280,7 @@ def run_preset(
         if phases:
             stage = timers[("one thread", "assemble")](dataset, contenders[(LOADERS[0], "assemble")].collate)
             for indices in epoch:
-                del_batch = stage(indices)
-                del del_batch
+                stage(indices)  # the batch is dropped at once, as the loaders' consumers drop theirs
         print(f"  {name}: round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
     for contender in contenders.values():
         contender.close()

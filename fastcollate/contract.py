@@ -400,7 +400,6 @@ class Contract:
             specs.append(spec)
         return specs
 
-
     def packed_fields(self) -> tuple[str, list[str]] | None:
         """The packed fields' parent path and their keys in it; None when nothing is packed."""
         return getattr(self, "_packed", None)

@@ -112,10 +112,8 @@ class Contender:
 
     def __init__(self, loader: str, collate: str, preset, dataset, malloc_fixed: bool, timed: Timed | None):
         self.loader, self.collate_name = loader, collate
-        self.dataset = dataset
         self.collate = collate_for(collate, preset)
         self.stage = (timed or fastcollate.fetch_batches)(dataset, self.collate)
-        self.timed = timed
         self.executor = ThreadPoolExecutor(THREADS) if loader.startswith("SPDL") else None
         self.batches: list[list[int]] = []
         if loader.startswith("DataLoader"):

@@ -37,6 +37,7 @@ __all__ = [
     "build_case",
     "HF_PAD_SEQUENCE",
     "HF_REFERENCE",
+    "PACKED_ARRAYS",
     "PACKED_CAT",
     "PACKED_REFERENCE",
     "build_cases",
@@ -287,6 +288,7 @@ def pad_sequence_hf(batch: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tenso
 
 PACKED_REFERENCE = "DataCollatorWithFlattening"
 PACKED_CAT = "torch.cat+arange"
+PACKED_ARRAYS = "assemble on Arrays"
 
 
 def packed_contract() -> Contract:
@@ -324,6 +326,24 @@ def cat_arange_packed(batch: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, 
         "max_length_q": max_length,
         "max_length_k": max_length,
     }
+
+
+class PackedFromArrays:
+    """``assemble`` under packed_contract() on the same samples stored as ``Arrays`` columns (``Ragged``
+    values and offsets, as a tokenized corpus on disk is): the batch gathered straight from the columns,
+    with no sample objects. It ignores the samples it is handed: its batch is the columns' rows 0..n-1."""
+
+    def __init__(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        columns = {key: fastcollate.Ragged(torch.cat([s[key] for s in samples]), offsets)
+                   for key in ("input_ids", "labels")}
+        self.batch = fastcollate.Arrays(columns, id_key=None).__getitems__(range(len(samples)))
+        self.collate = assemble.using(packed_contract())
+
+    def __call__(self, batch: Any = None) -> Any:
+        return self.collate(self.batch)
 
 
 class ReusedStack:
@@ -543,6 +563,7 @@ def packed_case() -> Case:
         title += f" ({PACKED_REFERENCE} left out: transformers is not installed)"
     contenders[PACKED_CAT] = cat_arange_packed
     contenders["assemble+contract"] = assemble.using(packed_contract())
+    contenders[PACKED_ARRAYS] = PackedFromArrays(samples)
     case = Case(
         "packed",
         title,

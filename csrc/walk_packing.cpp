@@ -43,7 +43,8 @@ void Walk::lay_out_packing(const FieldSpec& spec, Node& node) {
            "make the batch smaller: fastcollate.TokenBudgetBatches(lengths, max_tokens=...) fills batches by tokens");
     }
     if (spec.max_tokens > 0 && node.starts[i + 1] > spec.max_tokens) {
-      fail("size", i, node.path, "a batch of at most " + std::to_string(spec.max_tokens) + " tokens (Packing.max_tokens)",
+      fail("size", i, node.path,
+           "a batch of at most " + std::to_string(spec.max_tokens) + " tokens (Packing.max_tokens)",
            std::to_string(node.starts[i + 1]) + " tokens up to this sample",
            "batch with fastcollate.TokenBudgetBatches(lengths, max_tokens=" + std::to_string(spec.max_tokens) +
                "), or raise the budget");

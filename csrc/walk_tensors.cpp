@@ -325,9 +325,11 @@ void Walk::check_declared_shape(const at::Tensor& value, const FieldSpec& spec, 
       expected << (d ? ", " : "") << (spec.dim_names[d].empty() ? std::to_string(shape[d]) : spec.dim_names[d]);
     }
     expected << "]";
+    // A packed field cannot expand (refused at declaration): its samples must be [tokens, *fixed dims].
     fail("size", index, spec.path, expected.str(), "shape " + shape_string(value.sizes()),
-         "fix the transform, or declare the conversion on the field (e.g. expand_from=(" + python_tuple(value.sizes()) +
-             ",))");
+         spec.packed ? "a packed field's sample is its tokens along the first dim: return a tensor of that shape"
+                     : "fix the transform, or declare the conversion on the field (e.g. expand_from=(" +
+                           python_tuple(value.sizes()) + ",))");
   }
   // A sample that expands still has its own size at each named dim (the padding and the mask follow
   // it), so it must agree with the sample's other fields all the same.

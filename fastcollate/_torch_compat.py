@@ -11,12 +11,20 @@ from typing import Any
 import torch
 
 __all__ = [
+    "jagged_max_seqlen",
     "loader_workers",
     "new_shared_storage",
     "release_cached_pinned_memory",
     "shut_down_workers",
     "waited_worker",
 ]
+
+
+def jagged_max_seqlen(tensor: torch.Tensor) -> int | None:
+    """The longest sequence a jagged nested tensor was made with (``max_seqlen=``), without computing it
+    from the offsets (which on a GPU would sync); None when it carries none or torch keeps it elsewhere."""
+    value = getattr(tensor, "_maybe_max_seqlen", None)
+    return value if isinstance(value, int) else None
 
 
 def loader_workers(iterator: Any) -> list:

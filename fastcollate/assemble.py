@@ -150,12 +150,12 @@ class Assembler:
         if get_worker_info() is not None:
             slot = self._claim_slot(planned.nbytes)
             if slot is not None:
-                return planned.fill(slot, small_fields_apart=False)
-            return planned.fill(_shared_memory_buffer(planned.nbytes), small_fields_apart=True)
+                return self._nested(planned.fill(slot, small_fields_apart=False))
+            return self._nested(planned.fill(_shared_memory_buffer(planned.nbytes), small_fields_apart=True))
         ring = self.ring or main_process_ring()
         out = planned.fill(ring.acquire(planned.nbytes), small_fields_apart=ring is not active_ring())
         ring.views_handed_out += planned.views
-        return out
+        return self._nested(out)
 
     def _claim_slot(self, nbytes: int) -> torch.Tensor | None:
         slots = self._slots

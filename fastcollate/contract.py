@@ -124,6 +124,9 @@ class Field:
             return
         if isinstance(separator, bool) or not isinstance(separator, (int, float)):
             raise ValueError(f"separator must be an int or a float, got {separator!r}")
+        if dtype is not None and dtype.itemsize > 8:
+            raise ValueError(f"a packed {dtype} field takes no separator (its elements are over 8 bytes): "
+                             "leave separator unset")
         if dtype is None or dtype.is_floating_point or dtype.is_complex:
             return
         if dtype == torch.bool:

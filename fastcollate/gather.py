@@ -1,12 +1,13 @@
 """The batched path of fastcollate.Arrays: a batch laid out column by column (ids, rows, ragged rows
-padded with their mask and lengths), gathered by index in C++ straight into the buffer the batch goes
-out in. Python runs once per column, never once per sample.
+padded with their mask and lengths, or packed into one row with the keys beside it), gathered by index in
+C++ straight into the buffer the batch goes out in. Python runs once per column, never once per sample.
 
 A contract applies per column, once per batch: dtype (``cast_from`` casts during the copy), fixed and
 named dims, and ranges, checked vectorized over the gathered column. What this path does not cover
 (``expand_from``, text fields, padding a column that is not ragged, one mask shared by two fields, a
-padded dim another field names, a range with a cast that can change values, a contract the per-sample
-path would refuse) goes the per-sample way instead, with the same result: :func:`layout` returns None.
+padded dim another field names, a range with a cast that can change values, a packed column of fixed-length
+rows, a contract the per-sample path would refuse) goes the per-sample way instead, with the same result:
+:func:`layout` returns None.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import torch
 
 from ._ext import _C  # also registers the ops
 from .arrays import ArrayBatch, Column
-from .contract import Contract, Field
+from .contract import Contract, Field, Packing
 from .errors import ERROR_KINDS
 from .small_fields import needs_own_storage
 
 __all__ = ["Layout", "layout"]
 
 _ALIGN: int = _C.FIELD_ALIGNMENT  # every field starts at a multiple of this, as the per-sample path lays them
+_MAX_PACKED_TOKENS = 2**31 - 1  # cu_seq_lens are int32 (FlashAttention's and transformers')
 
 
 @dataclasses.dataclass
@@ -41,10 +43,26 @@ class _Out:
     field: Field | None = None
     mask: _Out | None = None  # a ragged column's mask and lengths, filled with it
     lengths: _Out | None = None
+    packed: bool = False  # a ragged column's rows back to back, [1, total, ...] (Field(pack=True))
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class _Packing:
+    """The keys beside a batch's packed columns (contract.Packing), from the rows' lengths."""
+
+    spec: Packing
+    cu_seq_lens: np.ndarray  # int32 [batch + 1]
+    position_ids: _Out | None
+    seq_idx: _Out | None
+    offsets: _Out | None  # the tensor behind both cu_seq_lens keys
+    max_length: int
+
+    def outs(self) -> list[_Out]:
+        return [o for o in (self.position_ids, self.seq_idx, self.offsets) if o is not None]
 
 
 @dataclasses.dataclass
@@ -56,6 +74,7 @@ class Layout:
     nbytes: int = 0
     views: int = 0  # tensors of the batch that are views of the buffer (see StagingRing.views_handed_out)
     id_key: str = "id"  # the collate function's, to name samples when the dataset carries no ids
+    packing: _Packing | None = None
 
     def fill(self, buffer: torch.Tensor, small_fields_apart: bool) -> dict[str, Any]:
         """Gathers every column into ``buffer`` (a 1-D uint8 tensor of at least ``nbytes``) and returns the
@@ -63,8 +82,21 @@ class Layout:
         (fastcollate.small_fields)."""
         self.batch.dataset.check_files()
         indices = torch.from_numpy(self.batch.indices)
-        made: dict[str, torch.Tensor] = {}
+        made: dict[str, Any] = {}
         self.views = 0
+        packing = self.packing
+        if packing is not None:
+            # The offsets first: the packed columns are gathered at them.
+            made.update({o.key: self._tensor(buffer, o, small_fields_apart) for o in packing.outs()})
+            cu_seq_lens = torch.from_numpy(packing.cu_seq_lens)
+            if packing.offsets is not None:
+                made[packing.offsets.key].copy_(cu_seq_lens)
+            torch.ops.fastcollate.packed_positions_into(
+                cu_seq_lens,
+                packing.spec.position_ids_start,
+                made[packing.position_ids.key] if packing.position_ids is not None else None,
+                made[packing.seq_idx.key] if packing.seq_idx is not None else None,
+            )
         for out in self.outs:
             if out.key in made:
                 continue
@@ -74,6 +106,9 @@ class Layout:
             target = made[out.key]
             if out.column is None:
                 target.copy_(indices)
+            elif out.packed:
+                self._pack(out, target[0], indices, cu_seq_lens)
+                continue
             elif out.column.rows is not None:
                 torch.ops.fastcollate.gather_into(out.column.rows, indices, target)
             else:
@@ -94,11 +129,34 @@ class Layout:
             if out.field is not None and out.field.range is not None:
                 mask = made[out.mask.key] if out.mask is not None else None
                 _check_range(target, mask, out, self.batch, self.id_key)
+        if packing is not None:
+            # In DataCollatorWithFlattening's order, after the fields (as the per-sample walk puts them).
+            per_token = (packing.position_ids, packing.seq_idx)
+            beside = {o.key: made.pop(o.key) for o in per_token if o is not None}
+            if packing.offsets is not None:
+                offsets = made.pop(packing.offsets.key)
+                beside.update(dict.fromkeys(packing.spec.cu_seq_lens, offsets))
+            beside.update(dict.fromkeys(packing.spec.max_length or (), packing.max_length))
+            made.update(beside)
         return made
+
+    def _pack(self, out: _Out, row: torch.Tensor, indices: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+        """A packed column: its rows back to back into ``row`` ([total, ...]), the range checked on the
+        samples' own values, then the separator written at each non-empty sample's first token."""
+        column = out.column
+        torch.ops.fastcollate.gather_packed_into(column.values, column.offsets, indices, cu_seq_lens, row)
+        field = out.field
+        if field.range is not None:
+            _check_packed_range(row, self.packing.cu_seq_lens, out, self.batch, self.id_key)
+        if field.separator is not None:
+            starts = self.packing.cu_seq_lens[:-1]
+            first_tokens = starts[starts < self.packing.cu_seq_lens[1:]]  # empty samples have none
+            _write_tokens(row, torch.from_numpy(first_tokens.astype(np.int64)), field.separator)
 
     def reusable(self) -> bool:
         """Whether every batch of this size from this dataset has this layout: true without ragged columns
-        (whose longest row sets the padded length), so the layout is computed once per batch size."""
+        (whose longest row sets the padded length, whose rows set a packed total), so the layout is
+        computed once per batch size."""
         return all(out.column is None or out.column.rows is not None for out in self.outs)
 
     def _tensor(self, buffer: torch.Tensor, out: _Out, small_fields_apart: bool) -> torch.Tensor:
@@ -120,6 +178,9 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         # A missing or extra key (the id included), or a padded dim another field names too: the
         # per-sample path names the sample and the key, or checks the dim sample by sample.
         return None
+    packed_rows = _packed_rows(batch, contract)
+    if packed_rows is False:
+        return None
     outs: list[_Out] = []
     named: dict[str, tuple[int, str]] = {}  # dim name -> (size, the column that set it)
     for key in keys:
@@ -133,8 +194,8 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
             continue
         column = dataset.columns[key]
         source = column.rows if column.rows is not None else column.values
-        if field is not None and (field.kind == "text" or field.expand_from or field.pack):
-            return None  # packed columns: the per-sample walk packs them (no column-wise packing yet)
+        if field is not None and (field.kind == "text" or field.expand_from):
+            return None
         if field is not None and field.kind == "number" and (column.rows is None or column.rows.dim() != 1):
             return None  # a number per sample is a 1-D column
         dtype = _dtype(field, source.dtype, key, batch, id_key)
@@ -144,6 +205,12 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
             and torch.promote_types(source.dtype, dtype) != dtype
         ):
             return None  # a cast that can change values (narrowing, float to int): check the source's
+        if field is not None and field.pack:
+            inner = tuple(source.shape[1:])
+            _check_shape(field.shape[1:], inner, key, named, batch, id_key)
+            shape = (1, packed_rows.total, *inner)
+            outs.append(_Out(key, shape, dtype, column=column, field=field, packed=True))
+            continue
         if column.rows is not None:
             if field is not None and field.pad is not None:
                 return None
@@ -178,12 +245,81 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
             out.lengths = _Out(lengths_key, (size,), torch.int64)
         outs += [o for o in (out, out.mask, out.lengths) if o is not None]
     result = Layout(batch, outs, id_key=id_key)
+    if packed_rows is not None:
+        result.packing = packed_rows.beside(contract.packing, size)
+        outs += result.packing.outs()
     offset = 0
     for out in outs:
         out.offset = offset
         offset += (out.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     result.nbytes = offset
     return result
+
+
+@dataclasses.dataclass
+class _PackedRows:
+    """The rows of a batch's packed columns: where each sample starts, and how many tokens in all."""
+
+    cu_seq_lens: np.ndarray  # int64 [batch + 1]
+    lengths: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_seq_lens[-1])
+
+    def beside(self, spec: Packing, size: int) -> _Packing:
+        total = self.total
+        return _Packing(
+            spec=spec,
+            cu_seq_lens=self.cu_seq_lens.astype(np.int32),
+            position_ids=_Out(spec.position_ids, (1, total), torch.int64) if spec.position_ids else None,
+            seq_idx=_Out(spec.seq_idx, (1, total), torch.int32) if spec.seq_idx else None,
+            offsets=_Out(spec.cu_seq_lens[0], (size + 1,), torch.int32) if spec.cu_seq_lens else None,
+            max_length=int(self.lengths.max()) if size else 0,
+        )
+
+
+def _packed_rows(batch: ArrayBatch, contract: Contract | None) -> _PackedRows | bool | None:
+    """The packed columns' rows; None when nothing is packed, False when the per-sample path must pack
+    them: a column of fixed-length rows, a packed dim another field names, a sample whose packed columns
+    differ in length, or a batch the walk refuses (no token, more than cu_seq_lens' int32 holds, over
+    Packing.max_tokens). The walk then names the sample and the fields, as for any batch."""
+    packed = contract.packed_fields() if contract is not None else None
+    if packed is None:
+        return None
+    parent, keys = packed
+    if parent:
+        return False
+    fields = contract.fields
+    dim = fields[keys[0]].shape[0]
+    if any(not f.pack and dim in (f.shape or ()) for f in fields.values()):
+        return False
+    columns = [batch.dataset.columns[key] for key in keys]
+    if any(column.rows is not None for column in columns):
+        return False
+    lengths = _ragged_lengths(columns[0], batch.indices)
+    if any(not np.array_equal(_ragged_lengths(column, batch.indices), lengths) for column in columns[1:]):
+        return False
+    cu_seq_lens = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_seq_lens[1:])
+    total, budget = int(cu_seq_lens[-1]), contract.packing.max_tokens
+    if total == 0 or total > _MAX_PACKED_TOKENS or (budget is not None and total > budget):
+        return False
+    return _PackedRows(cu_seq_lens, lengths)
+
+
+_SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _write_tokens(row: torch.Tensor, tokens: torch.Tensor, value: int | float) -> None:
+    """``row[tokens] = value``. torch has no index_put for uint16/32/64: those rows are written through a
+    view as the signed type of the same size, with the value's bits."""
+    signed = _SIGNED_OF.get(row.dtype)
+    if signed is None:
+        row[tokens] = value
+        return
+    bits = signed.itemsize * 8
+    row.view(signed)[tokens] = int(value) - (1 << bits) if value >= 1 << (bits - 1) else int(value)
 
 
 def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
@@ -273,24 +409,48 @@ def _check_range(
     if len(rows):
         position = int(rows[0])
         flat = int(bad[position].nonzero()[0])
-        value = float(real[position, flat])
-        got = (
-            "NaN"
-            if value != value
-            else "a value below the range"
-            if value < low
-            else "a value at or above the upper bound"
-        ) + f" at flat position {flat}"
-        raise _error(
-            "value",
-            batch,
-            position,
-            out.key,
-            f"values in [{low:g}, {high:g})",
-            got,
-            "fix the label, or widen the declared range",
-            id_key,
-        )
+        raise _range_error(float(real[position, flat]), position, flat, out, batch, id_key)
+
+
+def _check_packed_range(
+    row: torch.Tensor, cu_seq_lens: np.ndarray, out: _Out, batch: ArrayBatch, id_key: str
+) -> None:
+    """The range rule over a packed row ([total, ...]), before its separators are written: the error
+    names the sample the first bad token belongs to, and the flat position within that sample."""
+    low, high = out.field.range
+    values = row.reshape(-1)
+    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        values = values.to(torch.float64 if values.dtype == torch.uint64 else torch.int64)
+    bad = (~((values >= low) & (values < high))).nonzero()
+    if len(bad):
+        flat = int(bad[0])
+        per_token = max(values.numel() // max(len(row), 1), 1)
+        position = int(np.searchsorted(cu_seq_lens, flat // per_token, side="right")) - 1
+        within = flat - int(cu_seq_lens[position]) * per_token
+        raise _range_error(float(values[flat]), position, within, out, batch, id_key)
+
+
+def _range_error(
+    value: float, position: int, flat: int, out: _Out, batch: ArrayBatch, id_key: str
+) -> Exception:
+    low, high = out.field.range
+    got = (
+        "NaN"
+        if value != value
+        else "a value below the range"
+        if value < low
+        else "a value at or above the upper bound"
+    ) + f" at flat position {flat}"
+    return _error(
+        "value",
+        batch,
+        position,
+        out.key,
+        f"values in [{low:g}, {high:g})",
+        got,
+        "fix the label, or widen the declared range",
+        id_key,
+    )
 
 
 def _error(

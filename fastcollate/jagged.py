@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ._torch_compat import jagged_max_seqlen
+
 __all__ = ["is_jagged", "join", "nest", "split"]
 
 
@@ -33,22 +35,36 @@ def nest(
     return batch
 
 
-def split(leaves: list[Any]) -> tuple[list[Any], list[tuple[int, int, int]]]:
-    """``leaves`` with each jagged tensor's values and offsets appended, its own place left as None, and
-    (place, values' index, offsets' index) for each, for ``join``."""
+def split(leaves: list[Any]) -> tuple[list[Any], list[tuple[int, int, int, int | None]]]:
+    """``leaves`` with each jagged tensor's values appended, and its offsets too unless they are already a
+    leaf (``cu_seq_lens``: then the two stay one tensor on the device), its own place left as None; and
+    (place, values' index, offsets' index, max_seqlen) for each, for ``join``."""
     out = list(leaves)
+    where: dict[int, int] = {}  # a tensor leaf's id -> its first place
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and not is_jagged(leaf):
+            where.setdefault(id(leaf), i)
     places = []
     for index, leaf in enumerate(leaves):
         if is_jagged(leaf):
-            places.append((index, len(out), len(out) + 1))
-            out += [leaf.values(), leaf.offsets()]
+            offsets = leaf.offsets()
+            values_at = len(out)
+            out.append(leaf.values())
+            offsets_at = where.get(id(offsets))
+            if offsets_at is None:
+                offsets_at = where[id(offsets)] = len(out)
+                out.append(offsets)
+            places.append((index, values_at, offsets_at, jagged_max_seqlen(leaf)))
             out[index] = None
     return out, places
 
 
-def join(leaves: list[Any], places: list[tuple[int, int, int]], count: int) -> list[Any]:
-    """The first ``count`` leaves, with each jagged tensor made again from its (moved) values and offsets."""
+def join(leaves: list[Any], places: list[tuple[int, int, int, int | None]], count: int) -> list[Any]:
+    """The first ``count`` leaves, with each jagged tensor made again from its (moved) values and offsets,
+    carrying its max_seqlen still."""
     out = leaves[:count]
-    for index, values, offsets in places:
-        out[index] = torch.nested.nested_tensor_from_jagged(leaves[values], leaves[offsets])
+    for index, values, offsets, longest in places:
+        out[index] = torch.nested.nested_tensor_from_jagged(
+            leaves[values], leaves[offsets], max_seqlen=longest
+        )
     return out

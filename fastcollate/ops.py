@@ -9,7 +9,15 @@ import torch
 
 from ._ext import _C  # noqa: F401  (registers the ops)
 
-__all__ = ["gather_into", "gather_ragged_into", "normalize_images", "pad_into", "stack_into"]
+__all__ = [
+    "gather_into",
+    "gather_packed_into",
+    "gather_ragged_into",
+    "normalize_images",
+    "packed_positions_into",
+    "pad_into",
+    "stack_into",
+]
 
 
 def stack_into(samples: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -49,6 +57,29 @@ def gather_ragged_into(
     torch.ops.fastcollate.gather_ragged_into.default(values, offsets, indices, value, out, mask, lengths)
 
 
+def gather_packed_into(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The same rows back to back into ``out`` ([total, ...]), row ``b`` at ``cu_seq_lens[b]`` (int32,
+    ``batch + 1`` entries from 0, checked against the rows' lengths): a packed batch's column."""
+    torch.ops.fastcollate.gather_packed_into.default(values, offsets, indices, cu_seq_lens, out)
+
+
+def packed_positions_into(
+    cu_seq_lens: torch.Tensor,
+    start: int,
+    position_ids: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+) -> None:
+    """From a packed row's ``cu_seq_lens``: ``position_ids`` (int64, counting from ``start`` in each
+    sample) and ``seq_idx`` (int32, each token's batch position); either may be None."""
+    torch.ops.fastcollate.packed_positions_into.default(cu_seq_lens, start, position_ids, seq_idx)
+
+
 def normalize_images(
     images: torch.Tensor,
     mean: torch.Tensor,
@@ -77,6 +108,16 @@ def _(source, indices, out):
 
 @torch.library.register_fake("fastcollate::gather_ragged_into")
 def _(values, offsets, indices, value, out, mask, lengths):
+    return None
+
+
+@torch.library.register_fake("fastcollate::gather_packed_into")
+def _(values, offsets, indices, cu_seq_lens, out):
+    return None
+
+
+@torch.library.register_fake("fastcollate::packed_positions_into")
+def _(cu_seq_lens, start, position_ids, seq_idx):
     return None
 
 

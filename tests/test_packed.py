@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fastcollate import Contract, DeviceLoader, Field, Packing, assemble, jagged
 from fastcollate._ext import _C
+from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.errors import ContractKeyError, ContractSizeError, ContractTypeError, ContractValueError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -268,6 +269,14 @@ def test_a_packed_field_of_the_wrong_dtype_is_named():
     assert raised.value.sample_id == 2 and raised.value.field == "input_ids"
 
 
+def test_a_0_d_sample_of_a_packed_field_is_named_with_a_hint_that_fits_packing():
+    contract = Contract({"id": Field(kind="number"), "x": tokens(pack=True)})
+    with pytest.raises(ContractSizeError) as raised:
+        assemble.using(contract)([{"id": 0, "x": torch.tensor(3)}])
+    assert raised.value.field == "x" and "expand_from" not in str(raised.value)
+    assert "tokens along the first dim" in str(raised.value)
+
+
 def test_a_packed_field_in_a_tuple_sample_is_refused():
     contract = Contract(
         {"0": Field(dtype=torch.int64, shape=("T",), pack=True), "1": Field(kind="number")}, id=None
@@ -293,6 +302,7 @@ def tokens(shape=("T",), **options):
         (lambda: Contract({"x": tokens(pack=True), "position_ids": Field(kind="number")}), "already a field"),
         (lambda: Contract({"x": tokens()}, packing=Packing()), "no field is packed"),
         (lambda: Packing(cu_seq_lens=("a",)), "two keys"),
+        (lambda: Field(dtype=torch.complex128, shape=("T",), pack=True, separator=1), "over 8 bytes"),
     ],
 )
 def test_declarations_that_cannot_pack_are_refused_when_made(declare, message):
@@ -379,19 +389,6 @@ def test_any_packed_batch_equals_the_pure_python_packer(lengths, dtypes, separat
             assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
         else:
             assert ours[key] == value, key
-
-
-def test_an_arrays_dataset_with_packed_columns_is_packed_by_the_per_sample_walk():
-    from fastcollate import Arrays, Ragged
-
-    values = torch.arange(10, dtype=torch.int64)
-    offsets = torch.tensor([0, 3, 4, 10])
-    dataset = Arrays({"input_ids": Ragged(values, offsets), "labels": Ragged(values.clone(), offsets)})
-    loader = DataLoader(dataset, batch_size=3, collate_fn=assemble.using(packed_contract()))
-    batch = next(iter(loader))
-    assert batch["input_ids"].tolist() == [list(range(10))]
-    assert batch["labels"].tolist() == [[-100, 1, 2, -100, -100, 5, 6, 7, 8, 9]]
-    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 4, 10]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -499,16 +496,29 @@ def test_nested_batches_from_workers_hold_every_sample(workers):
 
 def test_split_and_join_move_a_jagged_tensor_as_its_values_and_offsets():
     batch = assemble.using(packed_contract(nested=True))(token_samples(count=4))
+    longest = batch["max_length_q"]
     leaves = [batch["id"], batch["input_ids"], 3]
     split, places = jagged.split(leaves)
-    assert split[1] is None and places == [(1, 3, 4)]
+    assert split[1] is None and places == [(1, 3, 4, longest)]
     assert split[3].data_ptr() == batch["input_ids"].values().data_ptr()
     moved = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in split]  # "on the device"
     joined = jagged.join(moved, places, len(leaves))
     assert len(joined) == 3 and joined[2] == 3
     assert joined[1].values().data_ptr() == moved[3].data_ptr()
     assert joined[1].offsets().data_ptr() == moved[4].data_ptr()
+    assert jagged_max_seqlen(joined[1]) == longest, "carried, not read back from the (device) offsets"
     assert [r.tolist() for r in joined[1].unbind()] == [r.tolist() for r in batch["input_ids"].unbind()]
+
+
+def test_split_keeps_cu_seq_lens_and_the_jagged_offsets_one_tensor():
+    batch = assemble.using(packed_contract(nested=True))(token_samples(count=4))
+    leaves = [batch["input_ids"], batch["labels"], batch["cu_seq_lens_q"], batch["cu_seq_lens_k"]]
+    split, places = jagged.split(leaves)
+    assert [offsets for _, _, offsets, _ in places] == [2, 2], "the leaf itself, not a second copy"
+    assert len(split) == 6
+    moved = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in split]
+    joined = jagged.join(moved, places, len(leaves))
+    assert joined[0].offsets() is moved[2] and joined[1].offsets() is moved[2]
 
 
 def test_device_loader_on_the_cpu_passes_a_nested_batch_through():

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -250,11 +251,119 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   }
 }
 
+// cu_seq_lens must be int32 [batch + 1], from 0, one row's length a step: checked against the rows here
+// so a packed row and its offsets cannot disagree.
+void check_packed_offsets(const at::Tensor& cu_seq_lens, int64_t batch, const char* op) {
+  TORCH_CHECK(cu_seq_lens.device().is_cpu() && cu_seq_lens.scalar_type() == at::kInt && cu_seq_lens.dim() == 1 &&
+                  cu_seq_lens.is_contiguous() && cu_seq_lens.numel() == batch + 1,
+              op, ": cu_seq_lens must be a contiguous int32 CPU tensor of batch + 1 = ", batch + 1, " entries, got ",
+              cu_seq_lens.scalar_type(), " of shape ", cu_seq_lens.sizes());
+  const int32_t* cu = cu_seq_lens.const_data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0, op, ": cu_seq_lens must start at 0, got ", cu[0]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(cu[b] <= cu[b + 1], op, ": cu_seq_lens must not decrease (", cu[b], " then ", cu[b + 1],
+                " at batch position ", b, ")");
+  }
+}
+
+// Rows values[offsets[i]:offsets[i + 1]] of a ragged column for each index, back to back into out
+// ([total, *fixed dims]): row b at cu_seq_lens[b], which must hold the rows' lengths. A packed batch's
+// column (contract.Field(pack=True)), gathered with no sample objects; a cast goes through a gather in the
+// values' dtype, then one ATen copy.
+void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
+                            const at::Tensor& cu_seq_lens, const at::Tensor& out) {
+  TORCH_CHECK(
+      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
+      "gather_packed_into: values must be a contiguous CPU tensor with a leading dim");
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1,
+              "gather_packed_into: offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  const int64_t batch = indices.numel();
+  check_indices(indices, offsets.numel() - 1, "gather_packed_into");
+  check_packed_offsets(cu_seq_lens, batch, "gather_packed_into");
+  const int32_t* cu = cu_seq_lens.const_data_ptr<int32_t>();
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == values.dim() && out.size(0) == cu[batch] &&
+                  out.sizes().slice(1) == values.sizes().slice(1),
+              "gather_packed_into: out must be contiguous of shape [", cu[batch], ", ", values.sizes().slice(1),
+              "] (cu_seq_lens' total first), got ", out.sizes());
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const int64_t* offset = offsets.const_data_ptr<int64_t>();
+  const int64_t total = values.size(0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = offset[index[b]];
+    const int64_t stop = offset[index[b] + 1];
+    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, "gather_packed_into: row ", index[b],
+                      " (batch position ", b, ") spans offsets ", start, "..", stop, ", outside the ", total,
+                      " values (offsets must be non-decreasing, from 0 to len(values))");
+    TORCH_CHECK(stop - start == cu[b + 1] - cu[b], "gather_packed_into: row ", index[b], " (batch position ", b,
+                ") has length ", stop - start, " but cu_seq_lens gives it ", cu[b + 1] - cu[b]);
+  }
+  if (out.numel() == 0) {
+    return;
+  }
+  at::assert_no_partial_overlap(out, values);
+  const at::Tensor target = out.scalar_type() == values.scalar_type() ? out : at::empty(out.sizes(), values.options());
+  const size_t step_bytes = static_cast<size_t>(values.numel() / std::max<int64_t>(total, 1)) * values.element_size();
+  const auto* base = static_cast<const unsigned char*>(values.const_data_ptr());
+  auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
+  CopyJobs jobs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const size_t length = static_cast<size_t>(cu[b + 1] - cu[b]);
+    if (length > 0) {
+      jobs.add_memcpy(base + static_cast<size_t>(offset[index[b]]) * step_bytes,
+                      out_bytes + static_cast<size_t>(cu[b]) * step_bytes, length * step_bytes);
+    }
+  }
+  jobs.run();
+  if (!target.is_same(out)) {
+    const_cast<at::Tensor&>(out).copy_(target);
+  }
+}
+
+// The keys beside a packed row, from its cu_seq_lens: position_ids (int64, counting from `start` in each
+// sample) and seq_idx (int32, each token's batch position), each [total] or [1, total]; either may be None.
+void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
+                               const std::optional<at::Tensor>& position_ids,
+                               const std::optional<at::Tensor>& seq_idx) {
+  const int64_t batch = cu_seq_lens.numel() - 1;
+  TORCH_CHECK(batch >= 0, "packed_positions_into: cu_seq_lens needs at least one entry");
+  check_packed_offsets(cu_seq_lens, batch, "packed_positions_into");
+  const int32_t* cu = cu_seq_lens.const_data_ptr<int32_t>();
+  auto check_out = [&](const at::Tensor& out, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == dtype && out.is_contiguous() &&
+                    out.numel() == cu[batch] && out.dim() >= 1 && out.size(-1) == cu[batch],
+                "packed_positions_into: ", name, " must be a contiguous ", dtype, " CPU tensor of ", cu[batch],
+                " tokens ([total] or [1, total]), got ", out.scalar_type(), " of shape ", out.sizes());
+  };
+  CopyJobs jobs;
+  if (position_ids) {
+    check_out(*position_ids, at::kLong, "position_ids");
+    int64_t* positions = position_ids->data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      jobs.counts.push_back({positions + cu[b], static_cast<size_t>(cu[b + 1] - cu[b]), start});
+    }
+  }
+  if (seq_idx) {
+    check_out(*seq_idx, at::kInt, "seq_idx");
+    auto* samples = static_cast<unsigned char*>(seq_idx->data_ptr());
+    for (int64_t b = 0; b < batch; ++b) {
+      const int32_t position = static_cast<int32_t>(b);
+      uint64_t pattern = 0;
+      std::memcpy(&pattern, &position, sizeof(position));  // FillJob reads an element's bytes from the pattern's first
+      jobs.fills.push_back({samples + static_cast<size_t>(cu[b]) * sizeof(int32_t),
+                            static_cast<size_t>(cu[b + 1] - cu[b]), sizeof(int32_t), pattern});
+    }
+  }
+  jobs.run();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastcollate, CPU, m) {
   m.impl("gather_into", &gather_into_cpu);
   m.impl("gather_ragged_into", &gather_ragged_into_cpu);
+  m.impl("gather_packed_into", &gather_packed_into_cpu);
+  m.impl("packed_positions_into", &packed_positions_into_cpu);
 }
 
 }  // namespace fastcollate

@@ -135,8 +135,13 @@ size_t pieces_per_row(const RowsJob& job) {
 }
 
 void run_count(const CountJob& job) {
-  for (size_t i = 0; i < job.count; ++i) {
-    job.dst[i] = job.start + static_cast<int64_t>(i);
+  // Locals: through job, each store to an int64 could alias job.start or job.count (both int64-sized), so
+  // the loop would reload them and not vectorise (measured: 177 -> ~25 us for 270k position ids).
+  int64_t* const dst = job.dst;
+  const int64_t start = job.start;
+  const size_t count = job.count;
+  for (size_t i = 0; i < count; ++i) {
+    dst[i] = start + static_cast<int64_t>(i);
   }
 }
 

@@ -92,6 +92,9 @@ def machine() -> dict:
         "git_dirty_paths": [line.split(maxsplit=1)[1] for line in git("status", "--porcelain").splitlines()],
         "torch_parallel_backend": torch.__config__.parallel_info().splitlines()[-1].strip()
         if torch.__config__.parallel_info() else "",
+        # glibc's mmap threshold moves fresh-allocation contenders by up to 2x: say which settings ran.
+        "malloc": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+        or "glibc defaults",
     }
 
 
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory_gib']} GiB; "
           f"python {info['python']}, torch {info['torch']}, numpy {info['numpy']}; fastcollate "
           f"{info['fastcollate']} @ {info['git_commit'][:10]}")
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}; malloc: {info['malloc']}")
     print(f"extension: {info['fastcollate_path']} sha256 {info['extension_sha256_16']} "
           f"built {info['extension_mtime']}; load average {os.getloadavg()[0]:.2f} "
           f"on {info['logical_cpus']} CPUs")

@@ -1,4 +1,5 @@
-"""The README's Usage runs as written, and every docs/ page it links to exists."""
+"""The README's Usage runs as written, as do the thread-pipeline examples (the README's and
+docs/integrations'), and every docs/ page the README links to exists."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def test_every_linked_page_exists():
 
 def test_the_thread_pipeline_examples_run_as_written():
     section = README.split("## With thread pipelines", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    integrations = (ROOT / "docs" / "integrations.md").read_text()
+    pipelines = integrations.split("## Thread pipelines: SPDL and torchdata.nodes", 1)[1].split("\n## ", 1)[0]
+    code_blocks = re.compile(r"```python\n(.*?)```", re.S)
+    blocks = [code for text in (pipelines, section) for code in code_blocks.findall(text)]
     assert len(blocks) == 2 and "spdl" in blocks[0] and "torchdata" in blocks[1]
     for code in blocks:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -2,7 +2,8 @@
 and with assemble, the batched-index idiom users know (a BatchSampler as the sampler, X[idx]),
 fastcollate.Arrays gathered by assemble, and a bare index_select into a reused buffer (the floor).
 
-    python benchmarks/array_ratios.py [--cases tabular images tokens workers] [--rounds 7] [--json PATH]
+    python benchmarks/array_ratios.py [--cases tabular images tokens workers packed] [--rounds 7]
+                                      [--json PATH]
 
 Method: every contender of a case makes the same batches (checked equal once, untimed), in rounds; a
 round runs each contender once over --batches batches, in a freshly shuffled order (seeded), and each
@@ -206,6 +207,56 @@ def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
     return {"nanoGPT get_batch": nanogpt, "TokenWindows + assemble": gathered}
 
 
+class Documents(Dataset):
+    """A tokenized corpus as a Dataset hands it to a packing collator: one document a sample, its
+    input_ids and labels (the same tokens, as for a causal LM) views of the flat token column."""
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.values, self.offsets = values, offsets.tolist()
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict:
+        tokens = self.values[self.offsets[i] : self.offsets[i + 1]]
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def packed_contenders(documents: int, batch: int, seed: int) -> dict:
+    """Packed causal-LM batches (collate_cases.packed_contract: DataCollatorWithFlattening's keys) of the
+    same shuffled documents, 16..2048 int64 tokens each: per-sample datasets with the collator, with
+    torch.cat + arange, and with assemble; and the corpus as Arrays' Ragged columns, packed from values
+    and offsets with no sample made."""
+    from collate_cases import cat_arange_packed, flattening_collator, have_transformers, packed_contract
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 2049, (documents,), generator=generator)
+    offsets = torch.zeros(documents + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(0, 32000, (int(offsets[-1]),), generator=generator)
+    per_sample = Documents(values, offsets)
+    collates: dict = {"torch.cat+arange": cat_arange_packed}
+    collates["assemble"] = fastcollate.assemble.using(packed_contract())
+    if have_transformers():
+        collates = {"DataCollatorWithFlattening": flattening_collator(), **collates}
+    contenders = {
+        f"per-sample + {name}": loader_epoch(
+            DataLoader(per_sample, batch_sampler=sampler(documents, batch, seed), collate_fn=collate)
+        )
+        for name, collate in collates.items()
+    }
+    tokens = fastcollate.Ragged(values, offsets)
+    arrays = Arrays({"input_ids": tokens, "labels": tokens}, id_key=None)
+    contenders["Arrays + assemble, IndexBatches"] = loader_epoch(
+        DataLoader(
+            arrays,
+            batch_sampler=fastcollate.IndexBatches(documents, batch, shuffle=True, seed=seed),
+            collate_fn=fastcollate.assemble.using(packed_contract()),
+        )
+    )
+    return contenders
+
+
 def worker_contenders(datasets: dict[str, tuple[dict[str, torch.Tensor], int]], seed: int) -> dict:
     """Arrays + assemble with IndexBatches at 0 and 2 workers, for each named (columns, batch size)."""
     out = {}
@@ -247,7 +298,7 @@ def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[
             start = time.perf_counter()
             count = 0
             for batch in contenders[name](batches):
-                count += len(batch["id"])
+                count += len(batch["id"]) if "id" in batch else len(batch["cu_seq_lens_q"]) - 1  # packed
                 del batch
             seconds = time.perf_counter() - start
             runs.append(
@@ -291,6 +342,7 @@ CASE_NOTES = {
     "images": "pre-decoded uint8 3x224x224 in memory, batch 256, shuffled",
     "tokens": "a uint16 memmap (page cache warm), batch 64 x 1024, random offsets",
     "workers": "Arrays + assemble with IndexBatches, workers 0 and 2",
+    "packed": "--documents of 16..2048 int64 tokens, packed as DataCollatorWithFlattening packs, batch 256",
 }
 
 
@@ -299,14 +351,15 @@ def main() -> int:
     parser.add_argument(
         "--cases",
         nargs="+",
-        default=["tabular", "images", "tokens", "workers"],
-        choices=["tabular", "images", "tokens", "workers"],
+        default=["tabular", "images", "tokens", "workers", "packed"],
+        choices=["tabular", "images", "tokens", "workers", "packed"],
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=10, help="batches per contender per round")
     parser.add_argument("--rows", type=int, default=1_000_000, help="tabular rows")
     parser.add_argument("--images", type=int, default=4096, help="pre-decoded images in memory")
     parser.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the uint16 memmap")
+    parser.add_argument("--documents", type=int, default=4096, help="documents in the packed case")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -361,6 +414,12 @@ def main() -> int:
             contenders = token_contenders(path, 1024, 64, args.seed)
             pairs = [("TokenWindows + assemble", "nanoGPT get_batch", ">= 10x")]
             keys = ("id", "input_ids", "labels")
+        elif case == "packed":
+            contenders = packed_contenders(args.documents, 256, args.seed)
+            gathered = "Arrays + assemble, IndexBatches"
+            pairs = [(gathered, name, "(for reference)") for name in contenders if name != gathered]
+            pairs.append(("per-sample + assemble", "per-sample + torch.cat+arange", "(for reference)"))
+            keys = ("cu_seq_lens_q",)  # each contender shuffles its own way: the token totals differ
         else:
             contenders = worker_contenders(
                 {"tabular": (tabular(args.rows), 4096), "images": (images(args.images), 256)}, args.seed

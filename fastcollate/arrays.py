@@ -115,6 +115,11 @@ class Column:
                 raise ValueError(
                     f"Arrays: column {name!r}: offsets must be 1-D with one entry more than rows"
                 )
+            if offsets.dtype == torch.bool or offsets.dtype.is_floating_point or offsets.dtype.is_complex:
+                raise TypeError(
+                    f"Arrays: column {name!r}: offsets must be integers, got {offsets.dtype} (a row "
+                    "starts at a whole position)"
+                )
             self.offsets = offsets.to(torch.int64).contiguous()
             if self.offsets.data_ptr() != offsets.data_ptr():
                 self.files.pop("offsets", None)  # converted: a copy in memory, no longer the file's

@@ -5,9 +5,10 @@ C++ straight into the buffer the batch goes out in. Python runs once per column,
 A contract applies per column, once per batch: dtype (``cast_from`` casts during the copy), fixed and
 named dims, and ranges, checked vectorized over the gathered column. What this path does not cover
 (``expand_from``, text fields, padding a column that is not ragged, one mask shared by two fields, a
-padded dim another field names, a range with a cast that can change values, a packed column of fixed-length
-rows, a contract the per-sample path would refuse) goes the per-sample way instead, with the same result:
-:func:`layout` returns None.
+padded dim another field names, a cast from floating point to an integer dtype, a range with a cast that
+can change values, a separator or pad value the dtype cannot hold, a packed column of fixed-length rows
+or of other fixed dims, a contract the per-sample path would refuse) goes the per-sample way instead,
+with the same result: :func:`layout` returns None.
 """
 
 from __future__ import annotations
@@ -199,15 +200,17 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout 
         if field is not None and field.kind == "number" and (column.rows is None or column.rows.dim() != 1):
             return None  # a number per sample is a 1-D column
         dtype = _dtype(field, source.dtype, key, batch, id_key)
-        if (
-            field is not None
-            and field.range is not None
-            and torch.promote_types(source.dtype, dtype) != dtype
-        ):
-            return None  # a cast that can change values (narrowing, float to int): check the source's
+        if source.dtype.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
+            return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
+        if field is not None and field.range is not None and not _keeps_values(source.dtype, dtype):
+            return None  # a cast that can change values (narrowing): the range is the source's to check
+        for value in (field.separator, field.pad) if field is not None else ():
+            if value is not None and not _holds(value, dtype):
+                return None  # the walk names the value the dtype cannot hold
         if field is not None and field.pack:
             inner = tuple(source.shape[1:])
-            _check_shape(field.shape[1:], inner, key, named, batch, id_key)
+            if tuple(field.shape[1:]) != inner:  # fixed dims only (Field refuses other named dims)
+                return None  # the walk names the sample's whole shape against the declared one
             shape = (1, packed_rows.total, *inner)
             outs.append(_Out(key, shape, dtype, column=column, field=field, packed=True))
             continue
@@ -335,6 +338,38 @@ def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
     return False
 
 
+def _holds(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is one of ``dtype``'s (not 1e10 as float16, 300 as int8): the walk's rule for
+    separators and pad values."""
+    if dtype.itemsize > 8:
+        return False  # complex128: the walk writes elements of at most 8 bytes, and says so
+    if dtype == torch.bool or dtype.is_complex:
+        return True
+    if dtype.is_floating_point:
+        return not math.isfinite(value) or abs(value) <= torch.finfo(dtype).max
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+def _keeps_values(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` keeps every value (a range checked after the cast then
+    holds for the source). torch.promote_types refuses uint16/32/64, so this compares ranges itself."""
+    if source == target or source == torch.bool:
+        return True  # 0 and 1 are values of every dtype
+    if target == torch.bool:
+        return False
+    if source.is_floating_point or source.is_complex:
+        floating = target.is_floating_point or target.is_complex
+        return floating and torch.promote_types(source, target) == target
+    bits = torch.iinfo(source).bits - (torch.iinfo(source).min < 0)  # the integer's magnitude bits
+    if target.is_floating_point or target.is_complex:
+        mantissa = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53,
+                    torch.complex64: 24, torch.complex128: 53}.get(target, 0)
+        return bits <= mantissa
+    low, high = torch.iinfo(source), torch.iinfo(target)
+    return high.min <= low.min and low.max <= high.max
+
+
 def _ragged_lengths(column: Column, indices: np.ndarray) -> np.ndarray:
     offsets = column.offsets.numpy()
     return offsets[indices + 1] - offsets[indices]
@@ -345,15 +380,15 @@ def _dtype(field: Field | None, source: torch.dtype, key: str, batch: ArrayBatch
         return source
     if source in field.cast_from:
         return field.dtype
-    name = str(source).removeprefix("torch.")
+    # The walk's words, but a column is converted once, not in a transform.
     raise _error(
         "type",
         batch,
         0,
         key,
-        str(field.dtype).removeprefix("torch."),
-        name,
-        f"convert the column once, or declare cast_from=(torch.{name},)",
+        str(field.dtype),
+        str(source),
+        f"convert the column once, or declare cast_from=({source},) on the field",
         id_key,
     )
 
@@ -393,10 +428,9 @@ def _check_range(
     """The per-sample path's range rule (``low <= v < high``, NaN fails), vectorized over the column; the
     error names the first sample that breaks it. Padding (0 in the ragged column's ``mask``, just
     gathered) is not checked: it is not the sample's."""
-    low, high = out.field.range
+    low, high = map(float, out.field.range)
     size = len(values)
-    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch compares these in few ops
-        values = values.to(torch.float64 if values.dtype == torch.uint64 else torch.int64)
+    values = values.to(torch.float64)  # as the walk compares: bounds are doubles, whatever the dtype
     if mask is None:
         real = values.reshape(size, -1)
         inside = (real >= low) & (real < high)
@@ -417,10 +451,8 @@ def _check_packed_range(
 ) -> None:
     """The range rule over a packed row ([total, ...]), before its separators are written: the error
     names the sample the first bad token belongs to, and the flat position within that sample."""
-    low, high = out.field.range
-    values = row.reshape(-1)
-    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        values = values.to(torch.float64 if values.dtype == torch.uint64 else torch.int64)
+    low, high = map(float, out.field.range)
+    values = row.reshape(-1).to(torch.float64)  # as the walk compares
     bad = (~((values >= low) & (values < high))).nonzero()
     if len(bad):
         flat = int(bad[0])

@@ -295,3 +295,96 @@ def test_opcheck_gather_packed_into_and_packed_positions_into():
                            torch.empty(6, dtype=torch.int64)))
     outs = (torch.empty(1, 6, dtype=torch.int64), torch.empty(1, 6, dtype=torch.int32))
     torch.library.opcheck(torch.ops.fastcollate.packed_positions_into.default, (cu_seq_lens, 1, *outs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a hostile review found: each case must give the walk's batch, or the walk's error
+
+
+def test_a_float_column_cast_to_integers_goes_to_the_walk_which_refuses_nan_and_overflow():
+    values = torch.tensor([1.5, float("nan"), 1e20, 2.0], dtype=torch.float64)
+    dataset = Arrays(input_ids=Ragged(values, np.array([0, 1, 4])))
+    for field in (Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.float64,)),
+                  Field(dtype=torch.int64, shape=("T",), pad=0, cast_from=(torch.float64,))):
+        contract = Contract({"id": Field(kind="number"), "input_ids": field})
+        assert gather.layout(dataset.__getitems__([0, 1]), contract, "id") is None
+        with pytest.raises(ContractValueError, match="can hold") as raised:
+            assemble.using(contract)(dataset.__getitems__([0, 1]))
+        assert raised.value.sample_id == 1
+
+
+@pytest.mark.parametrize(("dtype", "separator"), [
+    (torch.uint16, -100), (torch.uint8, 300), (torch.float16, 70000), (torch.int8, 1000),
+    (torch.complex128, 1),
+])
+def test_a_separator_the_column_s_own_dtype_cannot_hold_is_the_walk_s_error(dtype, separator):
+    # No dtype declared: the field's dtype is the column's, known only at the batch.
+    dataset = Arrays(labels=Ragged(torch.ones(4, dtype=dtype), np.array([0, 2, 4])))
+    labels = Field(shape=("T",), pack=True, separator=separator)
+    contract = Contract({"id": Field(kind="number"), "labels": labels})
+    with pytest.raises(ContractValueError, match="separator value") as raised:
+        assemble.using(contract)(dataset.__getitems__([0, 1]))
+    assert raised.value.field == "labels"
+
+
+@pytest.mark.parametrize(("source", "target"), [(torch.uint16, torch.int64), (torch.bool, torch.uint16),
+                                                (torch.uint32, torch.int64), (torch.uint8, torch.float16)])
+def test_an_unsigned_or_bool_column_cast_with_a_range_is_packed(source, target):
+    values = torch.tensor([1, 0, 1, 1, 0]).to(source)
+    dataset = Arrays(input_ids=Ragged(values, np.array([0, 2, 5])))
+    field = Field(dtype=target, shape=("T",), pack=True, cast_from=(source,), range=(0, 2))
+    contract = Contract({"id": Field(kind="number"), "input_ids": field})
+    assert_same_batch(gathered(dataset, [1, 0], contract), walked(dataset, [1, 0], contract))
+
+
+@pytest.mark.parametrize(("dtype", "value", "bounds"), [
+    (torch.uint8, 5, (0, 256)), (torch.int8, 5, (-1000, 1000)), (torch.bfloat16, 100.0, (0, 100.1)),
+    (torch.int64, 2**24, (0, 2**24 + 0.5)), (torch.int64, 5, (-(2**70), 2**70)),
+    (torch.uint16, 5, (0, 2**64)),
+])
+@pytest.mark.parametrize("how", ["pack", "pad"])
+def test_ranges_are_compared_in_double_as_the_walk_compares_them(dtype, value, bounds, how):
+    dataset = Arrays(x=Ragged(torch.full((3,), value).to(dtype), np.array([0, 1, 3])))
+    declared = dict(pack=True) if how == "pack" else dict(pad=0)
+    field = Field(dtype=dtype, shape=("T",), range=bounds, **declared)
+    contract = Contract({"id": Field(kind="number"), "x": field})
+    assert_same_batch(gathered(dataset, [0, 1], contract), walked(dataset, [0, 1], contract))
+
+
+def test_a_value_just_past_the_bound_in_double_is_refused_as_the_walk_refuses_it():
+    dataset = Arrays(x=Ragged(torch.tensor([2**62], dtype=torch.int64), np.array([0, 1])))
+    contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.int64, shape=("T",), pack=True,
+                                                                 range=(0, 2**62 + 1))})
+    with pytest.raises(ContractValueError) as gathered_error:
+        assemble.using(contract)(dataset.__getitems__([0]))
+    with pytest.raises(ContractValueError) as walked_error:
+        walked(dataset, [0], contract)
+    assert str(gathered_error.value) == str(walked_error.value)
+
+
+@pytest.mark.parametrize("declared", [("T",), ("T", 3)])
+def test_packed_rows_of_other_fixed_dims_get_the_walk_s_message(declared):
+    dataset = Arrays(x=ragged([2, 1], inner=(4,)))
+    field = Field(dtype=torch.int64, shape=declared, pack=True)
+    contract = Contract({"id": Field(kind="number"), "x": field})
+    with pytest.raises(ContractSizeError) as gathered_error:
+        assemble.using(contract)(dataset.__getitems__([0, 1]))
+    with pytest.raises(ContractSizeError) as walked_error:
+        walked(dataset, [0, 1], contract)
+    assert str(gathered_error.value) == str(walked_error.value)
+    assert "shape [2, 4]" in str(gathered_error.value)
+
+
+def test_the_gather_ops_refuse_an_out_that_is_their_own_source():
+    values = torch.arange(7)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        ops.gather_packed_into(values, torch.tensor([0, 3, 7]), torch.tensor([1, 0]),
+                               torch.tensor([0, 4, 7], dtype=torch.int32), values)
+    rows = torch.arange(12).reshape(4, 3)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        ops.gather_into(rows, torch.tensor([3, 2, 1, 0]), rows)
+
+
+def test_ragged_offsets_that_are_not_integers_are_refused():
+    with pytest.raises(TypeError, match="offsets must be integers"):
+        Arrays(x=Ragged(torch.arange(10), np.array([0.0, 3.5, 10.0])))

@@ -127,7 +127,7 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   if (batch == 0 || out.numel() == 0) {
     return;
   }
-  at::assert_no_partial_overlap(out, source);
+  at::assert_no_overlap(out, source);  // not even fully: rows would be read after being written
   const int64_t* index = indices.const_data_ptr<int64_t>();
   const auto* base = static_cast<const unsigned char*>(source.const_data_ptr());
   const size_t row_stride = static_cast<size_t>(source.stride(0)) * source.element_size();
@@ -202,7 +202,7 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
     TORCH_CHECK(stop - start <= longest, "gather_ragged_into: row ", index[b], " has length ", stop - start,
                 ", longer than out's ", longest);
   }
-  at::assert_no_partial_overlap(out, values);
+  at::assert_no_overlap(out, values);
   at::assert_no_overlap(out, mask);
   at::assert_no_overlap(out, lengths);
   // A cast goes through a gather in the values' dtype first (ATen then casts the whole block).
@@ -301,7 +301,7 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   if (out.numel() == 0) {
     return;
   }
-  at::assert_no_partial_overlap(out, values);
+  at::assert_no_overlap(out, values);
   const at::Tensor target = out.scalar_type() == values.scalar_type() ? out : at::empty(out.sizes(), values.options());
   const size_t step_bytes = static_cast<size_t>(values.numel() / std::max<int64_t>(total, 1)) * values.element_size();
   const auto* base = static_cast<const unsigned char*>(values.const_data_ptr());
@@ -335,6 +335,9 @@ void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
                 "packed_positions_into: ", name, " must be a contiguous ", dtype, " CPU tensor of ", cu[batch],
                 " tokens ([total] or [1, total]), got ", out.scalar_type(), " of shape ", out.sizes());
   };
+  if (position_ids && seq_idx) {
+    at::assert_no_overlap(*position_ids, *seq_idx);
+  }
   CopyJobs jobs;
   if (position_ids) {
     check_out(*position_ids, at::kLong, "position_ids");

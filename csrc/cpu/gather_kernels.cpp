@@ -167,17 +167,35 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   });
 }
 
+// What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
+// range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
+// they may have been changed since, and the ops may be called directly).
+void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op) {
+  TORCH_CHECK(
+      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
+      op, ": values must be a contiguous CPU tensor with a leading dim");
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1,
+              op, ": offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  check_indices(indices, offsets.numel() - 1, op);
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const int64_t* offset = offsets.const_data_ptr<int64_t>();
+  const int64_t total = values.size(0);
+  for (int64_t b = 0; b < indices.numel(); ++b) {
+    const int64_t start = offset[index[b]];
+    const int64_t stop = offset[index[b] + 1];
+    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, op, ": row ", index[b], " (batch position ", b,
+                      ") spans offsets ", start, "..", stop, ", outside the ", total,
+                      " values (offsets must be non-decreasing, from 0 to len(values))");
+  }
+}
+
 // Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
 // right with `value` to out's length; mask is 1 (True) at real positions; lengths gets each row's length.
 void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
                             const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
                             const at::Tensor& lengths) {
-  TORCH_CHECK(
-      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
-      "gather_ragged_into: values must be a contiguous CPU tensor with a leading dim");
-  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && offsets.numel() >= 1,
-              "gather_ragged_into: offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  check_ragged_rows(values, offsets, indices, "gather_ragged_into");
   const int64_t batch = indices.numel();
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == values.dim() + 1 && out.size(0) == batch &&
                   out.sizes().slice(2) == values.sizes().slice(1),
@@ -189,16 +207,12 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
                   lengths.sizes() == at::IntArrayRef({batch}),
               "gather_ragged_into: lengths must be a contiguous int64 tensor of shape [", batch, "]");
-  check_indices(indices, offsets.numel() - 1, "gather_ragged_into");
   const int64_t* index = indices.const_data_ptr<int64_t>();
   const int64_t* offset = offsets.const_data_ptr<int64_t>();
   const int64_t total = values.size(0);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = offset[index[b]];
     const int64_t stop = offset[index[b] + 1];
-    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, "gather_ragged_into: row ", index[b],
-                      " (batch position ", b, ") spans offsets ", start, "..", stop, ", outside the ", total,
-                      " values (offsets must be non-decreasing, from 0 to len(values))");
     TORCH_CHECK(stop - start <= longest, "gather_ragged_into: row ", index[b], " has length ", stop - start,
                 ", longer than out's ", longest);
   }
@@ -272,14 +286,8 @@ void check_packed_offsets(const at::Tensor& cu_seq_lens, int64_t batch, const ch
 // values' dtype, then one ATen copy.
 void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
                             const at::Tensor& cu_seq_lens, const at::Tensor& out) {
-  TORCH_CHECK(
-      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
-      "gather_packed_into: values must be a contiguous CPU tensor with a leading dim");
-  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && offsets.numel() >= 1,
-              "gather_packed_into: offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  check_ragged_rows(values, offsets, indices, "gather_packed_into");
   const int64_t batch = indices.numel();
-  check_indices(indices, offsets.numel() - 1, "gather_packed_into");
   check_packed_offsets(cu_seq_lens, batch, "gather_packed_into");
   const int32_t* cu = cu_seq_lens.const_data_ptr<int32_t>();
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == values.dim() && out.size(0) == cu[batch] &&
@@ -292,9 +300,6 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = offset[index[b]];
     const int64_t stop = offset[index[b] + 1];
-    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, "gather_packed_into: row ", index[b],
-                      " (batch position ", b, ") spans offsets ", start, "..", stop, ", outside the ", total,
-                      " values (offsets must be non-decreasing, from 0 to len(values))");
     TORCH_CHECK(stop - start == cu[b + 1] - cu[b], "gather_packed_into: row ", index[b], " (batch position ", b,
                 ") has length ", stop - start, " but cu_seq_lens gives it ", cu[b + 1] - cu[b]);
   }

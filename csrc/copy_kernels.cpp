@@ -1,11 +1,16 @@
 // Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
 #include "copy_kernels.h"
 
+#include <ATen/Dispatch_v2.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -244,10 +249,27 @@ void CopyJobs::run() const {
 }
 
 uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype) {
-  at::Tensor one = at::scalar_tensor(value, at::TensorOptions().dtype(dtype));
+  TORCH_CHECK(c10::elementSize(dtype) <= 8, "fastcollate: padding dtype ", dtype, " has elements over 8 bytes");
   uint64_t pattern = 0;
-  TORCH_CHECK(one.element_size() <= 8, "fastcollate: padding dtype ", dtype, " has elements over 8 bytes");
-  std::memcpy(&pattern, one.data_ptr(), one.element_size());
+  // Converted as torch.full((), value) converts it, but with no tensor and no dispatcher call: this runs for
+  // every batch, and a cold dispatcher call costs more than a small batch's copies. torch checks the value
+  // against the dtype (300 is no int8, -1 is 255 in uint8), except that float16, bfloat16 and float8 (the
+  // dtypes computed in float) take any double, out of range as inf or their largest value.
+  AT_DISPATCH_V2(dtype, "element_pattern", AT_WRAP([&] {
+                   scalar_t element;
+                   if constexpr (std::is_same_v<at::opmath_type<scalar_t>, float> && !std::is_same_v<scalar_t, float>) {
+                     const double wide = value.to<double>();
+                     const bool beyond_float = std::abs(wide) > std::numeric_limits<float>::max();  // not NaN
+                     element = static_cast<scalar_t>(beyond_float
+                                                         ? std::copysign(std::numeric_limits<float>::infinity(), wide)
+                                                         : static_cast<float>(wide));
+                   } else {
+                     element = value.to<scalar_t>();
+                   }
+                   std::memcpy(&pattern, &element, sizeof(scalar_t));
+                 }),
+                 AT_EXPAND(AT_ALL_TYPES), at::kBool, at::kHalf, at::kBFloat16, at::kComplexHalf, at::kComplexFloat,
+                 AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), AT_EXPAND(AT_FLOAT8_TYPES));
   return pattern;
 }
 

@@ -3,6 +3,7 @@
 #include "plan.h"
 
 #include <ATen/Dispatch_v2.h>
+#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <cstring>
@@ -45,7 +46,8 @@ int64_t make_views(Node& node, const at::Storage& storage, size_t offset, int64_
   if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
     const int64_t field_bytes = c10::multiply_integers(node.shape) * static_cast<int64_t>(c10::elementSize(node.dtype));
     if (needs_own_storage(field_bytes, batch_bytes)) {
-      node.out = at::empty(node.shape, at::TensorOptions().dtype(node.dtype));  // its region stays unused
+      // Its region of the buffer stays unused. empty_cpu, not at::empty: no dispatcher call per batch.
+      node.out = at::detail::empty_cpu(node.shape, node.dtype);
     } else {
       node.out = view_over(storage, offset + node.offset, node.dtype, node.shape);
       ++views;
@@ -161,7 +163,7 @@ void add_packed_jobs(Node& node, CopyJobs& jobs) {
   const int64_t token_elements = c10::multiply_integers(node.out.sizes().slice(2));
   const size_t token_bytes = static_cast<size_t>(token_elements) * element_size;
   auto* out = static_cast<unsigned char*>(node.out.data_ptr());
-  at::Tensor tokens = node.out.select(0, 0);  // [total, *fixed dims], for the copies ATen makes
+  at::Tensor tokens;  // [total, *fixed dims], for the copies ATen makes: made only when one is needed
   for (size_t i = 0; i < count; ++i) {
     const int64_t length = node.starts[i + 1] - node.starts[i];
     if (length == 0) {
@@ -179,6 +181,9 @@ void add_packed_jobs(Node& node, CopyJobs& jobs) {
       jobs.add_memcpy(static_cast<const unsigned char*>(source) + skip * token_bytes, row + skip * token_bytes,
                       static_cast<size_t>(length - skip) * token_bytes);
     } else {
+      if (!tokens.defined()) {
+        tokens = node.out.select(0, 0);
+      }
       jobs.tensor_copies.push_back(
           {node.inputs[i].narrow(0, skip, length - skip), tokens.narrow(0, node.starts[i] + skip, length - skip)});
     }

@@ -40,6 +40,34 @@ def test_pad_into_matches_pad_sequence():
     assert torch.equal(mask, torch.arange(6)[None] < lengths[:, None])
 
 
+PAD_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+              torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint16, torch.uint32,
+              torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+PAD_VALUES = [0, -1, 3, 2.5, -100, 300, 70000, 2**40, -2**63, 2**64 - 1, 1e10, 3.5e38, 1e300, float("inf"),
+              float("nan"), True, 1 + 2j]
+
+
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
+def test_pad_values_convert_as_torch_full_does_or_are_refused(dtype):
+    # The pad value's bytes are made without a tensor (no dispatcher call per batch): they must still be
+    # torch.full's, value for value, and a value torch.full refuses (300 as int8) is refused here too.
+    for value in PAD_VALUES:
+        try:
+            expected = torch.full((), value, dtype=dtype)
+        except (RuntimeError, OverflowError):
+            expected = None
+        out = torch.empty(1, 2, dtype=dtype)
+        args = ([torch.empty(0, dtype=dtype)], value, out, torch.empty(1, 2, dtype=torch.bool),
+                torch.empty(1, dtype=torch.int64))
+        if expected is None:
+            with pytest.raises(RuntimeError):
+                ops.pad_into(*args)
+            continue
+        ops.pad_into(*args)
+        got = out[0].contiguous().view(torch.uint8).tolist()
+        assert got == expected.expand(2).contiguous().view(torch.uint8).tolist(), (dtype, value)
+
+
 def test_pad_into_refuses_a_sample_longer_than_out():
     out = torch.empty(2, 3)
     with pytest.raises(RuntimeError, match="longer"):

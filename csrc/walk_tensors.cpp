@@ -413,13 +413,15 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
 uint64_t Walk::value_pattern(double value, at::ScalarType dtype, const std::string& path, const char* what,
                              const char* hint) const {
   try {
-    // Not 1e10 as float16 (inf) or 300 as int8 (44): the value must be one of the dtype.
+    // Not 1e10 as float16 (inf), 300 as int8 (44) or 2.5 as int64 (2): the value must be one of the dtype.
     if (dtype != at::kBool) {  // any value is a bool
       bool holds = false;
       AT_DISPATCH_V2(dtype, "value_pattern", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(value); }),
                      AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
-                     AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES));
+                     AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES), at::kComplexHalf);
       TORCH_CHECK(holds, what, " value out of range");
+      TORCH_CHECK(!c10::isIntegralType(dtype, /*includeBool=*/false) || std::trunc(value) == value, what,
+                  " value not an integer");
     }
     return element_pattern(value, dtype);
   } catch (const std::exception&) {  // c10::Error, or std::runtime_error from c10's checked conversion

@@ -9,6 +9,7 @@ that are allowed. Anything undeclared is an error: nothing is converted or dropp
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -45,6 +46,8 @@ class Field:
             batch's longest; the batch gets ``mask`` (True at real positions, shape
             ``[batch, *longest named dims]``) and, if named, ``lengths`` (int64 ``[batch]``, or
             ``[batch, n_named_dims]``) beside the field. Without it, named dims must agree across the batch.
+            A real number the dtype holds (a whole one for integer dtypes, within 2**53 of 0: it is
+            converted as ``torch.full`` converts it, so -1 is 255 in uint8).
         mask: the mask's key (default ``"<field>_mask"``); only with ``pad``. Two padded fields may
             name the same mask key when they pad the same named dims (same names, same order) with the
             same ``mask_dtype``: their masks are then equal, and the batch holds it once (BERT's
@@ -94,6 +97,7 @@ class Field:
                 raise ValueError(f"range must be (low, high) with low < high, got {self.range}")
         if self.pad is not None and not any(isinstance(d, str) for d in self.shape or ()):
             raise ValueError("pad needs at least one named (variable) dim in shape, e.g. shape=('T',)")
+        self._check_pad()
         if self.pad is None and (self.mask is not None or self.lengths or self.mask_dtype != torch.bool):
             raise ValueError("mask, mask_dtype and lengths only apply to padded fields: set pad=<value>")
         if self.mask_dtype not in _MASK_DTYPES:
@@ -122,7 +126,7 @@ class Field:
         separator, dtype = self.separator, self.dtype
         if separator is None:
             return
-        if isinstance(separator, bool) or not isinstance(separator, (int, float)):
+        if isinstance(separator, bool) or not isinstance(separator, numbers.Real):
             raise ValueError(f"separator must be an int or a float, got {separator!r}")
         if dtype is not None and dtype.itemsize > 8:
             raise ValueError(f"a packed {dtype} field takes no separator (its elements are over 8 bytes): "
@@ -138,6 +142,21 @@ class Field:
         if not low <= separator <= high:
             raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
                              f"(a separator is from {low} to {high})")
+
+    def _check_pad(self) -> None:
+        """At declaration, not at the first batch: the pad crosses to C++ as a double, as the separator
+        does, so an integer one must be exact there; whether it fits the dtype is the walk's to say (as
+        torch.full, it takes -1 as 255 in uint8)."""
+        pad, dtype = self.pad, self.dtype
+        if pad is None:
+            return
+        if not isinstance(pad, numbers.Real):  # numpy's scalars are, complex numbers and strings are not
+            raise ValueError(f"pad must be a real number (a bool, an int or a float), got {pad!r}")
+        if isinstance(pad, numbers.Integral) and abs(int(pad)) > 2**53:
+            raise ValueError(f"pad {pad!r} is beyond 2**53: an integer pad is exact only up to there")
+        real_valued = dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+        if not real_valued and not float(pad).is_integer():
+            raise ValueError(f"pad {pad!r} is not a value of the field's dtype {dtype}")
 
     def _check_pack(self) -> None:
         shape = self.shape or ()

@@ -348,7 +348,7 @@ def _holds(value: float, dtype: torch.dtype) -> bool:
     if dtype.is_floating_point:
         return not math.isfinite(value) or abs(value) <= torch.finfo(dtype).max
     info = torch.iinfo(dtype)
-    return info.min <= value <= info.max
+    return float(value).is_integer() and info.min <= value <= info.max
 
 
 def _keeps_values(source: torch.dtype, target: torch.dtype) -> bool:

@@ -95,6 +95,28 @@ def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
     _same(collate(dataset.__getitems__(indices)), collate(per_sample))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "pad"), [(torch.int64, 2**53), (torch.uint64, 2**53), (torch.int64, -(2**53))]
+)
+def test_a_large_integer_pad_is_the_same_gathered_from_a_ragged_column_and_walked(dtype, pad):
+    dataset = Arrays(t=Ragged(torch.arange(5).to(dtype), np.array([0, 1, 5])))
+    collate = fastcollate.assemble.using(
+        Contract({"id": Field(kind="number"), "t": Field(dtype=dtype, shape=("T",), pad=pad)})
+    )
+    gathered, walked = collate(dataset.__getitems__([0, 1])), collate([dataset[0], dataset[1]])
+    assert gathered["t"][0, 1:].tolist() == walked["t"][0, 1:].tolist() == [pad] * 3
+
+
+def test_a_fractional_pad_for_integer_rows_is_refused_gathered_or_walked():
+    dataset = Arrays(t=Ragged(torch.arange(5), np.array([0, 1, 5])))
+    contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=2.5)})
+    collate = fastcollate.assemble.using(contract)
+    for batch in (dataset.__getitems__([0, 1]), [dataset[0], dataset[1]]):
+        with pytest.raises(ContractError, match="pad=2.5") as caught:
+            collate(batch)
+        assert caught.value.field == "t"
+
+
 def test_a_contract_casts_during_the_gather_and_checks_ranges_per_column():
     tokens = np.arange(40, dtype=np.uint16).reshape(10, 4)
     labels = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 12])

@@ -2,10 +2,12 @@
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
 from fastcollate import Contract, ContractError, Field, assemble, with_ids
+from fastcollate.errors import ContractValueError
 
 RECORDS_CONTRACT = Contract(
     fields={
@@ -407,3 +409,47 @@ def test_a_sample_that_expands_must_still_agree_on_its_named_dims():
     with pytest.raises(RuntimeError, match="share a named dim") as caught:
         assemble.using(contract)([good, bad])
     assert caught.value.field == "labels"
+
+
+@pytest.mark.parametrize(
+    ("declared", "message"),
+    [
+        (dict(pad=1 + 2j), "real number"),
+        (dict(pad="0"), "real number"),
+        (dict(pad=2**53 + 1), "beyond 2\\*\\*53"),
+        (dict(pad=np.int64(-(2**60))), "beyond 2\\*\\*53"),
+        (dict(pad=2.5, dtype=torch.int64), "not a value"),
+        (dict(pad=float("inf"), dtype=torch.int32), "not a value"),
+    ],
+    ids=["complex", "string", "beyond_2_53", "numpy_beyond_2_53", "fraction_for_int", "inf_for_int"],
+)
+def test_a_pad_the_batch_could_not_hold_exactly_is_refused_when_declared(declared, message):
+    # The pad crosses to C++ as a double: 2**53 + 1 would arrive as 2**53, 2.5 as int64 would become 2.
+    with pytest.raises(ValueError, match=message):
+        Field(shape=("T",), **declared)
+
+
+def test_pads_of_numpy_scalars_and_exact_large_integers_are_written_as_declared():
+    samples = [{"id": i, "x": torch.arange(n)} for i, n in enumerate((1, 3))]
+    for pad in (np.int64(-7), 2**53, -(2**53), np.float32(4.0)):
+        field = Field(dtype=torch.int64, shape=("T",), pad=pad)
+        contract = Contract({"id": Field(kind="number"), "x": field})
+        batch = assemble.using(contract)(samples)
+        assert batch["x"][0, 1:].tolist() == [int(pad), int(pad)]
+
+
+def test_a_fractional_pad_for_an_inferred_integer_dtype_is_refused_at_the_first_batch():
+    samples = [{"id": i, "x": torch.arange(n)} for i, n in enumerate((1, 3))]
+    with pytest.raises(ContractValueError, match="pad=2.5") as raised:
+        assemble.using(Contract({"id": Field(kind="number"), "x": Field(shape=("T",), pad=2.5)}))(samples)
+    assert raised.value.field == "x"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_a_complex32_field_is_padded():
+    x = [torch.full((n,), 1 + 1j, dtype=torch.complex32) for n in (1, 3)]
+    samples = [{"id": i, "x": v} for i, v in enumerate(x)]
+    contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.complex32, shape=("T",), pad=-1)})
+    batch = assemble.using(contract)(samples)
+    assert batch["x"].dtype == torch.complex32
+    assert batch["x"].to(torch.complex64).tolist() == [[1 + 1j, -1, -1], [1 + 1j] * 3]

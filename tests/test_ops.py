@@ -68,6 +68,17 @@ def test_pad_values_convert_as_torch_full_does_or_are_refused(dtype):
         assert got == expected.expand(2).contiguous().view(torch.uint8).tolist(), (dtype, value)
 
 
+def test_gather_ragged_into_refuses_a_pad_the_output_dtype_cannot_hold_before_writing_anything():
+    # int16 rows cast into int8: 300 is no int8, and out, mask and lengths must stay as they were.
+    out = torch.full((2, 4), 7, dtype=torch.int8)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    lengths = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.gather_ragged_into(torch.arange(6, dtype=torch.int16), torch.tensor([0, 2, 6]),
+                               torch.tensor([0, 1]), 300, out, mask, lengths)
+    assert out.eq(7).all() and not mask.any() and not lengths.any()
+
+
 def test_pad_into_refuses_a_sample_longer_than_out():
     out = torch.empty(2, 3)
     with pytest.raises(RuntimeError, match="longer"):

@@ -230,7 +230,9 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   // Casting, the padding is written after the cast, in out's dtype (-100 stays -100 when uint16 tokens
   // become int64 labels); the gather in the values' dtype pads with zeros meanwhile.
   const bool casting = !target.is_same(out);
+  // Both made before anything is written: a value out's dtype refuses leaves out, mask and lengths as they were.
   const uint64_t pad = casting ? 0 : element_pattern(value, values.scalar_type());
+  const uint64_t out_pad = casting ? element_pattern(value, out.scalar_type()) : pad;
   const uint64_t one = element_pattern(1, mask.scalar_type());
   const size_t mask_element = mask.element_size();
   CopyJobs jobs;
@@ -251,7 +253,6 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   jobs.run();
   if (casting) {
     const_cast<at::Tensor&>(out).copy_(target);
-    const uint64_t out_pad = element_pattern(value, out.scalar_type());
     const size_t out_step_bytes = step_elements * out.element_size();
     auto* cast_bytes = static_cast<unsigned char*>(out.data_ptr());
     CopyJobs padding;

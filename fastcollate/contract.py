@@ -150,12 +150,12 @@ class Field:
         pad, dtype = self.pad, self.dtype
         if pad is None:
             return
-        if not isinstance(pad, numbers.Real):  # numpy's scalars are, complex numbers and strings are not
+        if not isinstance(pad, (numbers.Real, np.bool_)):  # numpy's numbers are, complex ones and str are not
             raise ValueError(f"pad must be a real number (a bool, an int or a float), got {pad!r}")
         if isinstance(pad, numbers.Integral) and abs(int(pad)) > 2**53:
             raise ValueError(f"pad {pad!r} is beyond 2**53: an integer pad is exact only up to there")
-        real_valued = dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
-        if not real_valued and not float(pad).is_integer():
+        takes_fractions = dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+        if not takes_fractions and not float(pad).is_integer():
             raise ValueError(f"pad {pad!r} is not a value of the field's dtype {dtype}")
 
     def _check_pack(self) -> None:

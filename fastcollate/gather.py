@@ -339,8 +339,8 @@ def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
 
 
 def _holds(value: float, dtype: torch.dtype) -> bool:
-    """Whether ``value`` is one of ``dtype``'s (not 1e10 as float16, 300 as int8): the walk's rule for
-    separators and pad values."""
+    """Whether ``value`` is one of ``dtype``'s (not 1e10 as float16, 300 as int8, 2.5 as int64): the
+    walk's rule for separators and pad values."""
     if dtype.itemsize > 8:
         return False  # complex128: the walk writes elements of at most 8 bytes, and says so
     if dtype == torch.bool or dtype.is_complex:

@@ -23,7 +23,10 @@ the batch's bytes into a reused buffer: the speed-up of a collate that did nothi
 (assemble writes batches of 8 MiB and more with streaming stores, and can beat it). With two or more
 thread counts the ImageNet case is timed once more with the counts interleaved call by call, beside a
 compute-bound control (torch.exp) that shows whether the extra cores were free at all. Every
-repetition's raw time goes to the JSON.
+repetition's raw time goes to the JSON, with the minor page faults the process took during that call
+(counted outside the timed span; the median is printed per contender): a contender whose fresh output
+malloc must fault in pays for the faults as well as for the copy, and whether it must depends on what
+malloc was left holding, which changes from run to run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -113,10 +117,16 @@ def check_outputs(case: Case) -> dict[str, list[str]]:
     return problems
 
 
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation: int = 0,
-              fresh: bool = False) -> dict[str, list[float]]:
+              fresh: bool = False, faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """Every contender once per round, in a shuffled order. ``fresh``: each call gets the samples made
-    again just before it (untimed), as a worker's collate_fn gets them from ``__getitem__``."""
+    again just before it (untimed), as a worker's collate_fn gets them from ``__getitem__``. ``faults``,
+    if given, gets each call's minor page faults (the process's, read outside the timed span): a fresh
+    output that malloc must fault in costs more than its copy, and whether it must moves from run to run."""
     names = list(case.contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     samples = case.samples
@@ -131,14 +141,18 @@ def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation
                 samples = case.build()
             gc.disable()
             try:
+                faults_before = minor_faults() if faults is not None else 0
                 start = time.perf_counter_ns()
                 out = fn(samples)
                 elapsed = time.perf_counter_ns() - start
+                faulted = minor_faults() - faults_before if faults is not None else 0
                 del out  # the batch is consumed: the ring slot is free for the next call
             finally:
                 gc.enable()
             if r >= 0:
                 times[name].append(elapsed / 1e9)
+                if faults is not None:
+                    faults.setdefault(name, []).append(faulted)
     return times
 
 
@@ -146,11 +160,12 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def summarize(case: Case, times: dict[str, list[float]], threads: int) -> dict:
+def summarize(case: Case, times: dict[str, list[float]], threads: int, faults: dict[str, list[int]]) -> dict:
     contenders = {}
     for name, values in times.items():
         median = statistics.median(values)
         contenders[name] = {
+            "minor_faults_median": statistics.median(faults[name]),
             "median_s": median,
             "p25_s": percentile(values, 25),
             "p75_s": percentile(values, 75),
@@ -200,7 +215,8 @@ def print_case(case: Case, threads: int, summary: dict, problems: dict[str, list
         spread = f"[{fmt_time(row['p25_s']).strip()} .. {fmt_time(row['p75_s']).strip()}]"
         extra = f"  {fmt_rate(row['tokens_per_s'], 'tok/s')}" if "tokens_per_s" in row else ""
         rates = f"{fmt_rate(row['samples_per_s'], 'samples/s')}  {fmt_rate(row['bytes_per_s'], 'B/s')}{extra}"
-        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}")
+        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}  "
+              f"{row['minor_faults_median']:g} faults")
     for name, issues in problems.items():
         if issues:
             print(f"  !! {name} output differs from {case.reference}: {'; '.join(issues[:5])}")
@@ -282,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
             rounds = args.repeat or case.repeat
             before = ring.stats()
             load_before = os.getloadavg()
+            faults: dict[str, list[int]] = {}
             times = time_case(case, rounds, args.warmup, gc_generation=2 if args.gc == "full" else 0,
-                              fresh=args.samples == "fresh")
+                              fresh=args.samples == "fresh", faults=faults)
             load_after = os.getloadavg()
             after = ring.stats()
-            summary = summarize(case, times, threads)
+            summary = summarize(case, times, threads, faults)
             print_case(case, threads, summary, problems, load_after[0])
             target_rows.extend(summary["targets"])
             results.append({
@@ -305,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                          "reuses": after.reuses - before.reuses,
                          "overflow_allocations": after.overflow_allocations - before.overflow_allocations},
                 "raw_s": times,
+                "minor_faults_per_call": faults,
                 **summary,
             })
     print_targets(target_rows)

@@ -23,10 +23,10 @@ the batch's bytes into a reused buffer: the speed-up of a collate that did nothi
 (assemble writes batches of 8 MiB and more with streaming stores, and can beat it). With two or more
 thread counts the ImageNet case is timed once more with the counts interleaved call by call, beside a
 compute-bound control (torch.exp) that shows whether the extra cores were free at all. Every
-repetition's raw time goes to the JSON, with the minor page faults the process took during that call
-(counted outside the timed span; the median is printed per contender): a contender whose fresh output
-malloc must fault in pays for the faults as well as for the copy, and whether it must depends on what
-malloc was left holding, which changes from run to run.
+repetition's raw time goes to the JSON. For each case the JSON also keeps each call's minor page faults
+(the process's, read just outside the timed span so that they cover the call; the median is printed per
+contender): a contender whose fresh output malloc must fault in pays for the faults as well as for the
+copy, and whether it must depends on what malloc was left holding, which changes from call to call.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def time_case(case: Case, rounds: int, warmup: int, seed: int = 0, gc_generation
               fresh: bool = False, faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """Every contender once per round, in a shuffled order. ``fresh``: each call gets the samples made
     again just before it (untimed), as a worker's collate_fn gets them from ``__getitem__``. ``faults``,
-    if given, gets each call's minor page faults (the process's, read outside the timed span): a fresh
-    output that malloc must fault in costs more than its copy, and whether it must moves from run to run."""
+    if given, gets each timed call's minor page faults (the process's, read just outside the timed span,
+    so that they cover the call)."""
     names = list(case.contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     samples = case.samples
@@ -160,12 +160,13 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def summarize(case: Case, times: dict[str, list[float]], threads: int, faults: dict[str, list[int]]) -> dict:
+def summarize(case: Case, times: dict[str, list[float]], threads: int,
+              faults: dict[str, list[int]] | None = None) -> dict:
     contenders = {}
     for name, values in times.items():
         median = statistics.median(values)
         contenders[name] = {
-            "minor_faults_median": statistics.median(faults[name]),
+            "minor_faults_median": statistics.median(faults[name]) if faults else None,
             "median_s": median,
             "p25_s": percentile(values, 25),
             "p75_s": percentile(values, 75),
@@ -215,8 +216,8 @@ def print_case(case: Case, threads: int, summary: dict, problems: dict[str, list
         spread = f"[{fmt_time(row['p25_s']).strip()} .. {fmt_time(row['p75_s']).strip()}]"
         extra = f"  {fmt_rate(row['tokens_per_s'], 'tok/s')}" if "tokens_per_s" in row else ""
         rates = f"{fmt_rate(row['samples_per_s'], 'samples/s')}  {fmt_rate(row['bytes_per_s'], 'B/s')}{extra}"
-        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}  "
-              f"{row['minor_faults_median']:g} faults")
+        faults = f"  {row['minor_faults_median']:g} faults" if row["minor_faults_median"] is not None else ""
+        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}{faults}")
     for name, issues in problems.items():
         if issues:
             print(f"  !! {name} output differs from {case.reference}: {'; '.join(issues[:5])}")

@@ -1,8 +1,8 @@
-"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``worker_ratios.py``) from two
+"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``array_ratios.py``, ``worker_ratios.py``) from two
 checkouts, alternating (before, after, before, after, ...), and sets each ratio before against after.
 
     python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
-                                      [--bench collate_ratios|worker_ratios]
+                                      [--bench collate_ratios|array_ratios|worker_ratios]
                                       [--json PATH] [-- the bench's options, e.g. --threads 1]
 
 Each checkout needs its extension built in place (``make build`` there, or a copied ``fastcollate/_C*.so``
@@ -51,7 +51,17 @@ def worker_ratios(report: dict) -> dict[str, float]:
     return ratios
 
 
-BENCHES = {"collate_ratios": collate_ratios, "worker_ratios": worker_ratios}
+def array_ratios(report: dict) -> dict[str, float]:
+    """Each case's side-by-side ratios (the gathered batch against the idiom, the floor, the per-sample
+    path), from an array_ratios.py JSON."""
+    return {
+        f"{case}: {pair}": value["ratio"]
+        for case, result in report["cases"].items()
+        for pair, value in result["ratios"].items()
+    }
+
+
+BENCHES = {"array_ratios": array_ratios, "collate_ratios": collate_ratios, "worker_ratios": worker_ratios}
 
 
 def run_once(checkout: Path, bench: str, extra: list[str], scratch: Path, label: str) -> dict[str, float]:

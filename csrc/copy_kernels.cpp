@@ -1,6 +1,8 @@
 // Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
 #include "copy_kernels.h"
 
+#include "mapped_reads.h"
+
 #include <ATen/Dispatch_v2.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -207,12 +209,14 @@ void CopyJobs::run() const {
   run_fills_and_counts(fills, counts);
   const bool streaming = bytes >= kStreamingThresholdBytes;
   if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {
-    for (const auto& job : memcpys) {
-      copy_bytes(job.dst, job.src, job.bytes, streaming);
-    }
-    for (const auto& job : rows) {
-      run_row_units(job, /*pieces=*/1, 0, job.count, streaming);
-    }
+    guard_mapped_reads([&] {
+      for (const auto& job : memcpys) {
+        copy_bytes(job.dst, job.src, job.bytes, streaming);
+      }
+      for (const auto& job : rows) {
+        run_row_units(job, /*pieces=*/1, 0, job.count, streaming);
+      }
+    });
     finish_streaming(streaming);
   } else {
     // Every memcpy and every piece of a row is a unit of work, numbered across jobs; the grain is about
@@ -225,25 +229,28 @@ void CopyJobs::run() const {
     const size_t average = std::max<size_t>(1, bytes / std::max<size_t>(1, units));
     const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / average));
     at::parallel_for(0, static_cast<int64_t>(units), grain, [&](int64_t begin64, int64_t end64) {
-      size_t begin = static_cast<size_t>(begin64);
-      const size_t end = static_cast<size_t>(end64);
-      for (; begin < end && begin < memcpys.size(); ++begin) {
-        copy_bytes(memcpys[begin].dst, memcpys[begin].src, memcpys[begin].bytes, streaming);
-      }
-      // The rows job holding unit `begin`, then on through the following ones.
-      size_t j =
-          static_cast<size_t>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin());
-      for (; begin < end; ++j) {
-        const size_t job_end = std::min(end, first_unit[j]);
-        const size_t pieces = pieces_per_row(rows[j - 1]);
-        run_row_units(rows[j - 1], pieces, begin - first_unit[j - 1], job_end - first_unit[j - 1], streaming);
-        begin = job_end;
-      }
+      guard_mapped_reads([&] {
+        size_t begin = static_cast<size_t>(begin64);
+        const size_t end = static_cast<size_t>(end64);
+        for (; begin < end && begin < memcpys.size(); ++begin) {
+          copy_bytes(memcpys[begin].dst, memcpys[begin].src, memcpys[begin].bytes, streaming);
+        }
+        // The rows job holding unit `begin`, then on through the following ones.
+        size_t j =
+            static_cast<size_t>(std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin());
+        for (; begin < end; ++j) {
+          const size_t job_end = std::min(end, first_unit[j]);
+          const size_t pieces = pieces_per_row(rows[j - 1]);
+          run_row_units(rows[j - 1], pieces, begin - first_unit[j - 1], job_end - first_unit[j - 1], streaming);
+          begin = job_end;
+        }
+      });
       finish_streaming(streaming);
     });
   }
   for (const auto& job : tensor_copies) {
-    // copy_ broadcasts and casts; it parallelises internally when it is worth it.
+    // copy_ broadcasts and casts; it parallelises internally when it is worth it. Its reads are not
+    // guarded (ATen's frames cannot be left by a jump): a mapped source is checked before, not during.
     const_cast<at::Tensor&>(job.dst).copy_(job.src);
   }
 }

@@ -13,6 +13,7 @@ from .contract import Contract, Field, Packing
 from .device_loader import DeviceLoader
 from .errors import ContractError
 from .ids import IdentifiedSample, with_ids
+from .mapped_files import MappedFileError
 from .index_batches import IndexBatches
 from .staging import StagingRing
 from .thread_pipelines import fetch_batches
@@ -30,6 +31,7 @@ __all__ = [
     "IdentifiedSample",
     "IndexBatches",
     "Ledger",
+    "MappedFileError",
     "Normalize",
     "Packing",
     "Ragged",

@@ -9,9 +9,6 @@ instead of building and walking one object per sample.
 
 from __future__ import annotations
 
-import dataclasses
-import mmap
-import os
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -20,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from .mapped_files import MappedFile, MappedFileError, is_read_fault
 
 __all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
 
@@ -34,68 +33,13 @@ class Ragged:
         self.offsets = offsets
 
 
-@dataclasses.dataclass(frozen=True)
-class MappedFile:
-    """Where a memory-mapped array lies in its file: enough to map it again in another process (a
-    spawned worker gets a few hundred bytes, not the array) and to tell that the file shrank. Any
-    slice of a memmap is described by the file position of its first element and its byte strides."""
-
-    path: str
-    offset: int
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-    @classmethod
-    def of(cls, array: Any) -> MappedFile | None:
-        """The description of ``array`` if it is a view of an ``np.memmap`` with no negative stride."""
-        mapping = getattr(array, "_mmap", None)  # np.memmap keeps its mmap object, slices included
-        if not isinstance(array, np.memmap) or array.filename is None or mapping is None:
-            return None
-        if any(stride < 0 for stride in array.strides):
-            return None
-        # np.memmap maps from its offset rounded down to the allocation granularity.
-        start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-        mapped_at = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
-        return cls(
-            os.fspath(array.filename),
-            start + array.ctypes.data - mapped_at,
-            array.dtype.str,
-            tuple(array.shape),
-            tuple(array.strides),
-        )
-
-    @property
-    def span(self) -> int:
-        """Bytes from the first element to the end of the last one."""
-        if 0 in self.shape:
-            return 0
-        last = sum((n - 1) * stride for n, stride in zip(self.shape, self.strides, strict=True))
-        return last + np.dtype(self.dtype).itemsize
-
-    def open(self) -> np.ndarray:
-        """The array, mapped again read-only."""
-        if self.span == 0:
-            return np.empty(self.shape, dtype=np.dtype(self.dtype))
-        raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.span,))
-        return np.ndarray(self.shape, np.dtype(self.dtype), buffer=raw, strides=self.strides)
-
-    def check(self, column: str) -> None:
-        """Raises if the file is now too short for the array: reading past a mapped file's end would
-        kill the process (SIGBUS) instead of raising."""
-        size = os.stat(self.path).st_size
-        if size < self.offset + self.span:
-            raise RuntimeError(
-                f"Arrays: column {column!r}: its file {self.path} shrank to {size} bytes, but the column "
-                f"needs {self.offset + self.span}: it was truncated or rewritten while mapped"
-            )
-
-
 class Column:
     """One column as the gather reads it: ``rows`` (a tensor whose dim 0 is the sample, each row
-    contiguous), or a ragged pair (``values``, ``offsets``). ``files`` names those of them that are views
-    of memory-mapped files: they pickle as their file and are mapped again where unpickled, and a file
-    that shrank is caught before a gather reads it."""
+    contiguous), or a ragged pair (``values``, ``offsets``). ``files`` names those of them that lie in
+    memory-mapped files (fastcollate.mapped_files): they are read through the column's own mapping,
+    pickle as their file, and a file that shrank or was replaced is caught before anything reads it.
+    The offsets are the column's own copy: they were checked when the column was made, and a caller's
+    array changed later must not change the rows."""
 
     def __init__(self, name: str, value: Any) -> None:
         self.name = name
@@ -120,9 +64,8 @@ class Column:
                     f"Arrays: column {name!r}: offsets must be integers, got {offsets.dtype} (a row "
                     "starts at a whole position)"
                 )
-            self.offsets = offsets.to(torch.int64).contiguous()
-            if self.offsets.data_ptr() != offsets.data_ptr():
-                self.files.pop("offsets", None)  # converted: a copy in memory, no longer the file's
+            self.offsets = offsets.to(torch.int64, copy=True).contiguous()
+            self.files.pop("offsets", None)  # a copy in memory, no longer the file's
             steps = self.offsets.diff()
             if (
                 int(self.offsets[0]) != 0
@@ -148,21 +91,38 @@ class Column:
     def _tensor(self, role: str, value: Any) -> torch.Tensor:
         mapped = MappedFile.of(value)
         if mapped is not None:
+            mapped.check(self.name)
             self.files[role] = mapped
+            value = mapped.array
         return _as_tensor(self.name, value, "column" if role == "rows" else role)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1 if self.rows is None else len(self.rows)
 
     def row(self, index: int) -> torch.Tensor:
+        """Row ``index``, a view; the caller has checked the column's files (check_file)."""
         if self.rows is not None:
             return self.rows[index]
         return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
 
     def check_file(self) -> None:
-        """Raises if a mapped file this column reads is now too short (see MappedFile.check)."""
+        """Raises MappedFileError, naming the column, if a file it reads shrank or, in a process that
+        mapped it again, is not the file the column was made from."""
         for mapped in self.files.values():
             mapped.check(self.name)
+
+    def failed(self, error: RuntimeError | IndexError) -> RuntimeError | IndexError:
+        """The error to raise when an op gathering this column raised ``error``: the column named, and a
+        read that faulted put down to the file it came from."""
+        if is_read_fault(error):
+            why = next((w for w in (m.unreadable() for m in self.files.values()) if w), None)
+            return MappedFileError(
+                f"Arrays: column {self.name!r}: its file changed while a batch was gathered, and a read "
+                f"past its end faulted ({why or 'the file has grown back since'}); nothing of the batch "
+                "was handed out"
+            )
+        op, _, message = str(error).partition(": ")  # the op's name first: the column names the place here
+        return type(error)(f"Arrays: column {self.name!r}: {message if op.endswith('_into') else error}")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -173,8 +133,12 @@ class Column:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         for role, mapped in self.files.items():
-            if getattr(self, role) is None:
-                setattr(self, role, _as_tensor(self.name, mapped.open(), role))
+            if mapped.array is not None:
+                setattr(self, role, _as_tensor(self.name, mapped.array, role))
+            else:  # not mapped here (MappedFile.check says why): the shape and dtype, with no data
+                shape, strides = mapped.shape, tuple(s // np.dtype(mapped.dtype).itemsize for s in mapped.strides)
+                dtype = _as_tensor(self.name, np.empty(0, dtype=mapped.dtype), role).dtype
+                setattr(self, role, torch.empty_strided(shape, strides, dtype=dtype, device="meta"))
 
 
 def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
@@ -194,10 +158,15 @@ def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
                     f"{value.strides}): {error}. Pass np.ascontiguousarray(x, dtype=<a native numeric "
                     "dtype>), made once"
                 ) from error
+    alternatives = " or fastcollate.Ragged" if what == "column" else ""
     raise TypeError(
-        f"Arrays: column {name!r}: {what} must be a torch.Tensor, a numpy array (np.memmap included) "
-        f"or fastcollate.Ragged, got {type(value).__name__}"
+        f"Arrays: column {name!r}: {what} must be a torch.Tensor or a numpy array (np.memmap included)"
+        f"{alternatives}, got {type(value).__name__}"
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _rows_contiguous(rows: torch.Tensor) -> bool:
@@ -257,6 +226,11 @@ class Arrays(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
+        self.check_files()
+        return self.sample(index)
+
+    def sample(self, index: int) -> dict[str, Any]:
+        """Sample ``index`` (in range), its files already checked."""
         sample: dict[str, Any] = {} if self.id_key is None else {self.id_key: index}
         for name, column in self.columns.items():
             sample[name] = column.row(index)
@@ -266,9 +240,25 @@ class Arrays(Dataset):
         return ArrayBatch(self, indices)
 
     def check_files(self) -> None:
-        """Raises if a memory-mapped column's file shrank (see Column.check_file); once per batch."""
+        """Raises MappedFileError if a memory-mapped column's file shrank or, in a process that mapped
+        it again, is not the file the dataset was made from (see Column.check_file). Every read checks
+        first: ``ds[i]``, and each batch, gathered or walked."""
         for column in self.columns.values():
             column.check_file()
+
+    def read_fault(self, error: RuntimeError) -> MappedFileError:
+        """The error for a read that faulted while this dataset's samples were collated one by one: the
+        files that cannot be read now, or else every file-backed column, named."""
+        columns = [column for column in self._file_columns() if any(m.unreadable() for m in column.files.values())]
+        columns = columns or self._file_columns()
+        names = ", ".join(repr(column.name) for column in columns)
+        return MappedFileError(
+            f"Arrays: column {names}: a file changed while a batch was collated, and a read past its end "
+            f"faulted ({error}); nothing of the batch was handed out"
+        )
+
+    def _file_columns(self) -> list[Column]:
+        return [column for column in self.columns.values() if column.files]
 
     def _checked(self, index: Any) -> int:
         if isinstance(index, (torch.Tensor, np.integer)):
@@ -288,6 +278,11 @@ class ArrayBatch(Sequence):
         if isinstance(indices, torch.Tensor):
             indices = indices.numpy()
         array = np.asarray(indices)
+        if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
+            # Python ints beyond int64: numpy keeps them as objects
+            beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
+            if beyond is not None:
+                raise IndexError(f"Arrays: index {beyond} is out of range for a dataset of {len(dataset)} samples")
         if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
             raise IndexError(
                 f"Arrays: index {int(array.max())} is out of range for a dataset of {len(dataset)} samples"
@@ -310,6 +305,11 @@ class ArrayBatch(Sequence):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every sample of the batch, with the dataset's files checked once, not once a sample."""
+        self.dataset.check_files()
+        return [self.dataset.sample(int(i)) for i in self.indices]
 
     def __getitem__(self, position: int) -> Any:
         if isinstance(position, slice):
@@ -341,6 +341,9 @@ class TokenWindows(Arrays):
             )
         self.length, self.step = length, step
         windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
+        if flat.is_meta:  # its file could not be mapped in this process: check_files says why, on every read
+            self.id_key, self.columns, self._length = id_key, types.MappingProxyType({}), windows
+            return
         offset = flat.storage_offset()
         super().__init__(
             input_ids=flat.as_strided((windows, length), (step, 1), offset),
@@ -353,6 +356,9 @@ class TokenWindows(Arrays):
 
     def check_files(self) -> None:
         self.tokens.check_file()
+
+    def _file_columns(self) -> list[Column]:
+        return [self.tokens] if self.tokens.files else []
 
 
 def _token_windows(tokens: Column, length: int, step: int, id_key: str | None) -> TokenWindows:

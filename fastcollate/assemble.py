@@ -23,6 +23,7 @@ from ._torch_compat import new_shared_storage
 from .arrays import ArrayBatch
 from .contract import Contract
 from .errors import ContractEmptyError
+from .mapped_files import is_read_fault
 from .staging import StagingRing, active_ring, main_process_ring
 
 __all__ = ["Assembler", "assemble"]
@@ -101,26 +102,34 @@ class Assembler:
                 got="an empty batch", hint="a batch needs samples to take its structure from",
                 id_key=self.id_key,
             )
+        arrays = None
         if isinstance(batch, ArrayBatch):
+            arrays = batch.dataset
+            arrays.check_files()  # before anything reads a mapped file, gathered or walked
             gathered = self._gather(batch)
             if gathered is not None:
                 return gathered
-            batch = list(batch)  # what the column-wise path does not cover: the samples, walked
+            batch = batch.rows()  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        # ring.assemble is called from here, one frame below the caller: its overflow warning points there.
-        if get_worker_info() is not None:
-            plan = self._collator.plan(batch)
-            slot = self._claim_slot(plan.nbytes)
-            if slot is not None:
-                # Small fields stay in the slot: they cross the pipe by value (worker_slots).
-                return self._nested(plan.execute(slot, small_fields_apart=False))
-            return self._nested(plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True))
-        ring = self.ring or main_process_ring()
-        # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
-        out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
-        return self._nested(out)
+        try:
+            # ring.assemble is called from here, one frame below the caller: its overflow warning points there.
+            if get_worker_info() is not None:
+                plan = self._collator.plan(batch)
+                slot = self._claim_slot(plan.nbytes)
+                if slot is not None:
+                    # Small fields stay in the slot: they cross the pipe by value (worker_slots).
+                    return self._nested(plan.execute(slot, small_fields_apart=False))
+                return self._nested(plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True))
+            ring = self.ring or main_process_ring()
+            # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
+            out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
+            return self._nested(out)
+        except RuntimeError as error:
+            if arrays is not None and is_read_fault(error):
+                raise arrays.read_fault(error) from error
+            raise
 
     def _nested(self, out: Any) -> Any:
         contract = self.contract

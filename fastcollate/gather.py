@@ -81,7 +81,6 @@ class Layout:
         """Gathers every column into ``buffer`` (a 1-D uint8 tensor of at least ``nbytes``) and returns the
         batch. With ``small_fields_apart`` a small field of a large batch gets storage of its own
         (fastcollate.small_fields)."""
-        self.batch.dataset.check_files()
         indices = torch.from_numpy(self.batch.indices)
         made: dict[str, Any] = {}
         self.views = 0
@@ -107,26 +106,11 @@ class Layout:
             target = made[out.key]
             if out.column is None:
                 target.copy_(indices)
-            elif out.packed:
+                continue
+            if out.packed:
                 self._pack(out, target[0], indices, cu_seq_lens)
                 continue
-            elif out.column.rows is not None:
-                torch.ops.fastcollate.gather_into(out.column.rows, indices, target)
-            else:
-                lengths = (
-                    made[out.lengths.key]
-                    if out.lengths is not None
-                    else torch.empty(len(indices), dtype=torch.int64)
-                )
-                mask = (
-                    made[out.mask.key]
-                    if out.mask is not None
-                    else torch.empty(target.shape[:2], dtype=torch.bool)
-                )
-                pad = out.field.pad if out.field is not None and out.field.pad is not None else 0
-                torch.ops.fastcollate.gather_ragged_into(
-                    out.column.values, out.column.offsets, indices, pad, target, mask, lengths
-                )
+            self._gather(out, target, indices, made)
             if out.field is not None and out.field.range is not None:
                 mask = made[out.mask.key] if out.mask is not None else None
                 _check_range(target, mask, out, self.batch, self.id_key)
@@ -141,11 +125,27 @@ class Layout:
             made.update(beside)
         return made
 
+    def _gather(self, out: _Out, target: torch.Tensor, indices: torch.Tensor, made: dict[str, Any]) -> None:
+        """A column's rows into ``target``; a ragged column's mask and lengths beside it."""
+        column = out.column
+        if column.rows is not None:
+            _on_column(column, torch.ops.fastcollate.gather_into, column.rows, indices, target)
+            return
+        lengths = made[out.lengths.key] if out.lengths is not None else torch.empty(len(indices), dtype=torch.int64)
+        mask = made[out.mask.key] if out.mask is not None else torch.empty(target.shape[:2], dtype=torch.bool)
+        pad = out.field.pad if out.field is not None and out.field.pad is not None else 0
+        _on_column(
+            column, torch.ops.fastcollate.gather_ragged_into,
+            column.values, column.offsets, indices, pad, target, mask, lengths,
+        )
+
     def _pack(self, out: _Out, row: torch.Tensor, indices: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
         """A packed column: its rows back to back into ``row`` ([total, ...]), the range checked on the
         samples' own values, then the separator written at each non-empty sample's first token."""
         column = out.column
-        torch.ops.fastcollate.gather_packed_into(column.values, column.offsets, indices, cu_seq_lens, row)
+        _on_column(
+            column, torch.ops.fastcollate.gather_packed_into, column.values, column.offsets, indices, cu_seq_lens, row
+        )
         field = out.field
         if field.range is not None:
             _check_packed_range(row, self.packing.cu_seq_lens, out, self.batch, self.id_key)
@@ -165,6 +165,14 @@ class Layout:
             return torch.empty(out.shape, dtype=out.dtype)
         self.views += 1
         return buffer[out.offset : out.offset + out.nbytes].view(out.dtype).view(out.shape)
+
+
+def _on_column(column: Column, op: Any, *args: Any) -> None:
+    """Runs a gather op over ``column``: an error names the column (and its file, when a read faulted)."""
+    try:
+        op(*args)
+    except (RuntimeError, IndexError) as error:
+        raise column.failed(error) from error
 
 
 def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout | None:

@@ -26,7 +26,11 @@ class TokenBudgetBatches(Sampler[list[int]]):
     With ``rank`` and ``world_size`` every process cuts the same batches and takes every
     ``world_size``-th from ``rank``. Nothing is repeated to even the ranks out (DistributedSampler's
     padding): a multi-sample batch is split in two, the largest first, until the batches divide evenly,
-    so every rank runs the same number of steps and the union of the ranks is the dataset, once.
+    so every rank runs the same number of steps and the union of the ranks is the dataset, once. So
+    an epoch can be refused with a ValueError where DistributedSampler would repeat samples: fewer
+    samples than ranks, or batches that no split can make a multiple of ``world_size`` (once every
+    batch holds a single sample that has tokens, as when each sample nearly fills ``max_tokens``).
+    Raise ``max_tokens`` (so batches hold two samples to split), use fewer ranks, or drop a few samples.
 
     Args:
         lengths: each sample's token count (what the packed field's length will be).

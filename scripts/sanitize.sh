@@ -35,7 +35,8 @@ elif [ ${#TESTS[@]} -eq 0 ]; then
   TESTS=(tests/test_assemble_dropin.py tests/test_contract.py tests/test_staging.py tests/test_device_loader.py
          tests/test_workers.py tests/test_ops.py tests/test_fuzz.py tests/test_faults.py tests/test_lifetimes.py
          tests/test_concurrency.py tests/test_shared_slots.py tests/test_slot_faults.py tests/test_batch_lifetimes.py
-         tests/test_tree.py tests/test_arrays.py tests/test_index_batches.py tests/test_thread_pipelines.py)
+         tests/test_tree.py tests/test_arrays.py tests/test_mapped_files.py tests/test_index_batches.py
+         tests/test_thread_pipelines.py)
 fi
 
 say() { echo "[sanitize] $*"; }

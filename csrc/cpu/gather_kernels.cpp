@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "copy_kernels.h"
+#include "mapped_reads.h"
 
 namespace fastcollate {
 
@@ -85,7 +86,7 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
                    auto run = [&](auto* dst) {
                      using Out = std::remove_pointer_t<decltype(dst)>;
                      at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
-                       cast_rows<In, Out>(rows, dst, row_elements, begin, end);
+                       guard_mapped_reads([&] { cast_rows<In, Out>(rows, dst, row_elements, begin, end); });
                      });
                    };
                    switch (out.scalar_type()) {
@@ -159,9 +160,11 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
       const int64_t begin = c * chunk;
       const int64_t n = std::min(chunk, batch - begin);
       auto* dst = static_cast<unsigned char*>(scratch.data_ptr());
-      for (int64_t r = 0; r < n; ++r) {
-        std::memcpy(dst + static_cast<size_t>(r) * row_bytes, rows[begin + r], row_bytes);
-      }
+      guard_mapped_reads([&] {
+        for (int64_t r = 0; r < n; ++r) {
+          std::memcpy(dst + static_cast<size_t>(r) * row_bytes, rows[begin + r], row_bytes);
+        }
+      });
       out.narrow(0, begin, n).copy_(scratch.narrow(0, 0, n));
     }
   });

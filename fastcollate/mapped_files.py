@@ -1,0 +1,180 @@
+"""A column array that lies in a memory-mapped file, as the dataset reads it.
+
+Reading a mapped file past its end kills the process (SIGBUS) instead of raising, and a path can come to
+hold another file. So a file-backed column is read through a mapping of its own, opened once from the
+file it was given: the file it maps is identified (device, inode, size, mtime), its size is read from
+that mapping's descriptor and never from the path, and a process that maps it again by path (a spawned
+worker, an unpickled copy) refuses when the path holds another file. A path deleted or renamed under
+an intact mapping goes on working, as the mapping itself does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from ._ext import _C
+
+__all__ = ["FileIdentity", "MappedFile", "MappedFileError", "is_read_fault"]
+
+
+class MappedFileError(RuntimeError):
+    """A memory-mapped column's file no longer holds what the column was made from: it shrank, or its
+    path now names another file. Raised before any byte of the batch is handed out."""
+
+
+def is_read_fault(error: BaseException) -> bool:
+    """Whether ``error`` is a guarded copy's read past the end of a mapped file (raised by the C++ copies
+    instead of SIGBUS)."""
+    return isinstance(error, RuntimeError) and _C.MAPPED_READ_FAULT in str(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileIdentity:
+    """What tells one file from another: a path can be given a new file with the same name and size."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> FileIdentity:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def same_file(self, other: FileIdentity) -> bool:
+        return (self.device, self.inode) == (other.device, other.inode)
+
+    def __str__(self) -> str:
+        modified = datetime.datetime.fromtimestamp(self.mtime_ns / 1e9, datetime.timezone.utc)
+        return f"inode {self.inode} on device {self.device}, {self.size} bytes, modified {modified:%Y-%m-%d %H:%M:%S} UTC"
+
+
+class MappedFile:
+    """One array in a file, read through a mapping this object owns.
+
+    ``of(array)`` recognises an ``np.memmap`` and any numpy view of one (a slice, ``np.asarray(memmap)``)
+    and maps the same bytes again; ``array`` is the new view, the one a column reads. Pickled, it is the
+    file's path, position and identity (a few hundred bytes): unpickling maps the path again, or records
+    why it cannot, for :meth:`check` to raise.
+    """
+
+    def __init__(
+        self, path: str, offset: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...],
+        identity: FileIdentity | None = None, writable: bool = False,
+    ) -> None:
+        self.path, self.offset, self.dtype = path, offset, dtype
+        self.shape, self.strides, self.writable = shape, strides, writable
+        self.identity = identity
+        self.array: np.ndarray | None = None
+        self._mapping: mmap.mmap | None = None
+        self._refusal: str | None = None  # why this process cannot read the file (see check)
+        self._map()
+
+    @classmethod
+    def of(cls, array: Any) -> MappedFile | None:
+        """The file under ``array``, mapped again, if ``array`` is a view of an ``np.memmap`` with no
+        negative stride. A copy-on-write memmap (``mode="c"``) is the process's own memory once written,
+        so it is read as memory. A torch tensor over a mapping (``torch.from_numpy(memmap)``,
+        ``torch.from_file``) is not recognised: pass the ``np.memmap``."""
+        memmap = array
+        while isinstance(memmap, np.ndarray) and not isinstance(memmap, np.memmap):
+            memmap = memmap.base
+        mapping = getattr(memmap, "_mmap", None)  # np.memmap keeps its mmap object, slices included
+        if not isinstance(memmap, np.memmap) or memmap.filename is None or mapping is None:
+            return None
+        if memmap.mode == "c" or any(stride < 0 for stride in array.strides):
+            return None
+        # np.memmap maps from its offset rounded down to the allocation granularity.
+        start = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY
+        mapped_at = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        return cls(
+            os.fspath(memmap.filename),
+            start + array.ctypes.data - mapped_at,
+            array.dtype.str,
+            tuple(array.shape),
+            tuple(array.strides),
+            writable=memmap.mode in ("r+", "w+"),
+        )
+
+    @property
+    def span(self) -> int:
+        """Bytes from the first element to the end of the last one."""
+        if 0 in self.shape:
+            return 0
+        last = sum((n - 1) * stride for n, stride in zip(self.shape, self.strides, strict=True))
+        return last + np.dtype(self.dtype).itemsize
+
+    @property
+    def needed(self) -> int:
+        """The file size the array needs: its end's position in the file."""
+        return self.offset + self.span
+
+    def _map(self) -> None:
+        dtype = np.dtype(self.dtype)
+        if self.span == 0:
+            self.array = np.empty(self.shape, dtype=dtype)
+            return
+        try:
+            descriptor = os.open(self.path, os.O_RDWR if self.writable else os.O_RDONLY)
+        except OSError as error:
+            self._refusal = f"its file {self.path} cannot be opened again ({error.strerror})"
+            return
+        try:
+            found = FileIdentity.of(os.fstat(descriptor))
+            if self.identity is not None and not self.identity.same_file(found):
+                self._refusal = (
+                    f"its path {self.path} now holds another file ({found}) than the one the dataset was "
+                    f"made from ({self.identity}): it was replaced, and this process maps files by path"
+                )
+                return
+            if found.size < self.needed:
+                self._refusal = self._shrank(found.size)
+                return
+            start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+            access = mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ
+            # mmap keeps a duplicate of the descriptor: check() reads the file's size through it.
+            self._mapping = mmap.mmap(descriptor, self.needed - start, access=access, offset=start)
+        finally:
+            os.close(descriptor)
+        self.identity = self.identity or found
+        self.array = np.ndarray(
+            self.shape, dtype, buffer=self._mapping, offset=self.offset - start, strides=self.strides
+        )
+
+    def _shrank(self, size: int) -> str:
+        return (
+            f"its file {self.path} shrank to {size} bytes, but the column needs {self.needed}: it was "
+            "truncated or rewritten in place while mapped (reading past its end would kill the process)"
+        )
+
+    def unreadable(self) -> str | None:
+        """Why the array cannot be read now, or None: the file shrank under the mapping, or this process
+        could not map the file the dataset was made from. The size comes from the mapping's descriptor."""
+        if self._refusal is not None:
+            return self._refusal
+        if self._mapping is not None:
+            size = self._mapping.size()
+            if size < self.needed:
+                return self._shrank(size)
+        return None
+
+    def check(self, column: str) -> None:
+        """Raises MappedFileError, naming ``column``, if the array cannot be read now (see unreadable)."""
+        why = self.unreadable()
+        if why is not None:
+            raise MappedFileError(f"Arrays: column {column!r}: {why}; rebuild the dataset over the file as it is now")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(array=None, _mapping=None, _refusal=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._map()

@@ -115,6 +115,12 @@ class Column:
         """The error to raise when an op gathering this column raised ``error``: the column named, and a
         read that faulted put down to the file it came from."""
         if is_read_fault(error):
+            if not self.files:
+                return MappedFileError(
+                    f"Arrays: column {self.name!r}: a read faulted ({error}). The column lies in a mapped file "
+                    "that fastcollate could not trace (a torch tensor over a mapping): pass the np.memmap "
+                    "itself, and its file is checked before every read"
+                )
             why = next((w for w in (m.unreadable() for m in self.files.values()) if w), None)
             return MappedFileError(
                 f"Arrays: column {self.name!r}: its file changed while a batch was gathered, and a read "
@@ -251,10 +257,16 @@ class Arrays(Dataset):
         files that cannot be read now, or else every file-backed column, named."""
         columns = [column for column in self._file_columns() if any(m.unreadable() for m in column.files.values())]
         columns = columns or self._file_columns()
+        if not columns:
+            return MappedFileError(
+                f"Arrays: a read faulted ({error}): a column lies in a mapped file that fastcollate could not "
+                "trace (a torch tensor over a mapping): pass the np.memmap itself, and its file is checked "
+                "before every read"
+            )
         names = ", ".join(repr(column.name) for column in columns)
         return MappedFileError(
-            f"Arrays: column {names}: a file changed while a batch was collated, and a read past its end "
-            f"faulted ({error}); nothing of the batch was handed out"
+            f"Arrays: column{'s' if len(columns) > 1 else ''} {names}: a file changed while a batch was "
+            f"collated, and a read past its end faulted ({error}); nothing of the batch was handed out"
         )
 
     def _file_columns(self) -> list[Column]:

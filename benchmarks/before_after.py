@@ -1,5 +1,5 @@
-"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``array_ratios.py``, ``worker_ratios.py``) from two
-checkouts, alternating (before, after, before, after, ...), and sets each ratio before against after.
+"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``array_ratios.py``, ``worker_ratios.py``)
+from two checkouts, alternating (before, after, before, after, ...), and sets each ratio before against after.
 
     python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
                                       [--bench collate_ratios|array_ratios|worker_ratios]

@@ -22,6 +22,11 @@ from .mapped_files import MappedFile, MappedFileError, is_read_fault
 
 __all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
 
+_UNTRACED = (
+    "a column lies in a mapped file that fastcollate could not trace (a torch tensor over a mapping): pass "
+    "the np.memmap itself, and its file is checked before every read"
+)
+
 
 class Ragged:
     """A column of variable-length rows stored flat, as tokenized text is: row ``i`` is
@@ -116,11 +121,7 @@ class Column:
         read that faulted put down to the file it came from."""
         if is_read_fault(error):
             if not self.files:
-                return MappedFileError(
-                    f"Arrays: column {self.name!r}: a read faulted ({error}). The column lies in a mapped file "
-                    "that fastcollate could not trace (a torch tensor over a mapping): pass the np.memmap "
-                    "itself, and its file is checked before every read"
-                )
+                return MappedFileError(f"Arrays: column {self.name!r}: a read faulted ({error}): {_UNTRACED}")
             why = next((w for w in (m.unreadable() for m in self.files.values()) if w), None)
             return MappedFileError(
                 f"Arrays: column {self.name!r}: its file changed while a batch was gathered, and a read "
@@ -142,7 +143,8 @@ class Column:
             if mapped.array is not None:
                 setattr(self, role, _as_tensor(self.name, mapped.array, role))
             else:  # not mapped here (MappedFile.check says why): the shape and dtype, with no data
-                shape, strides = mapped.shape, tuple(s // np.dtype(mapped.dtype).itemsize for s in mapped.strides)
+                itemsize = np.dtype(mapped.dtype).itemsize
+                shape, strides = mapped.shape, tuple(stride // itemsize for stride in mapped.strides)
                 dtype = _as_tensor(self.name, np.empty(0, dtype=mapped.dtype), role).dtype
                 setattr(self, role, torch.empty_strided(shape, strides, dtype=dtype, device="meta"))
 
@@ -255,14 +257,10 @@ class Arrays(Dataset):
     def read_fault(self, error: RuntimeError) -> MappedFileError:
         """The error for a read that faulted while this dataset's samples were collated one by one: the
         files that cannot be read now, or else every file-backed column, named."""
-        columns = [column for column in self._file_columns() if any(m.unreadable() for m in column.files.values())]
-        columns = columns or self._file_columns()
+        files = self._file_columns()
+        columns = [c for c in files if any(m.unreadable() for m in c.files.values())] or files
         if not columns:
-            return MappedFileError(
-                f"Arrays: a read faulted ({error}): a column lies in a mapped file that fastcollate could not "
-                "trace (a torch tensor over a mapping): pass the np.memmap itself, and its file is checked "
-                "before every read"
-            )
+            return MappedFileError(f"Arrays: a read faulted ({error}): {_UNTRACED}")
         names = ", ".join(repr(column.name) for column in columns)
         return MappedFileError(
             f"Arrays: column{'s' if len(columns) > 1 else ''} {names}: a file changed while a batch was "
@@ -294,7 +292,9 @@ class ArrayBatch(Sequence):
             # Python ints beyond int64: numpy keeps them as objects
             beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
             if beyond is not None:
-                raise IndexError(f"Arrays: index {beyond} is out of range for a dataset of {len(dataset)} samples")
+                raise IndexError(
+                    f"Arrays: index {beyond} is out of range for a dataset of {len(dataset)} samples"
+                )
         if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
             raise IndexError(
                 f"Arrays: index {int(array.max())} is out of range for a dataset of {len(dataset)} samples"

@@ -114,7 +114,8 @@ class Assembler:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
         try:
-            # ring.assemble is called from here, one frame below the caller: its overflow warning points there.
+            # ring.assemble is called from here, one frame below the caller: its overflow warning points
+            # there.
             if get_worker_info() is not None:
                 plan = self._collator.plan(batch)
                 slot = self._claim_slot(plan.nbytes)

@@ -131,7 +131,8 @@ class Layout:
         if column.rows is not None:
             _on_column(column, torch.ops.fastcollate.gather_into, column.rows, indices, target)
             return
-        lengths = made[out.lengths.key] if out.lengths is not None else torch.empty(len(indices), dtype=torch.int64)
+        size = len(indices)
+        lengths = made[out.lengths.key] if out.lengths is not None else torch.empty(size, dtype=torch.int64)
         mask = made[out.mask.key] if out.mask is not None else torch.empty(target.shape[:2], dtype=torch.bool)
         pad = out.field.pad if out.field is not None and out.field.pad is not None else 0
         _on_column(
@@ -144,7 +145,8 @@ class Layout:
         samples' own values, then the separator written at each non-empty sample's first token."""
         column = out.column
         _on_column(
-            column, torch.ops.fastcollate.gather_packed_into, column.values, column.offsets, indices, cu_seq_lens, row
+            column, torch.ops.fastcollate.gather_packed_into,
+            column.values, column.offsets, indices, cu_seq_lens, row,
         )
         field = out.field
         if field.range is not None:

@@ -52,7 +52,8 @@ class FileIdentity:
 
     def __str__(self) -> str:
         modified = datetime.datetime.fromtimestamp(self.mtime_ns / 1e9, datetime.timezone.utc)
-        return f"inode {self.inode} on device {self.device}, {self.size} bytes, modified {modified:%Y-%m-%d %H:%M:%S} UTC"
+        when = f"{modified:%Y-%m-%d %H:%M:%S} UTC"
+        return f"inode {self.inode} on device {self.device}, {self.size} bytes, modified {when}"
 
 
 class MappedFile:
@@ -168,7 +169,9 @@ class MappedFile:
         """Raises MappedFileError, naming ``column``, if the array cannot be read now (see unreadable)."""
         why = self.unreadable()
         if why is not None:
-            raise MappedFileError(f"Arrays: column {column!r}: {why}; rebuild the dataset over the file as it is now")
+            raise MappedFileError(
+                f"Arrays: column {column!r}: {why}; rebuild the dataset over the file as it is now"
+            )
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -24,8 +24,8 @@ from .processes import ROOT
 def _run(script: str, tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=timeout,
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
 
@@ -65,7 +65,9 @@ def test_a_truncated_file_is_an_error_on_every_path_that_reads_it_never_sigbus(t
     os.truncate("y.bin", 1000)
     per_sample = {
         "expand_from": Contract({"id": Field(kind="number"), "x": Field(shape=(64,), expand_from=((1,),))}),
-        "float_to_int": Contract({"id": Field(kind="number"), "x": Field(dtype=torch.int64, cast_from=(torch.float32,))}),
+        "float_to_int": Contract(
+            {"id": Field(kind="number"), "x": Field(dtype=torch.int64, cast_from=(torch.float32,))}
+        ),
         "text": Contract({"id": Field(kind="number"), "x": Field(kind="text")}),
         "pad_fixed_rows": Contract({"id": Field(kind="number"), "x": Field(shape=("T",), pad=0)}),
     }
@@ -88,17 +90,20 @@ _GUARDED_OPS = """
     import faulthandler
     x = make("x.bin", rows=4096, width=1024)  # 16 MiB: the copies run on two threads
     ds = Arrays(x=x)
-    rows = torch.from_numpy(np.asarray(x))  # unknown to fastcollate: only the guard stands between it and SIGBUS
+    rows = torch.from_numpy(np.asarray(x))  # not traced to its file: only the guard stands before SIGBUS
     os.truncate("x.bin", 4096)
     every = torch.arange(4096)
     faulthandler.enable()  # a handler installed after fastcollate's: the guard must still be the one
     torch.set_num_threads(2)
     outcome("gather_into", lambda: torch.ops.fastcollate.gather_into(rows, every, torch.empty(4096, 1024)))
-    outcome("gather_into cast", lambda: torch.ops.fastcollate.gather_into(rows, every, torch.empty(4096, 1024, dtype=torch.float64)))
-    outcome("gather_into narrowing", lambda: torch.ops.fastcollate.gather_into(rows.view(torch.int32), every, torch.empty(4096, 1024, dtype=torch.int16)))
+    def out(dtype=torch.float32):
+        return torch.empty(4096, 1024, dtype=dtype)
+    outcome("gather_into cast", lambda: torch.ops.fastcollate.gather_into(rows, every, out(torch.float64)))
+    outcome("gather_into narrowing",
+            lambda: torch.ops.fastcollate.gather_into(rows.view(torch.int32), every, out(torch.int16)))
     flat, offsets = rows.reshape(-1), torch.arange(0, 4096 * 1024 + 1, 1024)
     outcome("gather_ragged_into", lambda: torch.ops.fastcollate.gather_ragged_into(
-        flat, offsets, every, 0, torch.empty(4096, 1024), torch.empty(4096, 1024, dtype=torch.bool), torch.empty(4096, dtype=torch.long)))
+        flat, offsets, every, 0, out(), out(torch.bool), torch.empty(4096, dtype=torch.long)))
     outcome("gather_packed_into", lambda: torch.ops.fastcollate.gather_packed_into(
         flat, offsets, every, offsets.to(torch.int32), torch.empty(4096 * 1024)))
     outcome("walked", lambda: fastcollate.assemble([{"x": rows[i]} for i in range(4096)]))
@@ -253,7 +258,8 @@ def test_an_op_error_on_a_column_names_the_column_and_the_row():
     dataset = Arrays(t=Ragged(np.arange(10), np.array([0, 4, 10])))
     dataset.columns["t"].offsets[1] = 11  # past the values: what a rewritten file of offsets could hold
     contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=0)})
-    with pytest.raises(IndexError, match=r"^Arrays: column 't': row 0 \(batch position 0\) spans offsets 0\.\.11"):
+    spans = r"^Arrays: column 't': row 0 \(batch position 0\) spans offsets 0\.\.11"
+    with pytest.raises(IndexError, match=spans):
         fastcollate.assemble.using(contract)(dataset.__getitems__([0]))
 
 
@@ -263,7 +269,8 @@ def test_index_and_offset_errors_say_what_is_wrong_in_words_that_apply():
         dataset.__getitems__([0, 2**64])
     with pytest.raises(IndexError, match=r"index -18446744073709551616 is out of range"):
         dataset.__getitems__([-(2**64)])
-    with pytest.raises(TypeError, match=r"offsets must be a torch.Tensor or a numpy array \(np.memmap included\), got list$"):
+    offsets_words = r"offsets must be a torch.Tensor or a numpy array \(np.memmap included\), got list$"
+    with pytest.raises(TypeError, match=offsets_words):
         Arrays(t=Ragged(np.arange(4), [0, 2, 4]))
     with pytest.raises(TypeError, match=r"or fastcollate.Ragged, got list"):
         Arrays(t=[1, 2])
@@ -273,6 +280,6 @@ def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refu
     # Every sample nearly fills max_tokens, so each batch holds one and none can be split: DistributedSampler
     # would repeat samples to even the ranks out; this sampler refuses instead of repeating.
     batches = TokenBudgetBatches([90] * 14, 100, rank=0, world_size=8)
-    with pytest.raises(ValueError, match="14 batches, none with two samples that have tokens, cannot be shared "
-                                         "evenly by 8 ranks.*raise max_tokens or use fewer ranks"):
+    refused = "14 batches, none with two samples that have tokens, cannot be shared evenly by 8 ranks"
+    with pytest.raises(ValueError, match=refused + ".*raise max_tokens or use fewer ranks"):
         list(batches)

@@ -22,21 +22,29 @@ std::mutex installing;
 volatile sig_atomic_t handed_back = 0;
 
 void on_sigbus(int signal, siginfo_t* info, void* /*context*/) {
-  if (sigjmp_buf* point = recovery_point) {
+  // Ours: a guarded read of an address the file no longer backs. Not ours: a signal sent by kill or
+  // pthread_kill (si_code <= 0, si_addr is no address then), a hardware memory error, any fault outside
+  // a guarded body.
+  sigjmp_buf* const point = recovery_point;
+  if (point != nullptr && info->si_code == BUS_ADRERR) {
     fault_address = info->si_addr;
     siglongjmp(*point, 1);
   }
-  // Not a guarded read. The replaced handler gets the fault when the read runs again; if that handler
-  // hands the signal back to this one, the default action ends the process (no loop between the two).
+  // The replaced handler gets the signal: a fault raises it again when the read runs again, a sent signal
+  // is sent again here. If that handler hands the signal back to this one, the default action ends the
+  // process (no loop between the two).
   if (handed_back) {
     struct sigaction fallback{};
     fallback.sa_handler = SIG_DFL;
     sigemptyset(&fallback.sa_mask);
     sigaction(signal, &fallback, nullptr);
-    return;
+  } else {
+    handed_back = 1;
+    sigaction(signal, &replaced_handler, nullptr);
   }
-  handed_back = 1;
-  sigaction(signal, &replaced_handler, nullptr);
+  if (info->si_code <= 0) {
+    raise(signal);
+  }
 }
 
 // Installs on_sigbus unless it is the handler now. Checked on every guarded body, not once: a handler

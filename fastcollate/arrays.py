@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .mapped_files import MappedFile, MappedFileError, is_read_fault
+from .mapped_files import MappedFile, MappedFileError
 
 __all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
 
@@ -116,19 +116,13 @@ class Column:
         for mapped in self.files.values():
             mapped.check(self.name)
 
-    def failed(self, error: RuntimeError | IndexError) -> RuntimeError | IndexError:
-        """The error to raise when an op gathering this column raised ``error``: the column named, and a
-        read that faulted put down to the file it came from."""
-        if is_read_fault(error):
-            if not self.files:
-                return MappedFileError(f"Arrays: column {self.name!r}: a read faulted ({error}): {_UNTRACED}")
-            why = next((w for w in (m.unreadable() for m in self.files.values()) if w), None)
-            return MappedFileError(
-                f"Arrays: column {self.name!r}: its file changed while a batch was gathered, and a read "
-                f"past its end faulted ({why or 'the file has grown back since'}); nothing of the batch "
-                "was handed out"
-            )
-        op, _, message = str(error).partition(": ")  # the op's name first: the column names the place here
+    def unreadable(self) -> str | None:
+        """Why a file this column reads cannot be read now, or None (see MappedFile.unreadable)."""
+        return next((why for why in (m.unreadable() for m in self.files.values()) if why), None)
+
+    def named(self, error: RuntimeError | IndexError) -> RuntimeError | IndexError:
+        """An op's error on this column, the column named in place of the op (its words name the row)."""
+        op, _, message = str(error).partition(": ")
         return type(error)(f"Arrays: column {self.name!r}: {message if op.endswith('_into') else error}")
 
     def __getstate__(self) -> dict:
@@ -235,9 +229,9 @@ class Arrays(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
         self.check_files()
-        return self.sample(index)
+        return self._sample(index)
 
-    def sample(self, index: int) -> dict[str, Any]:
+    def _sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (in range), its files already checked."""
         sample: dict[str, Any] = {} if self.id_key is None else {self.id_key: index}
         for name, column in self.columns.items():
@@ -254,17 +248,20 @@ class Arrays(Dataset):
         for column in self.columns.values():
             column.check_file()
 
-    def read_fault(self, error: RuntimeError) -> MappedFileError:
-        """The error for a read that faulted while this dataset's samples were collated one by one: the
-        files that cannot be read now, or else every file-backed column, named."""
+    def read_fault(self, error: RuntimeError, column: str | None = None) -> MappedFileError:
+        """The error for a read that faulted (``error``) while a batch was copied, ``column``'s when the
+        gather knows it: the file that cannot be read now, else every file the dataset maps."""
+        where = f"Arrays: column {column!r}: " if column is not None else "Arrays: "
         files = self._file_columns()
-        columns = [c for c in files if any(m.unreadable() for m in c.files.values())] or files
-        if not columns:
-            return MappedFileError(f"Arrays: a read faulted ({error}): {_UNTRACED}")
-        names = ", ".join(repr(column.name) for column in columns)
+        if not files:
+            return MappedFileError(f"{where}a read faulted ({error}): {_UNTRACED}")
+        reasons = [f"column {c.name!r}: {why}" for c in files if (why := c.unreadable())]
+        if not reasons:
+            names = ", ".join(repr(c.name) for c in files)
+            reasons = [f"the file of {names} was truncated or rewritten during the copy, and has grown back"]
         return MappedFileError(
-            f"Arrays: column{'s' if len(columns) > 1 else ''} {names}: a file changed while a batch was "
-            f"collated, and a read past its end faulted ({error}); nothing of the batch was handed out"
+            f"{where}a read past the end of a mapped file faulted while the batch was copied, and nothing of "
+            f"the batch was handed out ({'; '.join(reasons)})"
         )
 
     def _file_columns(self) -> list[Column]:
@@ -321,7 +318,7 @@ class ArrayBatch(Sequence):
     def rows(self) -> list[dict[str, Any]]:
         """Every sample of the batch, with the dataset's files checked once, not once a sample."""
         self.dataset.check_files()
-        return [self.dataset.sample(int(i)) for i in self.indices]
+        return [self.dataset._sample(int(i)) for i in self.indices]
 
     def __getitem__(self, position: int) -> Any:
         if isinstance(position, slice):

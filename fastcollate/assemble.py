@@ -23,7 +23,7 @@ from ._torch_compat import new_shared_storage
 from .arrays import ArrayBatch
 from .contract import Contract
 from .errors import ContractEmptyError
-from .mapped_files import is_read_fault
+from .mapped_files import is_read_fault, read_fault_error
 from .staging import StagingRing, active_ring, main_process_ring
 
 __all__ = ["Assembler", "assemble"]
@@ -128,8 +128,8 @@ class Assembler:
             out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
             return self._nested(out)
         except RuntimeError as error:
-            if arrays is not None and is_read_fault(error):
-                raise arrays.read_fault(error) from error
+            if is_read_fault(error):
+                raise (arrays.read_fault(error) if arrays is not None else read_fault_error(error)) from error
             raise
 
     def _nested(self, out: Any) -> Any:

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from ._ext import _C  # also registers the ops
-from .arrays import ArrayBatch, Column
+from .arrays import ArrayBatch, Arrays, Column
 from .contract import Contract, Field, Packing
 from .errors import ERROR_KINDS
+from .mapped_files import is_read_fault
 from .small_fields import needs_own_storage
 
 __all__ = ["Layout", "layout"]
@@ -127,16 +128,16 @@ class Layout:
 
     def _gather(self, out: _Out, target: torch.Tensor, indices: torch.Tensor, made: dict[str, Any]) -> None:
         """A column's rows into ``target``; a ragged column's mask and lengths beside it."""
-        column = out.column
+        column, dataset = out.column, self.batch.dataset
         if column.rows is not None:
-            _on_column(column, torch.ops.fastcollate.gather_into, column.rows, indices, target)
+            _on_column(dataset, column, torch.ops.fastcollate.gather_into, column.rows, indices, target)
             return
         size = len(indices)
         lengths = made[out.lengths.key] if out.lengths is not None else torch.empty(size, dtype=torch.int64)
         mask = made[out.mask.key] if out.mask is not None else torch.empty(target.shape[:2], dtype=torch.bool)
         pad = out.field.pad if out.field is not None and out.field.pad is not None else 0
         _on_column(
-            column, torch.ops.fastcollate.gather_ragged_into,
+            dataset, column, torch.ops.fastcollate.gather_ragged_into,
             column.values, column.offsets, indices, pad, target, mask, lengths,
         )
 
@@ -145,7 +146,7 @@ class Layout:
         samples' own values, then the separator written at each non-empty sample's first token."""
         column = out.column
         _on_column(
-            column, torch.ops.fastcollate.gather_packed_into,
+            self.batch.dataset, column, torch.ops.fastcollate.gather_packed_into,
             column.values, column.offsets, indices, cu_seq_lens, row,
         )
         field = out.field
@@ -169,12 +170,14 @@ class Layout:
         return buffer[out.offset : out.offset + out.nbytes].view(out.dtype).view(out.shape)
 
 
-def _on_column(column: Column, op: Any, *args: Any) -> None:
-    """Runs a gather op over ``column``: an error names the column (and its file, when a read faulted)."""
+def _on_column(dataset: Arrays, column: Column, op: Any, *args: Any) -> None:
+    """Runs a gather op over ``column``: an error names the column (and the file, when a read faulted)."""
     try:
         op(*args)
     except (RuntimeError, IndexError) as error:
-        raise column.failed(error) from error
+        if is_read_fault(error):
+            raise dataset.read_fault(error, column.name) from error
+        raise column.named(error) from error
 
 
 def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Layout | None:

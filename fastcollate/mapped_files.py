@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import mmap
 import os
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 
 from ._ext import _C
 
-__all__ = ["FileIdentity", "MappedFile", "MappedFileError", "is_read_fault"]
+__all__ = ["FileIdentity", "MappedFile", "MappedFileError", "is_read_fault", "read_fault_error"]
 
 
 class MappedFileError(RuntimeError):
@@ -32,6 +33,16 @@ def is_read_fault(error: BaseException) -> bool:
     """Whether ``error`` is a guarded copy's read past the end of a mapped file (raised by the C++ copies
     instead of SIGBUS)."""
     return isinstance(error, RuntimeError) and _C.MAPPED_READ_FAULT in str(error)
+
+
+def read_fault_error(error: RuntimeError) -> MappedFileError:
+    """The error for a read fault in a batch of samples that fastcollate did not make (a list of tensors,
+    some over a mapped file): the file cannot be named, only what happened and what to do."""
+    return MappedFileError(
+        f"{error}; nothing of the batch was handed out. A tensor of the batch lies in a memory-mapped file "
+        "that shrank: keep the file as it is while it is mapped, or give fastcollate.Arrays the np.memmap, "
+        "which checks its file before every read and names the column"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +57,6 @@ class FileIdentity:
     @classmethod
     def of(cls, status: os.stat_result) -> FileIdentity:
         return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
-
-    def same_file(self, other: FileIdentity) -> bool:
-        return (self.device, self.inode) == (other.device, other.inode)
 
     def __str__(self) -> str:
         modified = datetime.datetime.fromtimestamp(self.mtime_ns / 1e9, datetime.timezone.utc)
@@ -67,7 +75,7 @@ class MappedFile:
 
     def __init__(
         self, path: str, offset: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...],
-        identity: FileIdentity | None = None, writable: bool = False,
+        identity: FileIdentity | None = None, writable: bool = False, mapped_at: int | None = None,
     ) -> None:
         self.path, self.offset, self.dtype = path, offset, dtype
         self.shape, self.strides, self.writable = shape, strides, writable
@@ -75,7 +83,7 @@ class MappedFile:
         self.array: np.ndarray | None = None
         self._mapping: mmap.mmap | None = None
         self._refusal: str | None = None  # why this process cannot read the file (see check)
-        self._map()
+        self._map(mapped_at)
 
     @classmethod
     def of(cls, array: Any) -> MappedFile | None:
@@ -101,6 +109,7 @@ class MappedFile:
             tuple(array.shape),
             tuple(array.strides),
             writable=memmap.mode in ("r+", "w+"),
+            mapped_at=mapped_at,
         )
 
     @property
@@ -116,31 +125,35 @@ class MappedFile:
         """The file size the array needs: its end's position in the file."""
         return self.offset + self.span
 
-    def _map(self) -> None:
+    def _map(self, mapped_at: int | None) -> None:
+        """Maps the file: the one mapped at ``mapped_at`` (the user's memmap, when the column is made),
+        or the one at the path, which must be the file the column was made from (in another process)."""
         dtype = np.dtype(self.dtype)
         if self.span == 0:
             self.array = np.empty(self.shape, dtype=dtype)
             return
         try:
-            descriptor = os.open(self.path, os.O_RDWR if self.writable else os.O_RDONLY)
+            descriptor = _open(self.path, os.O_RDWR if self.writable else os.O_RDONLY, mapped_at)
         except OSError as error:
-            self._refusal = f"its file {self.path} cannot be opened again ({error.strerror})"
+            self._refusal = self._cannot_open(error)
             return
         try:
             found = FileIdentity.of(os.fstat(descriptor))
-            if self.identity is not None and not self.identity.same_file(found):
-                self._refusal = (
-                    f"its path {self.path} now holds another file ({found}) than the one the dataset was "
-                    f"made from ({self.identity}): it was replaced, and this process maps files by path"
-                )
+            if self.identity is not None and found != dataclasses.replace(self.identity, size=found.size):
+                self._refusal = self._not_the_file(found)
                 return
             if found.size < self.needed:
                 self._refusal = self._shrank(found.size)
                 return
             start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
             access = mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ
-            # mmap keeps a duplicate of the descriptor: check() reads the file's size through it.
-            self._mapping = mmap.mmap(descriptor, self.needed - start, access=access, offset=start)
+            try:
+                # mmap keeps a duplicate of the descriptor: check() reads the file's size through it.
+                self._mapping = mmap.mmap(descriptor, self.needed - start, access=access, offset=start)
+            except OSError as error:
+                hint = _LIMIT_HINTS.get(error.errno, "")
+                self._refusal = f"its file {self.path} cannot be mapped ({error.strerror}){hint}"
+                return
         finally:
             os.close(descriptor)
         self.identity = self.identity or found
@@ -148,10 +161,40 @@ class MappedFile:
             self.shape, dtype, buffer=self._mapping, offset=self.offset - start, strides=self.strides
         )
 
+    def _cannot_open(self, error: OSError) -> str:
+        if isinstance(error, _Replaced):
+            return (
+                f"its path {self.path} names another file than the np.memmap maps (it was replaced after the "
+                "memmap was made): make the memmap again, then the dataset"
+            )
+        if error.errno != errno.ENOENT:
+            hint = _LIMIT_HINTS.get(error.errno, "")
+            return f"its file {self.path} cannot be opened ({error.strerror}){hint}"
+        if self.identity is None:  # the column is being made from a memmap whose file is gone
+            return (
+                f"its file {self.path} is no longer at its path (deleted or renamed after the np.memmap was "
+                "made), and this process may not open the mapping itself (/proc/self/map_files needs "
+                "CAP_CHECKPOINT_RESTORE): keep the file in place until the dataset is made"
+            )
+        return (
+            f"its file {self.path} was deleted or renamed after the dataset was made, and this process (a "
+            "spawned or forkserver worker, or an unpickled copy) maps files by path: keep the file in place "
+            "while the dataset is used, or start workers by fork"
+        )
+
+    def _not_the_file(self, found: FileIdentity) -> str:
+        return (
+            f"its path {self.path} now holds another file, or the file was rewritten, since the dataset was "
+            f"made (then {self.identity}; now {found}), and this process (a spawned or forkserver worker, or "
+            "an unpickled copy) maps files by path: make the dataset again after changing the file, or start "
+            "workers by fork"
+        )
+
     def _shrank(self, size: int) -> str:
         return (
             f"its file {self.path} shrank to {size} bytes, but the column needs {self.needed}: it was "
-            "truncated or rewritten in place while mapped (reading past its end would kill the process)"
+            "truncated or rewritten in place while mapped (reading past its end would kill the process); "
+            "make the dataset again over the file as it is now"
         )
 
     def unreadable(self) -> str | None:
@@ -169,9 +212,7 @@ class MappedFile:
         """Raises MappedFileError, naming ``column``, if the array cannot be read now (see unreadable)."""
         why = self.unreadable()
         if why is not None:
-            raise MappedFileError(
-                f"Arrays: column {column!r}: {why}; rebuild the dataset over the file as it is now"
-            )
+            raise MappedFileError(f"Arrays: column {column!r}: {why}")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -180,4 +221,53 @@ class MappedFile:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._map()
+        self._map(None)
+
+
+_LIMIT_HINTS = {
+    errno.EMFILE: ": each memmap column holds one descriptor; raise the limit on open files (ulimit -n)",
+    errno.ENFILE: ": the system's table of open files is full",
+    errno.ENOMEM: ": the address space is exhausted (a memmap column maps its file once more; RLIMIT_AS?)",
+}
+
+
+class _Replaced(OSError):
+    """The path names another file than the mapping the column is made from."""
+
+
+def _open(path: str, flags: int, mapped_at: int | None) -> int:
+    """A descriptor of the file mapped at ``mapped_at`` when there is one, else of the file at ``path``.
+    The mapping's own file comes from /proc/self/map_files (it may be deleted or replaced since it was
+    mapped); where that is not allowed (it needs CAP_CHECKPOINT_RESTORE), the path's file, refused
+    (_Replaced) if /proc/self/maps shows the mapping holds another inode of the same device."""
+    region = _region_at(mapped_at) if mapped_at is not None else None
+    if region is not None:
+        try:
+            return os.open(f"/proc/self/map_files/{region[0]:x}-{region[1]:x}", flags)
+        except OSError:
+            pass
+    descriptor = os.open(path, flags)
+    if region is not None:
+        status = os.fstat(descriptor)
+        # On a union file system (overlayfs) the mapping shows the lower file's device: no verdict then.
+        if status.st_dev == region[2] and status.st_ino != region[3]:
+            os.close(descriptor)
+            raise _Replaced(errno.ESTALE, "replaced")
+    return descriptor
+
+
+def _region_at(address: int) -> tuple[int, int, int, int] | None:
+    """(start, end, device, inode) of the file mapping that holds ``address``, from /proc/self/maps;
+    None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, _, end = fields[0].partition("-")
+                if int(start, 16) <= address < int(end, 16):
+                    major, _, minor = fields[3].partition(":")
+                    device = os.makedev(int(major, 16), int(minor, 16))
+                    return int(start, 16), int(end, 16), device, int(fields[4])
+    except OSError:
+        return None
+    return None

@@ -5,10 +5,12 @@ process if the protection failed run in a subprocess, whose exit must be an erro
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +92,9 @@ _GUARDED_OPS = """
     import faulthandler
     x = make("x.bin", rows=4096, width=1024)  # 16 MiB: the copies run on two threads
     ds = Arrays(x=x)
+    stream = make("t.bin", rows=1, width=1 << 20, dtype=np.uint16).reshape(-1)
+    windows = fastcollate.TokenWindows(stream, 1024)
+    os.truncate("t.bin", 4096)
     rows = torch.from_numpy(np.asarray(x))  # not traced to its file: only the guard stands before SIGBUS
     os.truncate("x.bin", 4096)
     every = torch.arange(4096)
@@ -113,6 +118,7 @@ _GUARDED_OPS = """
     # The file check passes (as when the file shrinks just after it): the guard names the column.
     fastcollate.mapped_files.MappedFile.unreadable = lambda self: None
     outcome("raced", lambda: fastcollate.assemble(ds.__getitems__(every)))
+    outcome("windows", lambda: fastcollate.assemble(windows.__getitems__(every[:1000])))
     print("after", fastcollate.assemble(ds.__getitems__([0]))["x"].sum().item(), flush=True)
 """
 
@@ -122,11 +128,16 @@ def test_the_copies_from_a_file_that_shrank_raise_a_read_fault_instead_of_dying(
     out = _no_signal(result)
     assert result.returncode == 0, result.stderr
     for label in ("gather_into", "gather_into cast", "gather_into narrowing", "gather_ragged_into",
-                  "gather_packed_into", "walked", "one thread"):
+                  "gather_packed_into", "one thread"):
         assert f"\n{label} fault fastcollate: a read from a memory-mapped file faulted" in out, out
+    assert "walked MappedFileError fastcollate: a read from a memory-mapped file faulted" in out
+    assert "nothing of the batch was handed out. A tensor of the batch lies in a memory-mapped file" in out
     assert "untraced MappedFileError Arrays: column 'x': a read faulted" in out
-    assert "raced MappedFileError Arrays: column 'x': its file changed while a batch was gathered" in out
-    assert "nothing of the batch was handed out" in out
+    raced = "MappedFileError Arrays: column {!r}: a read past the end of a mapped file faulted while the"
+    assert "raced " + raced.format("x") in out
+    assert "the file of 'x' was truncated or rewritten during the copy, and has grown back" in out
+    assert "windows " + raced.format("input_ids") in out, "the stream's file, not an untraced tensor"
+    assert "the file of 'tokens' was truncated" in out
     assert "after 523776.0" in out, "row 0 is still in the file: the guard leaves the process usable"
 
 
@@ -228,11 +239,12 @@ def test_a_pickled_dataset_whose_file_was_deleted_refuses_at_its_first_read(tmp_
     path = tmp_path / "t.u16"
     np.arange(1000, dtype=np.uint16).tofile(path)
     windows = fastcollate.TokenWindows(np.memmap(path, dtype=np.uint16, mode="r"), 10)
-    sent = __import__("pickle").dumps(windows)
+    sent = pickle.dumps(windows)
     os.remove(path)
-    again = __import__("pickle").loads(sent)
+    again = pickle.loads(sent)
     assert len(again) == len(windows)
-    with pytest.raises(MappedFileError, match=r"column 'tokens': its file .*t\.u16 cannot be opened again"):
+    gone = r"column 'tokens': its file .*t\.u16 was deleted or renamed after the dataset was made"
+    with pytest.raises(MappedFileError, match=gone):
         again[0]
     with pytest.raises(MappedFileError, match="column 'tokens'"):
         fastcollate.assemble(again.__getitems__([0, 1]))
@@ -283,3 +295,93 @@ def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refu
     refused = "14 batches, none with two samples that have tokens, cannot be shared evenly by 8 ranks"
     with pytest.raises(ValueError, match=refused + ".*raise max_tokens or use fewer ranks"):
         list(batches)
+
+
+def test_a_pickled_dataset_refuses_a_file_rewritten_or_a_new_file_on_the_old_inode(tmp_path):
+    path = tmp_path / "x.bin"
+    np.ones(64, dtype=np.float32).tofile(path)
+    sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))))
+    os.remove(path)  # a new file of the same size may get the freed inode number: the mtime tells them apart
+    np.full(64, 7, dtype=np.float32).tofile(path)
+    changed = r"column 'x': its path .*x\.bin now holds another file, or the file was rewritten, since the"
+    with pytest.raises(MappedFileError, match=changed + r" dataset was made \(then inode"):
+        pickle.loads(sent)[0]
+    sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))))
+    time.sleep(0.01)
+    with open(path, "r+b") as f:  # in place: the same inode, other bytes
+        f.write(np.full(4, 9, dtype=np.float32).tobytes())
+    with pytest.raises(MappedFileError, match="now holds another file, or the file was rewritten"):
+        pickle.loads(sent)[0]
+
+
+def _without_map_files(monkeypatch) -> None:
+    """As for a user without CAP_CHECKPOINT_RESTORE: /proc/self/map_files cannot be opened."""
+    opened = os.open
+
+    def refuse_map_files(path, *args, **kwargs):
+        if str(path).startswith("/proc/self/map_files/"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_map_files)
+
+
+@pytest.mark.parametrize("map_files", [True, False], ids=["map_files", "path_only"])
+def test_a_memmap_whose_path_was_replaced_or_deleted_before_the_dataset_is_read_as_mapped_or_refused(
+    tmp_path, monkeypatch, map_files
+):
+    if not map_files:
+        _without_map_files(monkeypatch)
+    path = tmp_path / "x.bin"
+    np.ones(64, dtype=np.float32).tofile(path)
+    replaced = np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))
+    np.full(64, 2, dtype=np.float32).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", path)
+    np.ones(64, dtype=np.float32).tofile(tmp_path / "gone.bin")
+    deleted = np.memmap(tmp_path / "gone.bin", dtype=np.float32, mode="r", shape=(16, 4))
+    os.remove(tmp_path / "gone.bin")
+    if map_files and os.access("/proc/self/map_files", os.R_OK):
+        assert Arrays(x=replaced)[0]["x"].tolist() == [1.0] * 4, "the memmap's file, not the path's"
+        assert Arrays(x=deleted)[0]["x"].tolist() == [1.0] * 4
+        return
+    other = r"column 'x': its path .*x\.bin names another file than the np\.memmap maps .*make the memmap"
+    with pytest.raises(MappedFileError, match=other):
+        Arrays(x=replaced)
+    gone = r"column 'x': its file .*gone\.bin is no longer at its path .*keep the file in place until the"
+    with pytest.raises(MappedFileError, match=gone):
+        Arrays(x=deleted)
+
+
+def test_running_out_of_descriptors_is_an_error_naming_the_column_and_the_limit(tmp_path):
+    result = _run(_MAKE + """
+    import resource
+    x = make("x.bin", rows=4, width=4)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    kept = []
+    try:
+        for _ in range(100):
+            kept.append(Arrays(x=x))
+    except MappedFileError as error:
+        print("refused after", len(kept), error)
+    """, tmp_path)
+    out = _no_signal(result)
+    assert result.returncode == 0, result.stderr
+    assert "Arrays: column 'x': its file" in out and "raise the limit on open files (ulimit -n)" in out, out
+
+
+def test_a_sigbus_sent_by_another_process_is_not_taken_for_a_read_fault(tmp_path):
+    # kill -BUS goes to the handler that was there before fastcollate's: Python's, or the default (death).
+    result = _run(_MAKE + """
+    import signal
+    ds = Arrays(x=make("x.bin"))
+    signal.signal(signal.SIGBUS, lambda *_: print("python handler", flush=True))
+    fastcollate.assemble(ds.__getitems__([0]))  # the guard's handler goes in front of Python's
+    os.kill(os.getpid(), signal.SIGBUS)
+    print("survived", flush=True)
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)
+    fastcollate.assemble(ds.__getitems__([0]))
+    os.kill(os.getpid(), signal.SIGBUS)
+    print("not reached", flush=True)
+    """, tmp_path)
+    assert result.stdout.splitlines() == ["python handler", "survived"], result.stdout + result.stderr
+    assert result.returncode == -signal.SIGBUS

@@ -1,8 +1,9 @@
-"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``array_ratios.py``, ``worker_ratios.py``)
-from two checkouts, alternating (before, after, before, after, ...), and sets each ratio before against after.
+"""Did a change move the ratios? Runs ``collate_ratios.py`` (or ``array_ratios.py``, ``guard_cost.py``,
+``worker_ratios.py``) from two checkouts, alternating (before, after, before, after, ...), and sets each
+ratio before against after.
 
     python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
-                                      [--bench collate_ratios|array_ratios|worker_ratios]
+                                      [--bench collate_ratios|array_ratios|guard_cost|worker_ratios]
                                       [--json PATH] [-- the bench's options, e.g. --threads 1]
 
 Each checkout needs its extension built in place (``make build`` there, or a copied ``fastcollate/_C*.so``
@@ -61,7 +62,13 @@ def array_ratios(report: dict) -> dict[str, float]:
     }
 
 
-BENCHES = {"array_ratios": array_ratios, "collate_ratios": collate_ratios, "worker_ratios": worker_ratios}
+def guard_cost(report: dict) -> dict[str, float]:
+    """gather_into / index_select per batch shape, from a guard_cost.py JSON."""
+    return {f"{r['rows']} x {r['width']}: gather_into / index_select": r["ratio"] for r in report["results"]}
+
+
+BENCHES = {"array_ratios": array_ratios, "collate_ratios": collate_ratios, "guard_cost": guard_cost,
+           "worker_ratios": worker_ratios}
 
 
 def run_once(checkout: Path, bench: str, extra: list[str], scratch: Path, label: str) -> dict[str, float]:

@@ -1,7 +1,8 @@
 // The SIGBUS guard behind guard_mapped_reads. A thread inside a guarded body has a recovery point; the
-// handler jumps back to it. A fault on any other thread is not ours: the handler puts back the handler
-// it replaced and returns, so the read faults again and whatever handled SIGBUS before (Python's
-// faulthandler, or the default: the process dies) handles it as if fastcollate were not there.
+// handler jumps back to it when a read faults. Any other SIGBUS is not ours: the handler puts back the
+// handler it replaced and lets the signal come again (a fault recurs when the read runs again, a sent
+// signal is raised again), so whatever handled SIGBUS before (Python's faulthandler, or the default: the
+// process dies) handles it as if fastcollate were not there.
 #include "mapped_reads.h"
 
 #include <c10/util/Exception.h>

@@ -7,9 +7,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <time.h>
-
-#include <atomic>
 #include <csetjmp>
 #include <csignal>
 #include <cstdint>
@@ -52,26 +49,13 @@ void on_sigbus(int signal, siginfo_t* info, void* /*context*/) {
   }
 }
 
-// How often the handler is checked again. A check is a system call (about 0.5 us on the development VM,
-// as much as the rest of a small gather op); a coarse clock read costs some 20 ns.
-constexpr int64_t kRecheckNs = 1'000'000;
-std::atomic<int64_t> last_checked_ns{-kRecheckNs};
-
-// Installs on_sigbus unless it is the handler now. Checked again every millisecond or so (the coarse
-// clock's tick), not once: a handler installed later (faulthandler.enable(), a profiler) would otherwise
-// take the faults meant for the guard for good. Within that tick such a handler gets them, as it would
-// without fastcollate.
 bool is_ours(const struct sigaction& handler) {
   return (handler.sa_flags & SA_SIGINFO) != 0 && handler.sa_sigaction == &on_sigbus;
 }
 
-void ensure_handler() {
-  timespec now{};
-  clock_gettime(CLOCK_MONOTONIC_COARSE, &now);
-  const int64_t now_ns = static_cast<int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
-  if (now_ns - last_checked_ns.load(std::memory_order_acquire) < kRecheckNs) {
-    return;
-  }
+}  // namespace
+
+void arm_mapped_read_guard() {
   struct sigaction current{};
   sigaction(SIGBUS, nullptr, &current);
   if (!is_ours(current)) {
@@ -89,16 +73,11 @@ void ensure_handler() {
       sigaction(SIGBUS, &guard, nullptr);
     }
   }
-  // Only once the handler is in place: a thread that skips the check must find it installed.
-  last_checked_ns.store(now_ns, std::memory_order_release);
 }
-
-}  // namespace
 
 namespace detail {
 
 bool run_guarded(void (*body)(void*), void* context, const void** fault) {
-  ensure_handler();
   sigjmp_buf point;
   sigjmp_buf* const outer = recovery_point;  // guarded bodies may nest
   // savemask 0: no system call per body; SA_NODEFER keeps the mask as it was.

@@ -14,8 +14,13 @@ bool run_guarded(void (*body)(void*), void* context, const void** fault);
 [[noreturn]] void throw_mapped_read_fault(const void* fault);
 }  // namespace detail
 
-// Runs `body` on this thread with SIGBUS turned into an error. The body must own nothing that needs a
-// destructor at the moment it reads (a fault leaves its frames without unwinding them): plain copy loops.
+// Puts the guard's SIGBUS handler in front of whatever handles SIGBUS now (a handler installed since, by
+// faulthandler.enable() or signal.signal, would take the guard's faults). One system call: call it on the
+// calling thread once per op, before its guarded bodies run (on any thread).
+void arm_mapped_read_guard();
+
+// Runs `body` on this thread with SIGBUS turned into an error (arm_mapped_read_guard first). The body must own nothing
+// that needs a destructor at the moment it reads (a fault leaves its frames without unwinding them): plain copy loops.
 // Exceptions thrown by the body pass through unchanged.
 template <typename Body>
 void guard_mapped_reads(Body&& body) {

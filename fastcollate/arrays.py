@@ -23,8 +23,9 @@ from .mapped_files import MappedFile, MappedFileError
 __all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
 
 _UNTRACED = (
-    "a column lies in a mapped file that fastcollate could not trace (a torch tensor over a mapping): pass "
-    "the np.memmap itself, and its file is checked before every read"
+    "the column lies in a mapped file that fastcollate does not check (a torch tensor over a mapping, or a "
+    "copy-on-write mode='c' np.memmap): pass an np.memmap opened with mode='r' (or 'r+'), whose file is "
+    "checked before every read"
 )
 
 
@@ -252,7 +253,7 @@ class Arrays(Dataset):
         """The error for a read that faulted (``error``) while a batch was copied, ``column``'s when the
         gather knows it: the file that cannot be read now, else every file the dataset maps."""
         where = f"Arrays: column {column!r}: " if column is not None else "Arrays: "
-        files = self._file_columns()
+        files = self._file_columns() if column is None else self._sources_of(column)
         if not files:
             return MappedFileError(f"{where}a read faulted ({error}): {_UNTRACED}")
         reasons = [f"column {c.name!r}: {why}" for c in files if (why := c.unreadable())]
@@ -266,6 +267,11 @@ class Arrays(Dataset):
 
     def _file_columns(self) -> list[Column]:
         return [column for column in self.columns.values() if column.files]
+
+    def _sources_of(self, name: str) -> list[Column]:
+        """The file-backed columns whose bytes column ``name`` reads."""
+        column = self.columns[name]
+        return [column] if column.files else []
 
     def _checked(self, index: Any) -> int:
         if isinstance(index, (torch.Tensor, np.integer)):
@@ -368,6 +374,9 @@ class TokenWindows(Arrays):
 
     def _file_columns(self) -> list[Column]:
         return [self.tokens] if self.tokens.files else []
+
+    def _sources_of(self, name: str) -> list[Column]:
+        return self._file_columns()  # both columns are views of the stream
 
 
 def _token_windows(tokens: Column, length: int, step: int, id_key: str | None) -> TokenWindows:

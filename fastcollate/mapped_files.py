@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import fcntl
 import mmap
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -53,14 +55,29 @@ class FileIdentity:
     inode: int
     size: int
     mtime_ns: int
+    generation: int | None = None  # ext4, xfs, btrfs: a reused inode number gets another
 
     @classmethod
-    def of(cls, status: os.stat_result) -> FileIdentity:
-        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+    def of(cls, descriptor: int) -> FileIdentity:
+        status = os.fstat(descriptor)
+        try:
+            generation = struct.unpack("<I", fcntl.ioctl(descriptor, _FS_IOC_GETVERSION, bytes(8))[:4])[0]
+        except OSError:  # not kept by this file system (tmpfs): the modification time stands in for it
+            generation = None
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, generation)
+
+    def same_file(self, other: FileIdentity) -> bool:
+        """The same file, though it may have been written since: the same inode, and the same generation
+        of that inode number (where the file system keeps one; else the same modification time)."""
+        if (self.device, self.inode) != (other.device, other.inode):
+            return False
+        if self.generation is not None and other.generation is not None:
+            return self.generation == other.generation
+        return self.mtime_ns == other.mtime_ns
 
     def __str__(self) -> str:
         modified = datetime.datetime.fromtimestamp(self.mtime_ns / 1e9, datetime.timezone.utc)
-        when = f"{modified:%Y-%m-%d %H:%M:%S} UTC"
+        when = f"{modified:%Y-%m-%d %H:%M:%S}.{self.mtime_ns % 10**9:09d} UTC"
         return f"inode {self.inode} on device {self.device}, {self.size} bytes, modified {when}"
 
 
@@ -83,6 +100,7 @@ class MappedFile:
         self.array: np.ndarray | None = None
         self._mapping: mmap.mmap | None = None
         self._refusal: str | None = None  # why this process cannot read the file (see check)
+        self.path_stale = False  # the path named another file already when the column was made
         self._map(mapped_at)
 
     @classmethod
@@ -138,8 +156,10 @@ class MappedFile:
             self._refusal = self._cannot_open(error)
             return
         try:
-            found = FileIdentity.of(os.fstat(descriptor))
-            if self.identity is not None and found != dataclasses.replace(self.identity, size=found.size):
+            found = FileIdentity.of(descriptor)
+            if self.identity is None:
+                self.path_stale = _names_another_file(self.path, found)
+            elif not self.identity.same_file(found):
                 self._refusal = self._not_the_file(found)
                 return
             if found.size < self.needed:
@@ -176,6 +196,8 @@ class MappedFile:
                 "made), and this process may not open the mapping itself (/proc/self/map_files needs "
                 "CAP_CHECKPOINT_RESTORE): keep the file in place until the dataset is made"
             )
+        if self.path_stale:
+            return self._not_the_file(self.identity)
         return (
             f"its file {self.path} was deleted or renamed after the dataset was made, and this process (a "
             "spawned or forkserver worker, or an unpickled copy) maps files by path: keep the file in place "
@@ -183,10 +205,17 @@ class MappedFile:
         )
 
     def _not_the_file(self, found: FileIdentity) -> str:
+        if self.path_stale:
+            return (
+                f"its path {self.path} named another file, or none, already when the dataset was made (the "
+                "np.memmap had been made before the path was replaced or deleted), and this process (a "
+                "spawned or forkserver worker, or an unpickled copy) maps files by path: make the np.memmap "
+                "again from the path, then the dataset"
+            )
         return (
-            f"its path {self.path} now holds another file, or the file was rewritten, since the dataset was "
-            f"made (then {self.identity}; now {found}), and this process (a spawned or forkserver worker, or "
-            "an unpickled copy) maps files by path: make the dataset again after changing the file, or start "
+            f"its path {self.path} now holds another file than the one the dataset was made from (then "
+            f"{self.identity}; now {found}), and this process (a spawned or forkserver worker, or an "
+            "unpickled copy) maps files by path: make the dataset again after replacing the file, or start "
             "workers by fork"
         )
 
@@ -194,7 +223,7 @@ class MappedFile:
         return (
             f"its file {self.path} shrank to {size} bytes, but the column needs {self.needed}: it was "
             "truncated or rewritten in place while mapped (reading past its end would kill the process); "
-            "make the dataset again over the file as it is now"
+            "make the np.memmap again with the file's new shape, then the dataset"
         )
 
     def unreadable(self) -> str | None:
@@ -214,6 +243,9 @@ class MappedFile:
         if why is not None:
             raise MappedFileError(f"Arrays: column {column!r}: {why}")
 
+    def __deepcopy__(self, memo: dict) -> MappedFile:
+        return self  # a copy in this process reads the same mapping (nothing here is changed after made)
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.update(array=None, _mapping=None, _refusal=None)
@@ -223,6 +255,8 @@ class MappedFile:
         self.__dict__.update(state)
         self._map(None)
 
+
+_FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long)
 
 _LIMIT_HINTS = {
     errno.EMFILE: ": each memmap column holds one descriptor; raise the limit on open files (ulimit -n)",
@@ -249,16 +283,29 @@ def _open(path: str, flags: int, mapped_at: int | None) -> int:
     descriptor = os.open(path, flags)
     if region is not None:
         status = os.fstat(descriptor)
-        # On a union file system (overlayfs) the mapping shows the lower file's device: no verdict then.
-        if status.st_dev == region[2] and status.st_ino != region[3]:
+        if status.st_dev == region[2]:
+            replaced = status.st_ino != region[3]
+        else:  # a union file system (overlayfs) may show the lower file's device: compare the paths then
+            replaced = region[4] != os.path.realpath(path)
+        if replaced:
             os.close(descriptor)
             raise _Replaced(errno.ESTALE, "replaced")
     return descriptor
 
 
-def _region_at(address: int) -> tuple[int, int, int, int] | None:
-    """(start, end, device, inode) of the file mapping that holds ``address``, from /proc/self/maps;
-    None where there is no such file (not Linux)."""
+def _names_another_file(path: str, mapped: FileIdentity) -> bool:
+    """Whether ``path`` no longer names the file just opened from the mapping (same device only: a union
+    file system may show other devices for one file)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return True
+    return status.st_dev == mapped.device and status.st_ino != mapped.inode
+
+
+def _region_at(address: int) -> tuple[int, int, int, int, str] | None:
+    """(start, end, device, inode, path) of the file mapping that holds ``address``, from /proc/self/maps;
+    None where there is no such file (not Linux). A deleted file's path ends in " (deleted)"."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -267,7 +314,8 @@ def _region_at(address: int) -> tuple[int, int, int, int] | None:
                 if int(start, 16) <= address < int(end, 16):
                     major, _, minor = fields[3].partition(":")
                     device = os.makedev(int(major, 16), int(minor, 16))
-                    return int(start, 16), int(end, 16), device, int(fields[4])
+                    name = fields[5].rstrip("\n") if len(fields) > 5 else ""
+                    return int(start, 16), int(end, 16), device, int(fields[4]), name
     except OSError:
         return None
     return None

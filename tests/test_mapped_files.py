@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate import Arrays, Contract, Field, MappedFileError, Packing, Ragged, TokenBudgetBatches
+from fastcollate.mapped_files import FileIdentity
 
 from .processes import ROOT
 
@@ -115,6 +116,8 @@ _GUARDED_OPS = """
     torch.set_num_threads(1)
     outcome("one thread", lambda: torch.ops.fastcollate.gather_into(rows, every, torch.empty(4096, 1024)))
     outcome("untraced", lambda: fastcollate.assemble(Arrays(x=rows).__getitems__(every)))
+    beside = Arrays(x=rows, traced=make("b.bin", rows=4096, width=4))  # its file intact: not to be blamed
+    outcome("untraced beside", lambda: fastcollate.assemble(beside.__getitems__(every)))
     # The file check passes (as when the file shrinks just after it): the guard names the column.
     fastcollate.mapped_files.MappedFile.unreadable = lambda self: None
     outcome("raced", lambda: fastcollate.assemble(ds.__getitems__(every)))
@@ -133,6 +136,7 @@ def test_the_copies_from_a_file_that_shrank_raise_a_read_fault_instead_of_dying(
     assert "walked MappedFileError fastcollate: a read from a memory-mapped file faulted" in out
     assert "nothing of the batch was handed out. A tensor of the batch lies in a memory-mapped file" in out
     assert "untraced MappedFileError Arrays: column 'x': a read faulted" in out
+    assert "untraced beside MappedFileError Arrays: column 'x': a read faulted" in out
     raced = "MappedFileError Arrays: column {!r}: a read past the end of a mapped file faulted while the"
     assert "raced " + raced.format("x") in out
     assert "the file of 'x' was truncated or rewritten during the copy, and has grown back" in out
@@ -297,21 +301,28 @@ def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refu
         list(batches)
 
 
-def test_a_pickled_dataset_refuses_a_file_rewritten_or_a_new_file_on_the_old_inode(tmp_path):
+def test_a_pickled_dataset_refuses_a_new_file_even_on_the_old_inode_and_reads_one_written_in_place(tmp_path):
     path = tmp_path / "x.bin"
     np.ones(64, dtype=np.float32).tofile(path)
     sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))))
-    os.remove(path)  # a new file of the same size may get the freed inode number: the mtime tells them apart
+    os.remove(path)  # a new file of the same size may get the freed inode number: its generation differs
     np.full(64, 7, dtype=np.float32).tofile(path)
-    changed = r"column 'x': its path .*x\.bin now holds another file, or the file was rewritten, since the"
-    with pytest.raises(MappedFileError, match=changed + r" dataset was made \(then inode"):
+    changed = r"column 'x': its path .*x\.bin now holds another file than the one the dataset was made from"
+    with pytest.raises(MappedFileError, match=changed + r" \(then inode"):
         pickle.loads(sent)[0]
-    sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)))
+    sent = pickle.dumps(dataset)
     time.sleep(0.01)
-    with open(path, "r+b") as f:  # in place: the same inode, other bytes
+    with open(path, "r+b") as f:  # in place: the same file, other bytes, as the dataset's own mapping sees
         f.write(np.full(4, 9, dtype=np.float32).tobytes())
-    with pytest.raises(MappedFileError, match="now holds another file, or the file was rewritten"):
-        pickle.loads(sent)[0]
+    descriptor = os.open(path, os.O_RDONLY)
+    generation = FileIdentity.of(descriptor).generation
+    os.close(descriptor)
+    if generation is None:  # the file system keeps no inode generation: the modification time decides
+        with pytest.raises(MappedFileError, match="now holds another file"):
+            pickle.loads(sent)[0]
+    else:
+        assert pickle.loads(sent)[0]["x"].tolist() == dataset[0]["x"].tolist() == [9.0] * 4
 
 
 def _without_map_files(monkeypatch) -> None:
@@ -341,8 +352,12 @@ def test_a_memmap_whose_path_was_replaced_or_deleted_before_the_dataset_is_read_
     deleted = np.memmap(tmp_path / "gone.bin", dtype=np.float32, mode="r", shape=(16, 4))
     os.remove(tmp_path / "gone.bin")
     if map_files and os.access("/proc/self/map_files", os.R_OK):
-        assert Arrays(x=replaced)[0]["x"].tolist() == [1.0] * 4, "the memmap's file, not the path's"
+        dataset = Arrays(x=replaced)
+        assert dataset[0]["x"].tolist() == [1.0] * 4, "the memmap's file, not the path's"
         assert Arrays(x=deleted)[0]["x"].tolist() == [1.0] * 4
+        stale = r"its path .*x\.bin named another file, or none, already when the dataset was made"
+        with pytest.raises(MappedFileError, match=stale + ".*make the np.memmap again from the path"):
+            pickle.loads(pickle.dumps(dataset))[0]
         return
     other = r"column 'x': its path .*x\.bin names another file than the np\.memmap maps .*make the memmap"
     with pytest.raises(MappedFileError, match=other):

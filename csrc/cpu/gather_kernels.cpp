@@ -80,6 +80,7 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
   }
   const int64_t batch = static_cast<int64_t>(rows.size());
   const int64_t grain = std::max<int64_t>(1, kCastChunkBytes / std::max<int64_t>(row_elements * 8, 1));
+  arm_mapped_read_guard();
   bool done = true;
   AT_DISPATCH_V2(in, "gather_casting", AT_WRAP([&] {
                    using In = scalar_t;
@@ -152,6 +153,7 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   }
   const int64_t chunk = std::max<int64_t>(1, kCastChunkBytes / static_cast<int64_t>(std::max<size_t>(row_bytes, 1)));
   const int64_t chunks = (batch + chunk - 1) / chunk;
+  arm_mapped_read_guard();
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> scratch_shape = out.sizes().vec();
     scratch_shape[0] = std::min(chunk, batch);

@@ -115,6 +115,12 @@ _GUARDED_OPS = """
     outcome("walked", lambda: fastcollate.assemble([{"x": rows[i]} for i in range(4096)]))
     torch.set_num_threads(1)
     outcome("one thread", lambda: torch.ops.fastcollate.gather_into(rows, every, torch.empty(4096, 1024)))
+    # Another SIGBUS handler installed just after a guarded op: the next op must put the guard back first.
+    faulthandler.enable()
+    outcome("faulthandler just before", lambda: torch.ops.fastcollate.gather_into(rows, every, out()))
+    import signal
+    signal.signal(signal.SIGBUS, lambda *_: None)  # returns: a fault it took would recur forever
+    outcome("python handler just before", lambda: torch.ops.fastcollate.gather_into(rows, every, out()))
     outcome("untraced", lambda: fastcollate.assemble(Arrays(x=rows).__getitems__(every)))
     beside = Arrays(x=rows, traced=make("b.bin", rows=4096, width=4))  # its file intact: not to be blamed
     outcome("untraced beside", lambda: fastcollate.assemble(beside.__getitems__(every)))
@@ -131,7 +137,8 @@ def test_the_copies_from_a_file_that_shrank_raise_a_read_fault_instead_of_dying(
     out = _no_signal(result)
     assert result.returncode == 0, result.stderr
     for label in ("gather_into", "gather_into cast", "gather_into narrowing", "gather_ragged_into",
-                  "gather_packed_into", "one thread"):
+                  "gather_packed_into", "one thread", "faulthandler just before",
+                  "python handler just before"):
         assert f"\n{label} fault fastcollate: a read from a memory-mapped file faulted" in out, out
     assert "walked MappedFileError fastcollate: a read from a memory-mapped file faulted" in out
     assert "nothing of the batch was handed out. A tensor of the batch lies in a memory-mapped file" in out

@@ -206,7 +206,9 @@ void CopyJobs::add_memcpy(const void* src, void* dst, size_t n) {
 }
 
 void CopyJobs::run() const {
-  arm_mapped_read_guard();
+  if (!memcpys.empty() || !rows.empty()) {  // only these read sources (fills and counts write constants)
+    arm_mapped_read_guard();
+  }
   run_fills_and_counts(fills, counts);
   const bool streaming = bytes >= kStreamingThresholdBytes;
   if (bytes < kParallelThresholdBytes || at::get_num_threads() <= 1) {

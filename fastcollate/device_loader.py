@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
-import multiprocessing.connection
-import signal
 import threading
-import time
-import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,13 +26,13 @@ from torch.profiler import record_function
 
 from . import jagged, tree, worker_slots
 from ._ext import _C
-from ._torch_compat import loader_workers, waited_worker
+from .hidden_tensors import copy_out_hidden
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
 from .staging import StagingRing, staging_in
 from .transforms import apply_to_fields
+from .worker_diagnosis import name_the_waited_worker
 
 __all__ = ["DeviceLoader"]
-
 
 
 def _read_through(name: str) -> property:
@@ -54,60 +49,6 @@ def _read_through(name: str) -> property:
             ) from None
 
     return property(get, doc=f"The wrapped loader's ``{name}``.")
-
-
-# Leaves that hold no tensor: not searched (see _tensors_inside).
-_PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
-# Objects not entered while searching a leaf for tensors: they lead to the whole program (a type to its
-# module, a function to its globals), not to the batch.
-_NOT_ENTERED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                types.CodeType, types.FrameType, weakref.ref)
-_SEARCH_LIMIT = 100_000  # objects visited per leaf at most
-
-
-def _tensors_inside(leaf: Any, wanted: Callable[[torch.Tensor], bool] | None = None,
-                    enough: int | None = None) -> list[torch.Tensor]:
-    """The tensors a leaf ``tree.flatten`` does not open (a dataclass, a custom batch class) refers to,
-    directly or through its attributes and containers, as the garbage collector sees them: those
-    ``wanted`` accepts (all by default), the search ending once ``enough`` are found."""
-    found: list[torch.Tensor] = []
-    seen: set[int] = set()
-    todo = [leaf]
-    while todo and len(seen) < _SEARCH_LIMIT and (enough is None or len(found) < enough):
-        item = todo.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            if wanted is None or wanted(item):
-                found.append(item)
-        elif not isinstance(item, _NOT_ENTERED):
-            todo.extend(gc.get_referents(item))
-    return found
-
-
-def _copy_out_hidden(leaves: list[Any], page_locked: Callable[[torch.Tensor], bool],
-                     hidden: int | None = None) -> int:
-    """Moves every tensor hidden in a leaf DeviceLoader does not open out of page-locked memory this
-    loader recycles (its ring's slots; workers' shared slots it page-locked), in place; returns how many.
-    ``hidden``: how many there are, when known (the search ends once they are found).
-
-    DeviceLoader copies to the device only the tensors ``tree.flatten`` finds, and guards their memory
-    until its own copy ran. A tensor inside a custom object reaches the user as it is: if it were over a
-    recycled page-locked slot, the user's ``.to("cuda", non_blocking=True)`` would read it by DMA after
-    the call returned, and once the user dropped the batch a worker (or the ring) could write the next
-    batch into the slot while that DMA still reads it: torch guards only its own pinned allocator's
-    blocks that way. Over pageable memory (a plain clone) such a copy is staged by the driver before the
-    call returns, as with ``default_collate``'s batches."""
-    moved = 0
-    for leaf in leaves:
-        if isinstance(leaf, (torch.Tensor, *_PLAIN_LEAVES)):
-            continue
-        left = None if hidden is None else hidden - moved
-        for tensor in _tensors_inside(leaf, lambda t: t.device.type == "cpu" and page_locked(t), left):
-            tensor.data = tensor.clone()  # the same Python object, over memory of its own
-            moved += 1
-    return moved
 
 
 def _device_fields(device_bytes: torch.Tensor, host: list[torch.Tensor],
@@ -333,6 +274,9 @@ class DeviceLoader:
             return next(source)
 
     def _stage(self, batch: Any) -> _Staged:
+        """Starts ``batch``'s copy to the device on the copy stream: its tensors as one copy from a
+        pinned slot (small fields apart, each as its own copy, when they arrived beside a worker's slot),
+        then the transforms; ``ready`` is recorded after them."""
         if self._copy_stream is None:
             return _Staged(apply_to_fields(batch, self.transforms))
         leaves, rebuild = tree.flatten(batch)
@@ -344,59 +288,86 @@ class DeviceLoader:
         staged = _Staged(batch)
         stream = self._copy_stream
         self._release_copied()
-        # Only when the fetch handed out tensors over recycled page-locked memory that the batch does not
-        # show: searching custom leaves costs (they may lead to a vocabulary, a dataset), seeing does not.
+        self._copy_out_hidden_tensors(leaves)
+        with torch.cuda.stream(stream):
+            host = self._send_small_fields_apart(leaves, host, staged)
+            if host:
+                self._send_through_one_slot(leaves, host, staged)
+            out = rebuild(jagged.join(leaves, jagged_places, count))
+            del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
+            staged.batch = self._transformed(out, staged)
+            staged.ready = torch.cuda.Event()
+            staged.ready.record(stream)
+        return staged
+
+    def _copy_out_hidden_tensors(self, leaves: list[Any]) -> None:
+        """Copies out of recycled page-locked memory the tensors the fetch handed out there that the
+        batch does not show (inside a custom leaf): see ``hidden_tensors.copy_out_hidden``. Searched only
+        when some are hidden: searching custom leaves costs (they may lead to a vocabulary, a dataset),
+        counting the ones the batch shows does not."""
         seen = sum(isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and self._direct_slot(leaf)
                    for leaf in leaves)
         hidden, self._ring.views_handed_out = self._ring.views_handed_out - seen, 0
         if hidden > 0:
-            self._counts["hidden_pinned_copies"] += _copy_out_hidden(leaves, self._direct_slot, hidden)
-        with torch.cuda.stream(stream):
-            apart = self._small_fields_apart([leaves[i] for i in host]) if host else []
-            for k in apart:
-                # From pageable memory: the driver has read the source when the call returns.
-                leaves[host[k]] = leaves[host[k]].to(self.device, non_blocking=True)
-                staged.device_tensors.append(leaves[host[k]])
-            self._counts["small_fields_apart"] += len(apart)
-            host = [i for k, i in enumerate(host) if k not in apart]
-            if host:
-                buffer, offsets = self._into_slot([leaves[i] for i in host])
-                nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
-                device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                if self.copy_events is not None:
-                    # After the allocation: the interval is the copy's, for h2d_efficiency.
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
-                device_bytes.copy_(buffer[:nbytes], non_blocking=True)
-                if self.copy_events is not None:
-                    end.record(stream)
-                    self.copy_events.append((start, end))
-                if not self._ring.hold_until_stream_done(buffer, stream):  # a slot stays untouched until then
-                    copied = torch.cuda.Event()
-                    copied.record(stream)
-                    self._unpooled.append((copied, buffer))  # not the ring's: keep it alive until then
-                fields, clones = _device_fields(device_bytes, [leaves[i] for i in host], offsets)
-                for i, field in zip(host, fields, strict=True):
-                    leaves[i] = field
-                # The clones were made on the copy stream too: tied to the consumer's like the batch.
-                staged.device_tensors.append(device_bytes)
-                staged.device_tensors.extend(clones)
-                self._counts["small_field_clones"] += len(clones)
-                del fields, clones
-            out = rebuild(jagged.join(leaves, jagged_places, count))
-            del leaves, batch  # the host batch may go: its slot is guarded by the copy's event
-            out = apply_to_fields(out, self.transforms)
-            if self.transforms:
-                # A transform may return any nesting of tensors, on any device: only CUDA tensors made
-                # on the copy stream need tying to the consumer's stream.
-                staged.device_tensors.extend(
-                    leaf for key in self.transforms for leaf in tree.flatten(out[key])[0]
-                    if isinstance(leaf, torch.Tensor) and leaf.is_cuda
-                )
-            staged.batch = out
-            staged.ready = torch.cuda.Event()
-            staged.ready.record(stream)
-        return staged
+            self._counts["hidden_pinned_copies"] += copy_out_hidden(leaves, self._direct_slot, hidden)
+
+    def _send_small_fields_apart(self, leaves: list[Any], host: list[int], staged: _Staged) -> list[int]:
+        """Copies to the device, each on its own, the small fields that arrived beside the batch's slot
+        (see ``_small_fields_apart``), replacing them in ``leaves``; returns the host positions left for
+        the one copy from the slot."""
+        apart = self._small_fields_apart([leaves[i] for i in host]) if host else []
+        for k in apart:
+            # From pageable memory: the driver has read the source when the call returns.
+            leaves[host[k]] = leaves[host[k]].to(self.device, non_blocking=True)
+            staged.device_tensors.append(leaves[host[k]])
+        self._counts["small_fields_apart"] += len(apart)
+        return [i for k, i in enumerate(host) if k not in apart]
+
+    def _send_through_one_slot(self, leaves: list[Any], host: list[int], staged: _Staged) -> None:
+        """Copies the host tensors at ``host`` to the device as one copy from their slot (packed into
+        one first if they are not in one), replacing them in ``leaves`` with their device fields."""
+        buffer, offsets = self._into_slot([leaves[i] for i in host])
+        nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
+        device_bytes = self._copy_slot(buffer, nbytes)
+        fields, clones = _device_fields(device_bytes, [leaves[i] for i in host], offsets)
+        for i, device_field in zip(host, fields, strict=True):
+            leaves[i] = device_field
+        # The clones were made on the copy stream too: tied to the consumer's like the batch.
+        staged.device_tensors.append(device_bytes)
+        staged.device_tensors.extend(clones)
+        self._counts["small_field_clones"] += len(clones)
+
+    def _copy_slot(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """New device memory holding ``buffer``'s first ``nbytes``, copied on the copy stream; the
+        buffer is kept untouched (a ring slot) or alive (any other) until that copy has run."""
+        stream = self._copy_stream
+        device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.copy_events is not None:
+            # After the allocation: the interval is the copy's, for h2d_efficiency.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        device_bytes.copy_(buffer[:nbytes], non_blocking=True)
+        if self.copy_events is not None:
+            end.record(stream)
+            self.copy_events.append((start, end))
+        if not self._ring.hold_until_stream_done(buffer, stream):  # a slot stays untouched until then
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            self._unpooled.append((copied, buffer))  # not the ring's: keep it alive until then
+        return device_bytes
+
+    def _transformed(self, batch: Any, staged: _Staged) -> Any:
+        """``batch`` with the transforms applied on the copy stream; the CUDA tensors they made are
+        added to those ``staged`` ties to the consumer's stream."""
+        out = apply_to_fields(batch, self.transforms)
+        if self.transforms:
+            # A transform may return any nesting of tensors, on any device: only CUDA tensors made
+            # on the copy stream need tying to the consumer's stream.
+            staged.device_tensors.extend(
+                leaf for key in self.transforms for leaf in tree.flatten(out[key])[0]
+                if isinstance(leaf, torch.Tensor) and leaf.is_cuda
+            )
+        return out
 
     def _direct_slot(self, tensor: torch.Tensor) -> bool:
         """True when ``tensor`` is in a slot a copy can read directly: this ring's, or a shared slot a
@@ -449,43 +420,6 @@ class DeviceLoader:
         if self._tracks_state:
             self._state_handed_out = staged.loader_state
         return staged.batch
-
-
-def _name_the_waited_worker(error: BaseException, source: Any) -> None:
-    """Adds a note (the message and the class stay DataLoader's) naming the worker behind an error that
-    does not: the worker a timed-out batch was waited from, or a worker that died (a killed worker can
-    surface as ``ConnectionResetError`` while its last batch's shared memory is fetched)."""
-    if not hasattr(error, "add_note"):
-        return
-    try:
-        workers = loader_workers(source)
-        if not workers:  # no DataLoader workers: the error is the dataset's own, as raised
-            return
-        worker = waited_worker(source)
-        if str(error).startswith("DataLoader timed out") and worker is not None:
-            error.add_note(f"fastcollate.DeviceLoader: the batch waited for was DataLoader worker {worker}'s "
-                           f"(pid {workers[worker].pid})")
-            return
-        lost_connection = isinstance(error, (ConnectionError, EOFError, FileNotFoundError))
-        if lost_connection:
-            # The worker's sockets close an instant before it can be reaped: wait for that (bounded).
-            deadline = time.monotonic() + 5.0
-            while not any(worker.exitcode for worker in workers) and time.monotonic() < deadline:
-                multiprocessing.connection.wait([worker.sentinel for worker in workers], timeout=0.1)
-        named = False
-        for index, worker in enumerate(workers):
-            code = worker.exitcode
-            if code and str(worker.pid) not in str(error):
-                how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                error.add_note(f"fastcollate.DeviceLoader: DataLoader worker {index} (pid {worker.pid}) "
-                               f"died ({how})")
-                named = True
-        if lost_connection and not named:
-            pids = ", ".join(str(worker.pid) for worker in workers)
-            error.add_note(f"fastcollate.DeviceLoader: the connection to a DataLoader worker failed while "
-                           f"a batch was received; no worker had exited 5 s later (workers: pids {pids})")
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-        return
 
 
 def _weakly_bound(owner: DeviceLoader, method: Callable) -> Callable:
@@ -551,7 +485,7 @@ class _DeviceIterator:
                         self.end_state = owner._loader_state()
                     return
                 except Exception as error:  # the loader's own error, delivered in order
-                    _name_the_waited_worker(error, self.source)
+                    name_the_waited_worker(error, self.source)
                     self.error = error
                     return
             state = owner._loader_state() if owner._tracks_state else None

@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
 from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble, tree
-from fastcollate.device_loader import _copy_out_hidden, _device_fields, _tensors_inside
+from fastcollate.device_loader import _device_fields
+from fastcollate.hidden_tensors import copy_out_hidden, tensors_inside
 from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
 from tests.test_assemble_dropin import assert_same
@@ -220,9 +221,9 @@ def test_tensors_inside_a_custom_leaf_are_found_and_the_program_is_not_searched(
     a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
     leaf = Wrapped(images=a, meta={"nested": [Slotted((b, "x")), {"c": c}], "fn": print, "mod": torch,
                                    "cls": Wrapped})
-    found = _tensors_inside(leaf)
+    found = tensors_inside(leaf)
     assert sorted(id(t) for t in found) == sorted(id(t) for t in (a, b, c))
-    assert _tensors_inside("a name") == [] and _tensors_inside(types) == []
+    assert tensors_inside("a name") == [] and tensors_inside(types) == []
 
 
 def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
@@ -239,7 +240,7 @@ def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
     copy = _C.CompletionFlag()
     assert ring.hold_until_flag_set(slot, copy)  # DeviceLoader's copy of the fields it found
 
-    assert _copy_out_hidden(leaves, ring.owns) == 2
+    assert copy_out_hidden(leaves, ring.owns) == 2
     assert not ring.owns(hidden.images) and not ring.owns(hidden.meta["ids"][0])
     assert torch.equal(hidden.images[:, 0, 0, 0], torch.arange(3, 7, dtype=torch.uint8))
     assert hidden.meta["ids"][0].tolist() == [0, 1, 2, 3]
@@ -256,7 +257,7 @@ def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
 def test_a_leaf_without_tensors_over_recycled_memory_is_left_as_it_is():
     kept = torch.arange(4)
     leaves = ["name", 3, None, Wrapped(images=kept, meta={})]
-    assert _copy_out_hidden(leaves, lambda tensor: False) == 0
+    assert copy_out_hidden(leaves, lambda tensor: False) == 0
     assert leaves[3].images is kept and leaves[3].images.data_ptr() == kept.data_ptr()
 
 

@@ -406,9 +406,22 @@ def test_compare_to_reference_compares_targets_by_value_across_dtypes():
 
 def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
     code = (
-        "import sys, fastcollate.bench, fastcollate.bench.factory; "
-        "print(sorted(m for m in sys.modules if m == 'matplotlib' "
-        "or (m.startswith('fastcollate.bench.') and m != 'fastcollate.bench.factory')))"
+        "import sys, fastcollate.bench; "
+        "print(sorted(m for m in sys.modules if m == 'matplotlib' or m.startswith('fastcollate.bench.')))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_the_core_and_the_doctor_load_nothing_of_the_bench():
+    # The core and the audit stand without the measuring tools: the doctor shares only the factory
+    # loader with the bench, and that lives outside both.
+    code = (
+        "import sys, fastcollate, fastcollate.audit.doctor, fastcollate.lightning, "
+        "fastcollate.index_batches, fastcollate.token_batches, fastcollate.worker_slots, "
+        "fastcollate.thread_pipelines; "
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['fastcollate', 'bench']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -16,8 +16,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from ..bench.factory import load_factory  # the one import of the factory loader in fastcollate.audit
 from ..cli import UsageError, at_least, loading, run_verb
+from ..factory_spec import load_factory
 from .checklist import Doctor
 from .failures import Failure
 

@@ -1,8 +1,9 @@
-"""The measurement side of fastcollate: ``python -m fastcollate bench`` and ``profile``, the embedded data
-sets and models they run, and the ``module:factory`` loader that ``bench`` and ``doctor`` share.
+"""The measurement side of fastcollate: ``python -m fastcollate bench`` and ``profile``, and the embedded
+data sets and models they run (the ``module:factory`` loader that ``bench`` and ``doctor`` share is
+``fastcollate.factory_spec``).
 
-Importing the package imports none of its modules (``fastcollate.audit`` imports ``bench.factory`` alone,
-and matplotlib or tqdm load only when a command draws or shows progress).
+Importing the package imports none of its modules (matplotlib or tqdm load only when a command draws or
+shows progress); the rest of fastcollate imports it only to run those two verbs.
 """
 
 from __future__ import annotations

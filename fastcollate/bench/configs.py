@@ -18,8 +18,8 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 import fastcollate
 
 from ..cli import UsageError, at_least, loading
+from ..factory_spec import load_factory
 from .datasets import PRESETS
-from .factory import load_factory
 from .machine import cuda_available, usable_cpus
 from .models import TrainStep
 

@@ -1,5 +1,6 @@
 """Loading a user's ``module:factory`` (or ``path/to/file.py:factory``) spec: the object it names,
-as ``bench --dataset`` and ``doctor`` take it from the command line."""
+as ``bench --dataset`` and ``doctor`` take it from the command line. Apart from both, so that the
+audit does not import the bench."""
 
 from __future__ import annotations
 

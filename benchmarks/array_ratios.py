@@ -17,9 +17,7 @@ idiom are then reused heap memory, not fresh mappings.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import random
 import statistics
 import sys
@@ -39,9 +37,10 @@ except ImportError:  # run from a checkout without an install
     import fastcollate
 
 from fastcollate import Arrays, Contract, Field, TokenWindows
-from fastcollate.bench.datasets import samples_on_the_heap
+from fastcollate.bench.malloc import samples_on_the_heap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
 from worker_ratios import quartiles  # noqa: E402  (the spread of paired ratios, as that script reports it)
 
 Epoch = Callable[[int], Iterator]  # batches -> an iterator over that many batches
@@ -368,6 +367,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     samples_on_the_heap()
+    header = report_header()
+    print(header_line(header))
     print(
         f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of\n"
         f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); medians, spread = p25-p75 "
@@ -376,10 +377,7 @@ def main() -> int:
         flush=True,
     )
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **header,
         "cases": {},
     }
     lines: list[str] = []

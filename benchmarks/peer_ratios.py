@@ -29,11 +29,9 @@ each part alone (the dataset's fetch; assemble and default_collate over samples 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.metadata
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -50,9 +48,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import fastcollate
-from fastcollate.bench.datasets import PRESETS, samples_on_the_heap
+from fastcollate.bench.datasets import PRESETS
+from fastcollate.bench.malloc import samples_on_the_heap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
 from worker_ratios import quartiles  # noqa: E402  (a sibling script, not a package)
 
 THREADS = 2
@@ -434,11 +434,10 @@ def main() -> int:
         args.setting_out.write_text(json.dumps(run_setting(args, args.malloc)))
         return 0
     versions = peer_versions()
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"fastcollate {fastcollate.__version__}, "
-        + ", ".join(f"{k} {v or 'not installed (skipped)'}" for k, v in versions.items())
-    )
+    # Each setting runs in a child process of its own: this one's malloc is neither.
+    header = report_header(malloc="each setting's own (settings[].malloc)")
+    print(header_line(header))
+    print(", ".join(f"{k} {v or 'not installed (skipped)'}" for k, v in versions.items()))
     print(
         textwrap.fill(
             f"{THREADS} threads or processes, prefetch depth {PREFETCH}, one torch thread each; "
@@ -450,10 +449,7 @@ def main() -> int:
     )
     settings = ["default", "fixed"] if args.malloc == "both" else [args.malloc]
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **header,
         "peers": versions,
         "threads": THREADS,
         "prefetch": PREFETCH,

@@ -28,6 +28,7 @@ from fastcollate import StagingRing
 from fastcollate.bench.datasets import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
 from worker_ratios import quartiles  # noqa: E402  (a sibling script, not a package)
 
 
@@ -84,6 +85,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    header = report_header()
+    print(header_line(header))
     dataset = PRESETS["fields"].make_dataset(256, 0)
     samples = [dataset[i] for i in range(256)]
     runs = []
@@ -143,7 +146,7 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
             json.dumps(
-                {"command": " ".join(sys.argv), "torch": torch.__version__, "runs": runs, "summary": summary},
+                {**header, "runs": runs, "summary": summary},
                 indent=1,
             )
         )

@@ -20,9 +20,7 @@ Ratios are of medians; the spread is the 25th-75th percentile of the per-round p
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import random
 import statistics
 import sys
@@ -35,7 +33,11 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate._ext import _C
-from fastcollate.bench.datasets import PRESETS, samples_on_the_heap
+from fastcollate.bench.datasets import PRESETS
+from fastcollate.bench.malloc import samples_on_the_heap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
 
 CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")
 
@@ -287,6 +289,8 @@ def main() -> int:
         parser.error("--rounds must be at least 1 (the warm-up round is extra)")
     torch.set_num_threads(1)
     samples_on_the_heap()
+    header = report_header()
+    print(header_line(header))
     print(
         "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork;\n"
         f"one torch thread; {args.rounds} rounds of {args.batches} batches after one warm-up; medians,\n"
@@ -294,10 +298,7 @@ def main() -> int:
         flush=True,
     )
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **header,
         "results": [],
     }
     if args.json:

@@ -30,48 +30,8 @@ __all__ = [
     "Preset",
     "TokenSequences",
     "cache_dir",
-    "fixed_mmap_threshold",
-    "samples_on_the_heap",
     "pad_tokens_collate",
 ]
-
-
-def fixed_mmap_threshold(worker_id: int | None = None) -> None:
-    """Fixes glibc's mmap threshold at 32 KiB; a ``worker_init_fn``, and to call in the main process.
-
-    glibc otherwise raises the threshold each time a large block is freed, so whether a 150 KB sample
-    clone is a fresh mmap (a page fault per 4 KiB) or heap memory depends on what ran before: a
-    contender that follows another one gets different memory than it would alone. Fixed, every contender
-    (and every lifetime test) sees the same allocator.
-    """
-    _mallopt((_M_MMAP_THRESHOLD, 32 * 1024))  # below any image sample
-
-
-def samples_on_the_heap(worker_id: int | None = None) -> None:
-    """Fixes glibc's mmap threshold (and trim threshold) high, so sample-sized blocks are reused heap
-    memory rather than fresh mappings; a ``worker_init_fn``, and to call in the main process.
-
-    The bench's choice for loader throughput: a dataset's own allocations then cost what a well-tuned
-    allocator costs (no page fault per 4 KiB of every sample), for every contender alike, so what differs
-    is the loader's path.
-    """
-    # Blocks below 64 MiB come from the heap; freed heap memory stays there for the next sample.
-    _mallopt((_M_MMAP_THRESHOLD, 64 << 20), (_M_TRIM_THRESHOLD, 256 << 20))
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def _mallopt(*settings: tuple[int, int]) -> None:
-    """Sets glibc malloc parameters (fixing them also stops glibc adjusting them); nothing elsewhere."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return  # not glibc: nothing to fix
-    for parameter, value in settings:
-        mallopt(parameter, value)
 
 
 def cache_dir() -> Path:

@@ -16,7 +16,7 @@ import fastcollate
 from fastcollate import audit
 from fastcollate.audit.column import GrowingColumn
 from fastcollate.audit.differences import dense_span
-from tests import audit_datasets as data
+from tests.helpers import audit_datasets as data
 
 Pair = namedtuple("Pair", "left right")
 

@@ -28,7 +28,7 @@ def rank_main(rank: int, world: int, store: str, out: str) -> None:
 
     import fastcollate
     from fastcollate import audit
-    from tests.audit_datasets import Records
+    from tests.helpers.audit_datasets import Records
 
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=30)

@@ -34,7 +34,7 @@ from fastcollate.bench.pinned_copy import pinned_copy_gbps
 from fastcollate.ids import IdentifiedSample, guess_target_path
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPERS = Path(__file__).resolve().parent / "bench_datasets.py"
+HELPERS = Path(__file__).resolve().parent / "helpers" / "bench_datasets.py"
 TINY = [
     "--preset",
     "fields",
@@ -164,7 +164,7 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
     status = command.main(
         [
             "--dataset",
-            "tests.bench_datasets:drops_one_in_workers",
+            "tests.helpers.bench_datasets:drops_one_in_workers",
             "--batch-size",
             "16",
             "--steps",
@@ -202,7 +202,7 @@ def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_a
     status = command.main(
         [
             "--dataset",
-            "tests.bench_datasets:wrong_id_in_workers",
+            "tests.helpers.bench_datasets:wrong_id_in_workers",
             "--batch-size",
             "4",
             "--steps",
@@ -519,8 +519,8 @@ def test_run_epoch_records_the_measured_steps_and_the_subsets_ids_in_a_record():
 
 def test_a_configuration_that_raises_comes_back_with_its_error_instead_of_raising():
     setup = configs.resolve(
-        bench_arguments(preset=None, dataset="tests.bench_datasets:raises_in_the_third_batch", size=None,
-              batch_size=None, workers=[0], steps=4, warmup=1, observation="loader")
+        bench_arguments(preset=None, dataset="tests.helpers.bench_datasets:raises_in_the_third_batch",
+              size=None, batch_size=None, workers=[0], steps=4, warmup=1, observation="loader")
     )
     run = run_epoch(setup, configs.VARIANTS[0], 0, "loader", full=True)
     assert run.error is not None and run.error.startswith("ValueError") and "unreadable" in run.error

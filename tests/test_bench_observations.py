@@ -16,7 +16,7 @@ from fastcollate.bench import chart, command, configs, report
 from fastcollate.bench import machine as machine_module
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.epoch import run_epoch
-from tests.bench_datasets import Slowed
+from tests.helpers.bench_datasets import Slowed
 from tests.test_bench import bench_arguments
 
 SLOW_COLLATE_S = 0.05  # per batch: far above a tiny batch's own collate time (well under 5 ms)
@@ -42,7 +42,7 @@ def _slowed(setup: configs.Setup, seconds: float = SLOW_COLLATE_S) -> configs.Se
 @pytest.mark.parametrize("variant_key", ["default", "assemble", "device_loader"])
 def test_a_slowed_collate_lowers_loader_only_samples_per_s_by_a_large_factor(variant_key):
     setup = configs.resolve(
-        bench_arguments(preset=None, dataset="tests.bench_datasets:tiny", size=None, batch_size=None,
+        bench_arguments(preset=None, dataset="tests.helpers.bench_datasets:tiny", size=None, batch_size=None,
               workers=[0], steps=3, warmup=1, repeat=1, observation="loader")
     )
     _loader_only_rate(setup, variant_key)  # the first epoch in the process pays one-time costs
@@ -68,8 +68,9 @@ def test_every_presets_loader_only_figures_move_when_the_loader_slows(preset, tm
 
 def _setup_with_counting_transform(observation: str = "both") -> configs.Setup:
     return configs.resolve(
-        bench_arguments(preset=None, dataset="tests.bench_datasets:tiny_with_device_transform_and_step",
-                        size=None, batch_size=None, workers=[0], steps=2, warmup=1, repeat=1,
+        bench_arguments(preset=None,
+                        dataset="tests.helpers.bench_datasets:tiny_with_device_transform_and_step", size=None,
+                        batch_size=None, workers=[0], steps=2, warmup=1, repeat=1,
                         observation=observation)
     )
 

@@ -278,7 +278,7 @@ def test_profile_checks_the_counts_it_shares_with_the_bench(capsys, tmp_path):
     ],
 )
 def test_doctor_checks_each_option_before_the_checklist_runs(capsys, options, argument, words):
-    result = in_process(capsys, "doctor", "tests.audit_datasets:clean", *options)
+    result = in_process(capsys, "doctor", "tests.helpers.audit_datasets:clean", *options)
     assert_one_line_usage_error(*result, "doctor", argument, *words)
 
 
@@ -298,7 +298,7 @@ def test_debug_in_process_raises_the_usage_error_chained_to_its_cause(capsys, tm
 
 def test_a_good_command_line_still_runs(capsys, tmp_path):
     """The checks stop bad input only: the smallest valid doctor run goes through to its verdict."""
-    status, out, err = in_process(capsys, "doctor", "tests.audit_datasets:clean", "--workers", "1")
+    status, out, err = in_process(capsys, "doctor", "tests.helpers.audit_datasets:clean", "--workers", "1")
     assert status == 0, err
     assert "Verdict: OK: workers=1 delivers the same samples" in out
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from fastcollate import DeviceLoader, StagingRing, assemble
 from tests.conftest import cpu_and_cuda
-from tests.fault_datasets import Numbered
+from tests.helpers.fault_datasets import Numbered
 
 JOIN = 120  # seconds: a thread still running after this is a deadlock
 

@@ -19,9 +19,9 @@ from fastcollate.device_loader import _device_fields
 from fastcollate.hidden_tensors import copy_out_hidden, tensors_inside
 from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
+from tests.helpers.worker_datasets import BadFourth, Records
 from tests.test_assemble_dropin import assert_same
 from tests.test_shared_slots import claimed
-from tests.worker_datasets import BadFourth, Records
 
 
 def loader(n=40, batch_size=8, **kwargs):
@@ -737,7 +737,7 @@ ON_THE_SECOND_GPU = """
 import torch
 from torch.utils.data import DataLoader
 from fastcollate import DeviceLoader, assemble
-from tests.worker_datasets import Records
+from tests.helpers.worker_datasets import Records
 for batch in DeviceLoader(DataLoader(Records(64), batch_size=8, collate_fn=assemble), device="cuda:1"):
     assert batch["image"].device == torch.device("cuda:1")
 torch.cuda.synchronize(1)

@@ -20,7 +20,7 @@ from fastcollate.audit.epoch import Epoch
 from fastcollate.audit.record_sheet import speed_against
 from fastcollate.audit.setting_run import batch_signature, copy_to_device
 
-DATASETS = "tests.audit_datasets"
+DATASETS = "tests.helpers.audit_datasets"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -285,13 +285,13 @@ def test_a_stream_without_ids_cannot_be_verified(capsys, tmp_path):
 
 
 def test_a_factory_that_does_not_load_is_a_usage_error(capsys):
-    assert doctor.main(["tests.audit_datasets:no_such_factory"]) == 2
+    assert doctor.main(["tests.helpers.audit_datasets:no_such_factory"]) == 2
     assert "cannot load" in capsys.readouterr().err
 
 
 def test_a_factory_in_a_file_is_loaded_by_path(capsys, tmp_path):
     (tmp_path / "my_data.py").write_text(
-        "from tests.audit_datasets import Records\n\ndef make():\n    return Records(6)\n"
+        "from tests.helpers.audit_datasets import Records\n\ndef make():\n    return Records(6)\n"
     )
     assert doctor.main([f"{tmp_path / 'my_data.py'}:make", "--batch-size", "2", "--workers", "1"]) == 0
     assert "Records (map-style, 6 samples)" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.processes import ROOT, run_at_once
+from tests.helpers.processes import ROOT, run_at_once
 
 DDP_EXAMPLE = ROOT / "examples" / "ddp_train.py"
 DDP_ARRAYS_EXAMPLE = ROOT / "examples" / "ddp_arrays.py"

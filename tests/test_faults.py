@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from fastcollate import ContractError, DeviceLoader, StagingRing, assemble
 from fastcollate.staging import main_process_ring
 from tests.conftest import cpu_and_cuda
-from tests.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, RaisesAt, child_pids
+from tests.helpers.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, RaisesAt, child_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 10  # seconds DataLoader waits for a batch before it raises: the bound on every fault here
@@ -292,7 +292,7 @@ SHARED_MEMORY_CHILD = textwrap.dedent(
     torch.multiprocessing.set_sharing_strategy("file_system")
     from torch.utils.data import DataLoader
     from fastcollate import DeviceLoader, assemble
-    from tests.fault_datasets import KillsItselfAt, RaisesAt
+    from tests.helpers.fault_datasets import KillsItselfAt, RaisesAt
     from tests.test_faults import run_until_error
     for Dataset in (RaisesAt, KillsItselfAt):
         loader = DataLoader(Dataset(64, bad=21, pid_dir=sys.argv[1]), batch_size=4, num_workers=2,

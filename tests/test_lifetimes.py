@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from fastcollate import Arrays, DeviceLoader, StagingRing, assemble
 from fastcollate.bench.malloc import fixed_mmap_threshold
-from tests.fault_datasets import Numbered, child_pids
+from tests.helpers.fault_datasets import Numbered, child_pids
 
 EPOCHS = max(3, int(os.environ.get("FASTCOLLATE_EPOCHS", "3")))
 SAMPLE = (3, 96, 96)  # 108 KiB of float32: an epoch of 32 samples is 3.4 MiB, so a leak shows in RSS

@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter  # noqa: E402
 
 import fastcollate.lightning as fastcollate_lightning  # noqa: E402
 from fastcollate.lightning import DeviceLoaderCallback  # noqa: E402
-from tests.processes import run_at_once  # noqa: E402
+from tests.helpers.processes import run_at_once  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "lightning_train.py")

@@ -21,7 +21,7 @@ import fastcollate
 from fastcollate import Arrays, Contract, Field, MappedFileError, Packing, Ragged, TokenBudgetBatches
 from fastcollate.mapped_files import FileIdentity
 
-from .processes import ROOT
+from .helpers.processes import ROOT
 
 
 def _run(script: str, tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:

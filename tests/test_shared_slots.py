@@ -20,10 +20,10 @@ from fastcollate import Assembler, DeviceLoader, assemble
 from fastcollate._ext import _C
 from fastcollate.worker_slots import SlotPool
 from tests.conftest import CUDA
-from tests.fault_datasets import HangsAt, Numbered
+from tests.helpers.fault_datasets import HangsAt, Numbered
+from tests.helpers.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream
 from tests.test_assemble_dropin import assert_same
 from tests.test_faults import TORCH_FD_PROBE, fd_targets
-from tests.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream
 
 RECEIVED = 2  # _C.shared_slot_kind of a batch received over a slot
 
@@ -141,7 +141,7 @@ FULL_POOL = textwrap.dedent("""
     from torch.utils.data import DataLoader
     from fastcollate import assemble
     from fastcollate._ext import _C
-    from tests.fault_datasets import Numbered
+    from tests.helpers.fault_datasets import Numbered
     collate = assemble.using(max_shared_slots=2)
     loader = DataLoader(Numbered(80, shape=(64,)), batch_size=8, num_workers=2, collate_fn=collate,
                         timeout=60)
@@ -268,7 +268,7 @@ MAIN_KILLED = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from torch.utils.data import DataLoader
     from fastcollate import assemble
-    from tests.fault_datasets import Numbered
+    from tests.helpers.fault_datasets import Numbered
     loader = DataLoader(Numbered(10_000, delay=0.01), batch_size=8, num_workers=2, collate_fn=assemble)
     for step, batch in enumerate(loader):
         if step == 3:

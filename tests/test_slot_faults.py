@@ -23,9 +23,9 @@ from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
 from fastcollate.staging import staging_in
 from fastcollate.worker_slots import SlotPool, install_reducer
-from tests.fault_datasets import Numbered
+from tests.helpers.fault_datasets import Numbered
+from tests.helpers.worker_datasets import SlotDescriptorsInheritable, UnpicklableAt
 from tests.test_shared_slots import RECEIVED, claimed, settled_stats
-from tests.worker_datasets import SlotDescriptorsInheritable, UnpicklableAt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # AddressSanitizer (make sanitize) reserves terabytes of address space for its shadow memory: an
@@ -146,7 +146,7 @@ from torch.utils.data import DataLoader, default_collate
 from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
 from fastcollate.staging import staging_in
-from tests.fault_datasets import Numbered
+from tests.helpers.fault_datasets import Numbered
 from tests.test_assemble_dropin import assert_same
 
 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))  # the workers inherit it
@@ -186,7 +186,7 @@ import resource
 import torch
 from torch.utils.data import DataLoader, default_collate
 from fastcollate import assemble
-from tests.fault_datasets import Numbered
+from tests.helpers.fault_datasets import Numbered
 from tests.test_assemble_dropin import assert_same
 
 def limit_address_space(worker_id):

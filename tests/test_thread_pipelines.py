@@ -415,7 +415,7 @@ def test_fetch_batches_hands_an_arrays_dataset_the_whole_index_array_and_gathers
 def test_fetch_batches_over_a_plain_dataset_matches_a_dataloader_batch_for_batch():
     from torch.utils.data import DataLoader
 
-    from tests.fault_datasets import Numbered
+    from tests.helpers.fault_datasets import Numbered
 
     dataset = Numbered(96, shape=(4,))
     batches = batch_indices(12, 8)
@@ -483,7 +483,7 @@ def test_a_loader_that_hands_out_its_own_state_dict_still_resumes_at_the_batch_h
 @pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
 def test_resuming_a_stateful_dataloader_from_the_end_of_an_epoch_starts_the_next_epoch_whole(workers):
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
-    from tests.fault_datasets import Numbered
+    from tests.helpers.fault_datasets import Numbered
 
     def make():
         return DeviceLoader(

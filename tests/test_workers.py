@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Contract, ContractError, assemble
 from fastcollate._ext import _C
+from tests.helpers.worker_datasets import BadFourth, Records
 from tests.test_assemble_dropin import assert_same
-from tests.worker_datasets import BadFourth, Records
 
 
 def batches(collate, workers, context=None):

@@ -1,6 +1,6 @@
 """Small datasets for the audit and doctor tests: clean ones, and ones broken on purpose, each failing
 in one known way on known ids. Module-level classes and factories, so that spawned workers and
-``python -m fastcollate doctor audit_datasets:<factory>`` can import them."""
+``python -m fastcollate doctor tests.helpers.audit_datasets:<factory>`` can import them."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ class StreamWithoutIds(IterableDataset):
             yield {"x": image(index), "y": 0}
 
 
-# Factories, as ``python -m fastcollate doctor audit_datasets:<name>`` takes them.
+# Factories, as ``python -m fastcollate doctor tests.helpers.audit_datasets:<name>`` takes them.
 
 
 def clean() -> Dataset:

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/helpers/ is two below it
 
 
 def run_at_once(commands: dict[str, list[str]], timeout_s: float = 240) -> dict[str, tuple[int, str]]:

@@ -362,7 +362,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
-        "--no-targets", action="store_true", help="leave the issue's targets out of the output"
+        "--no-targets", action="store_true", help="leave the performance targets out of the output"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

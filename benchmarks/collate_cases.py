@@ -1,4 +1,4 @@
-"""The collate benchmark cases of the foundation issue: inputs, contenders and targets, built once.
+"""The collate benchmark cases: inputs, contenders and targets, built once.
 
 Every case is a list of samples plus the functions that collate it (torch's ``default_collate`` or the
 hand-written reference, ``fastcollate.assemble``, the contract-checked ``assemble.using(...)``, and for
@@ -62,10 +62,10 @@ Collate = Callable[[Sequence[Any]], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One target of the issue, as a ratio of median times of two contenders of a case.
+    """One performance target, as a ratio of median times of two contenders of a case.
 
     Args:
-        label: what the issue asks, in words.
+        label: what the target asks, in words.
         subject: the contender being judged (``assemble`` or ``assemble+contract``).
         baseline: the contender it is compared with.
         kind: ``"faster"``: baseline / subject must be at least ``bound`` (a speed-up);
@@ -105,7 +105,7 @@ class Case:
         nbytes: bytes of the collated batch's tensors (the unit for bytes/s).
         tokens: real (unpadded) tokens in the batch, for variable-length cases.
         repeat: default number of interleaved rounds.
-        targets: the issue's targets on this case.
+        targets: the performance targets on this case (ratios ``collate_ratios.py`` judges).
         build: makes the same samples again, as new objects (what a Dataset's ``__getitem__`` hands a
             worker's collate_fn before every batch).
     """
@@ -430,7 +430,7 @@ FLOOR = "copy_ into reused"
 
 
 def build_case(key: str) -> Case:
-    """One case of the issue, with its contenders and targets."""
+    """One benchmark case, with its contenders and targets."""
     if key == "small_fields":
         build = small_fields_samples
         samples = build()

@@ -1,6 +1,6 @@
 """Loader-only samples/s of the loaders people use, each with ``default_collate`` and with ``assemble``,
 side by side in one run: DataLoader in the main process and with 2 worker processes, an SPDL pipeline
-with 2 threads, and a torchdata.nodes thread ``ParallelMapper`` with 2 threads; the issue's targets
+with 2 threads, and a torchdata.nodes thread ``ParallelMapper`` with 2 threads; the performance targets
 judged on the ratios.
 
     python benchmarks/peer_ratios.py [--presets predecoded fashion fields] [--rounds 7] [--batches 15]

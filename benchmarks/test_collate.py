@@ -1,10 +1,11 @@
-"""pytest-benchmark suite: each case of the issue collated by its reference (torch's default_collate, or
-pad_sequence + a Python mask) and by fastcollate.assemble, at one intra-op thread and at two.
+"""pytest-benchmark suite: each case of ``collate_cases.py`` collated by its reference (torch's
+default_collate, or pad_sequence + a Python mask) and by fastcollate.assemble, at one intra-op thread
+and at two.
 
     pytest benchmarks --benchmark-group-by=group          # side by side per case and thread count
     pytest benchmarks --benchmark-skip                      # only the output-equality checks
 
-Ratios against the issue's targets come from ``collate_ratios.py`` (interleaved, every repetition kept);
+Ratios against the performance targets come from ``collate_ratios.py`` (interleaved, every repetition kept);
 this suite is the quick look. Each batch is dropped before the next call, so assemble's staging ring
 stays warm.
 """

@@ -1,6 +1,6 @@
 """Loader-only samples/s with DataLoader workers, side by side in one run: ``default_collate``,
-``assemble`` with shared slots off (fresh shared memory per batch, the path before issue 11) and on, at
-0, 1 and 2 workers; and the issue's targets judged on the ratios.
+``assemble`` with shared slots off (fresh shared memory per batch, as ``default_collate`` in a worker
+has) and on, at 0, 1 and 2 workers; and the performance targets judged on the ratios.
 
     python benchmarks/worker_ratios.py [--datasets predecoded fashion fields] [--workers 0 1 2]
                                        [--rounds 7] [--batches 12] [--json PATH]

@@ -1,4 +1,4 @@
-"""Batch lifetimes (issue 22, item 7): keeping a batch's small fields (ids and labels, kept for metrics)
+"""Batch lifetimes: keeping a batch's small fields (ids and labels, kept for metrics)
 keeps only their own bytes, not the batch's images, on the ring path (workers=0) and over the shared
 slots (workers=2); the large fields are still views of one buffer, and small batches stay whole."""
 

@@ -84,7 +84,7 @@ def tiny_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text()), proc.stdout
 
 
-def test_tiny_preset_results_json_has_every_field_the_issue_names(tiny_run):
+def test_tiny_preset_results_json_has_the_machine_versions_and_every_config(tiny_run):
     _, result, _ = tiny_run
     for key in ("machine", "versions", "warmup_steps", "configs", "config"):
         assert key in result

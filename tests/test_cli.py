@@ -108,7 +108,7 @@ def in_process(capsys, *args: str) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
-# --- in a subprocess: the cases of the issue, one per verb, --debug, --version, the console script ----
+# --- in a subprocess: one bad input per verb, --debug, --version, the console script ----------------
 
 
 def test_bench_with_a_module_that_does_not_exist_says_so_in_one_line():

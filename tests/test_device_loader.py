@@ -227,7 +227,7 @@ def test_tensors_inside_a_custom_leaf_are_found_and_the_program_is_not_searched(
 
 
 def test_a_tensor_hidden_in_a_custom_leaf_leaves_the_page_locked_slot():
-    # Item 8 of issue 22: a worker-side wrapper returns a dataclass; its tensors reach the user as they
+    # A worker-side wrapper returns a dataclass; its tensors reach the user as they
     # are. Over a slot DeviceLoader recycles, the user's .to("cuda", non_blocking=True) could still be
     # reading it by DMA when the slot gets the next batch. A pageable ring stands in for DeviceLoader's
     # pinned one (a worker's page-locked shared slot is recycled the same way), and a CompletionFlag for
@@ -304,7 +304,7 @@ class FlagEvent:
 
 
 def test_a_device_loader_dropped_without_close_frees_a_shared_slot_only_after_its_copy():
-    # Item 9 of issue 22: DeviceLoader keeps a worker's shared slot (its received batch) until the copy
+    # DeviceLoader keeps a worker's shared slot (its received batch) until the copy
     # reading it has run. Dropped without close(), it must still wait, or the slot is free at once and a
     # sibling loader's worker may write there while the DMA reads it.
     pool = _C.SharedSlots.create(2)
@@ -554,7 +554,7 @@ def sleep_cycles(ms: float) -> int:
 
 @needs_cuda
 def test_a_workers_shared_slot_is_kept_until_its_copy_ran():
-    """Issue 22: the guard that keeps a worker's shared slot until DeviceLoader's copy of it has run
+    """The guard that keeps a worker's shared slot until DeviceLoader's copy of it has run
     (DeviceLoader._unpooled), with every batch from one of two slots (max_shared_slots=2, 2 workers,
     prefetch_factor=1: two batches in flight). Cannot run without a GPU; reasoned here.
 
@@ -621,8 +621,8 @@ class Labelled(Constant):
 @needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 def test_ids_and_labels_kept_for_an_epoch_hold_only_their_own_device_memory(workers):
-    # Issue 22, item 7 on the device: a batch's fields were views of its one device copy, so keeping
-    # the ids and labels (for metrics) kept every batch's images on the device too.
+    # Were a batch's small fields views of its one device copy, keeping the ids and labels (for
+    # metrics) would keep every batch's images on the device too.
     side, batch_size, batches = 128, 32, 12  # 1.5 MiB a batch: ids and labels are small fields of it
     source = DataLoader(Labelled(batch_size * batches, side), batch_size=batch_size, num_workers=workers,
                         collate_fn=assemble.using())
@@ -658,8 +658,8 @@ def collate_into_a_custom_leaf(samples):
 @needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
 def test_tensors_in_a_custom_leaf_never_reach_the_user_page_locked(workers):
-    # Issue 22, item 8: over a recycled page-locked slot, the user's own non_blocking copy of them could
-    # still be reading when the slot gets the next batch.
+    # Over a recycled page-locked slot, the user's own non_blocking copy of them could still be reading
+    # when the slot gets the next batch.
     source = DataLoader(Constant(64, 32), batch_size=8, num_workers=workers,
                         collate_fn=collate_into_a_custom_leaf)
     device_loader = DeviceLoader(source, depth=2)

@@ -1,4 +1,4 @@
-"""The shared slots under faults and limits (issue 22): a batch sent twice, a message that fails to
+"""The shared slots under faults and limits: a batch sent twice, a message that fails to
 pickle, descriptors a worker's programs would inherit, a file-size limit, an address-space limit, a file
 shrunk under a batch, two threads starting workers at once. Each falls back or holds on with the right
 data, leaks nothing, and says so once where the slots stop serving."""
@@ -190,7 +190,7 @@ from tests.helpers.fault_datasets import Numbered
 from tests.test_assemble_dropin import assert_same
 
 def limit_address_space(worker_id):
-    # What the worker has mapped now, plus room for a few batches in flight (as the issue's repro did).
+    # What the worker has mapped now, plus room for a few batches in flight.
     size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + {headroom}, resource.RLIM_INFINITY))
 
@@ -210,8 +210,8 @@ for batch, reference in zip(kept, expected):
 @asan_reserves_address_space
 def test_under_an_address_space_limit_kept_batches_arrive_as_with_default_collate():
     # Twelve slots, each kept by the consumer. Measured on the 2-CPU VM: default_collate needs 100-140 MiB
-    # of room here; before issue 22 assemble failed at 140, 180 and 220 (the worker kept a mapping of
-    # every slot it had written) after 5, 7 and 9 batches. One malloc arena: glibc's per-thread arenas
+    # of room here; a worker that kept a mapping of every slot it had written failed at 140, 180 and
+    # 220 after 5, 7 and 9 batches, so 180 MiB catches that leak. One malloc arena: glibc's per-thread arenas
     # reserve 64 MiB of address space each, at moments that vary run to run.
     done = run_script(ADDRESS_SPACE_LIMIT.format(headroom=180 << 20), timeout=180,
                       env={"MALLOC_ARENA_MAX": "1"})

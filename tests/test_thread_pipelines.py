@@ -431,7 +431,7 @@ def test_fetch_batches_over_a_plain_dataset_matches_a_dataloader_batch_for_batch
 
 
 # --------------------------------------------------------------------------------------------------
-# DeviceLoader's state, found by a hostile review.
+# DeviceLoader's state: what a resumed epoch starts from.
 
 
 def test_a_device_loader_over_a_plain_dataloader_is_not_stateful_so_lightning_checkpoints_it():

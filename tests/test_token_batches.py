@@ -89,7 +89,7 @@ def test_ranks_that_cannot_get_as_many_batches_without_a_repeat_are_refused():
 @pytest.mark.parametrize("lengths", [[0, 0, 5, 5], [0, 0, 0, 7, 3], [4, 0, 0, 0, 0, 6], [0, 5, 0, 5, 0]])
 def test_a_batch_split_to_even_the_ranks_never_leaves_a_rank_a_batch_of_no_tokens(lengths):
     """A half of empty samples alone would be refused by the packed collate on that rank only, and the
-    other ranks would wait for it in DDP (found by a hostile review)."""
+    other ranks would wait for it in DDP."""
     batches = [list(TokenBudgetBatches(lengths, max_tokens=10, rank=rank, world_size=2)) for rank in (0, 1)]
     assert len(batches[0]) == len(batches[1])
     assert sorted(int(i) for shard in batches for batch in shard for i in batch) == list(range(len(lengths)))

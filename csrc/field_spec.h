@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +17,9 @@ enum class FieldKind {
   Number,  // Python ints, floats and bools
   Text,    // str and bytes
 };
+
+// The most tokens a packed batch holds: cu_seq_lens are int32 (FlashAttention's and transformers').
+constexpr int64_t kMaxPackedTokens = std::numeric_limits<int32_t>::max();
 
 // Values must lie in [low, high).
 struct ValueRange {

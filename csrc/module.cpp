@@ -3,6 +3,7 @@
 // binds itself.
 #include <torch/csrc/utils/pybind.h>
 
+#include "column_gather.h"
 #include "mapped_reads.h"
 #include "plan.h"
 #include "shared_slots.h"
@@ -12,6 +13,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fastcollate native core: batch assembly, host staging ring, dispatcher ops";
   fastcollate::bind_build_info(m);
   fastcollate::bind_batch_plan(m);
+  fastcollate::bind_column_gather(m);
   m.attr("MAPPED_READ_FAULT") = fastcollate::kMappedReadFault;
   fastcollate::bind_staging_ring(m);
   fastcollate::bind_shared_slots(m);

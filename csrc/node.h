@@ -60,6 +60,10 @@ struct Node {
   py::object ready;
   bool text = false;  // strings: default_collate returns them as it got them (a tuple inside sequences)
 
+  // Filled by the column gather (column_gather.h) from an Arrays column, not by the copy jobs: only the
+  // keys beside a packed row are the jobs'.
+  bool gathered = false;
+
   at::Tensor out;  // set by execute()
 };
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iterator>
 
+#include "contract_rules.h"
 #include "node.h"
 #include "walk.h"
 
@@ -154,6 +155,8 @@ void add_padded_jobs(Node& node, CopyJobs& jobs) {
   }
 }
 
+void add_packing_key_jobs(Node& node, size_t count, CopyJobs& jobs);
+
 // Copies into a packed row: sample i at token starts[i], its first token replaced by the separator when
 // one is declared (a fill of that token, and the copy starts one token later: no order between them).
 // The parent's first packed field also writes the position ids, seq_idx and cu_seq_lens beside it.
@@ -188,6 +191,12 @@ void add_packed_jobs(Node& node, CopyJobs& jobs) {
           {node.inputs[i].narrow(0, skip, length - skip), tokens.narrow(0, node.starts[i] + skip, length - skip)});
     }
   }
+  add_packing_key_jobs(node, count, jobs);
+}
+
+// The keys beside a packed row, from its starts: the position ids, seq_idx and cu_seq_lens (each null
+// where not asked for).
+void add_packing_key_jobs(Node& node, size_t count, CopyJobs& jobs) {
   if (node.position_ids) {
     auto* positions = node.position_ids->out.data_ptr<int64_t>();
     for (size_t i = 0; i < count; ++i) {
@@ -211,6 +220,12 @@ void add_packed_jobs(Node& node, CopyJobs& jobs) {
 }
 
 void add_tensor_jobs(Node& node, CopyJobs& jobs) {
+  if (node.gathered) {
+    if (node.max_length >= 0) {
+      add_packing_key_jobs(node, node.starts.size() - 1, jobs);
+    }
+    return;
+  }
   if (node.padded) {
     add_padded_jobs(node, jobs);
     return;
@@ -345,6 +360,10 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
     py::gil_scoped_release no_gil;  // the copy touches no Python object; other threads run meanwhile
     jobs.run();
   }
+  if (fill_gathered) {
+    fill_gathered();
+    fill_gathered = nullptr;
+  }
   py::object out = build_output(*root);
   root.reset();
   keepalive.clear();
@@ -415,26 +434,33 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
-py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const {
-  std::shared_ptr<BatchPlan> planned = plan(samples);
+py::tuple BatchPlan::execute_in_ring(StagingRing& ring, bool small_fields_apart) {
   bool overflowed = false;
   at::Storage slot;
   {
     py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
-    slot = ring.acquire_storage(planned->nbytes(), overflowed);
+    slot = ring.acquire_storage(nbytes(), overflowed);
   }
-  py::object out = planned->execute_into(slot, 0, small_fields_apart);
-  return py::make_tuple(out, overflowed, planned->views());
+  py::object out = execute_into(slot, 0, small_fields_apart);
+  return py::make_tuple(out, overflowed, views());
+}
+
+py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const {
+  return plan(samples)->execute_in_ring(ring, small_fields_apart);
 }
 
 void bind_batch_plan(py::module_& m) {
   bind_field_spec(m);
+  bind_contract_rules(m);
   m.attr("SMALL_FIELD_BYTES") = kSmallFieldBytes;
   m.attr("FIELD_ALIGNMENT") = kFieldAlignment;
   m.attr("LARGE_BATCH_BYTES") = kLargeBatchBytes;
   py::class_<BatchPlan, std::shared_ptr<BatchPlan>>(m, "BatchPlan")
       .def_property_readonly("nbytes", &BatchPlan::nbytes)
-      .def("execute", &BatchPlan::execute, py::arg("buffer"), py::arg("small_fields_apart") = true);
+      .def_property_readonly("views", &BatchPlan::views)
+      .def_property_readonly("failed_key", [](const BatchPlan& plan) { return plan.failed_key; })
+      .def("execute", &BatchPlan::execute, py::arg("buffer"), py::arg("small_fields_apart") = true)
+      .def("execute_in_ring", &BatchPlan::execute_in_ring, py::arg("ring"), py::arg("small_fields_apart") = true);
   py::class_<Collator>(m, "Collator")
       .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
            py::arg("has_contract"))

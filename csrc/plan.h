@@ -8,6 +8,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -46,6 +47,10 @@ class BatchPlan {
   // that it holds nbytes() more. (`_into`, here as in stack_into: writes into memory the caller gives.)
   py::object execute_into(const at::Storage& storage, size_t offset, bool small_fields_apart);
 
+  // execute_into() a slot of `ring`. Returns (the batch, whether the ring was full: the slot is then a
+  // fresh buffer outside it, the number of the batch's tensors that are views of the slot).
+  py::tuple execute_in_ring(StagingRing& ring, bool small_fields_apart);
+
   // The tensors execute() made as views of the buffer (the others have storage of their own).
   int64_t views() const { return views_; }
 
@@ -56,6 +61,10 @@ class BatchPlan {
   std::vector<py::object> keepalive;          // tensors made from numpy arrays, read during execute()
   std::vector<std::vector<py::object>> held;  // the values of the samples' dicts, one block per mapping
   py::object batch;                           // the samples: their tensors must outlive execute()
+  // An Arrays batch's columns, gathered into the views once the copy jobs have run (column_gather.h).
+  std::function<void()> fill_gathered;
+  // The output key whose gather raised, so that the error can name its column; "" for none.
+  std::string failed_key;
 
  private:
   size_t total_bytes_ = 0;

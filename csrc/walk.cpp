@@ -12,9 +12,11 @@ namespace fastcollate {
 
 void Walk::fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
                 const std::string& got, const std::string& hint) const {
-  py::object error = python_refs().make_error(kind, batch_, index, field, expected, got, hint, collator_.id_key());
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-  throw py::error_already_set();
+  fail(Violation{kind, expected, got, hint}, index, field);
+}
+
+void Walk::fail(const Violation& violation, size_t index, const std::string& field) const {
+  raise_violation(violation, batch_, index, field, collator_.id_key());
 }
 
 void Walk::fail_from(const py::error_already_set& error, size_t index, const std::string& field,

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "contract_rules.h"
 #include "field_spec.h"
 #include "node.h"
 
@@ -28,6 +29,7 @@ class Walk {
   // Raises the ContractError of `kind` (a key of fastcollate.errors.ERROR_KINDS) for sample `index`.
   [[noreturn]] void fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
                          const std::string& got, const std::string& hint = "") const;
+  [[noreturn]] void fail(const Violation& violation, size_t index, const std::string& field) const;
   // The same for a Python error torch raised about sample `index`: its kind follows the error's class.
   [[noreturn]] void fail_from(const py::error_already_set& error, size_t index, const std::string& field,
                               const std::string& expected, const std::string& hint = "") const;

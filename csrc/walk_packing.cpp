@@ -15,10 +15,6 @@ namespace fastcollate {
 
 namespace {
 
-// cu_seq_lens are int32 (FlashAttention's and transformers'), so every offset, the total included, must
-// be one.
-constexpr int64_t kMaxPackedTokens = std::numeric_limits<int32_t>::max();
-
 std::unique_ptr<Node> numbers_node(const std::string& path, at::ScalarType dtype, std::vector<int64_t> shape) {
   auto node = std::make_unique<Node>();
   node->path = path;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "contract_rules.h"
 #include "copy_kernels.h"
 #include "messages.h"
 #include "plan.h"
@@ -275,11 +276,8 @@ std::vector<int64_t> Walk::check_contract_rows(const std::string& path, const Fi
                 : value.is_quantized() ? " (quantized)"
                                        : ""));
     }
-    if (value.scalar_type() != dtype &&
-        std::find(spec.cast_from.begin(), spec.cast_from.end(), value.scalar_type()) == spec.cast_from.end()) {
-      fail("type", i, path, dtype_string(dtype), dtype_string(value.scalar_type()),
-           "convert it in the transform, or declare cast_from=(" + dtype_string(value.scalar_type()) +
-               ",) on the field");
+    if (auto violation = dtype_rule(spec, dtype, value.scalar_type())) {
+      fail(*violation, i, path);
     }
     if (spec.shape) {
       check_declared_shape(value, spec, i, count);
@@ -307,29 +305,8 @@ std::vector<int64_t> Walk::check_contract_rows(const std::string& path, const Fi
 // The declared shape: fixed dims equal (or the whole shape one of expand_from), named dims agreeing with
 // the same name in the sample's other fields.
 void Walk::check_declared_shape(const at::Tensor& value, const FieldSpec& spec, size_t index, size_t count) {
-  const std::vector<int64_t>& shape = *spec.shape;
-  bool ok = value.dim() == static_cast<int64_t>(shape.size());
-  for (int64_t d = 0; ok && d < value.dim(); ++d) {
-    if (spec.dim_names[d].empty()) {
-      ok = value.size(d) == shape[d];
-    }
-  }
-  bool expandable = false;
-  for (const auto& accepted : spec.expand_from) {
-    expandable |= !ok && value.sizes() == at::IntArrayRef(accepted);
-  }
-  if (!ok && !expandable) {
-    std::ostringstream expected;
-    expected << "shape [";
-    for (size_t d = 0; d < shape.size(); ++d) {
-      expected << (d ? ", " : "") << (spec.dim_names[d].empty() ? std::to_string(shape[d]) : spec.dim_names[d]);
-    }
-    expected << "]";
-    // A packed field cannot expand (refused at declaration): its samples must be [tokens, *fixed dims].
-    fail("size", index, spec.path, expected.str(), "shape " + shape_string(value.sizes()),
-         spec.packed ? "a packed field's sample is its tokens along the first dim: return a tensor of that shape"
-                     : "fix the transform, or declare the conversion on the field (e.g. expand_from=(" +
-                           python_tuple(value.sizes()) + ",))");
+  if (auto violation = declared_shape_rule(spec, value.sizes())) {
+    fail(*violation, index, spec.path);
   }
   // A sample that expands still has its own size at each named dim (the padding and the mask follow
   // it), so it must agree with the sample's other fields all the same.
@@ -412,24 +389,10 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
 // The bytes of `value` as `dtype`, for a fill; `what` (pad, separator) is declared on the field at `path`.
 uint64_t Walk::value_pattern(double value, at::ScalarType dtype, const std::string& path, const char* what,
                              const char* hint) const {
-  try {
-    // Not 1e10 as float16 (inf), 300 as int8 (44) or 2.5 as int64 (2): the value must be one of the dtype.
-    if (dtype != at::kBool) {  // any value is a bool
-      bool holds = false;
-      AT_DISPATCH_V2(dtype, "value_pattern", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(value); }),
-                     AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
-                     AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_COMPLEX_TYPES), at::kComplexHalf);
-      TORCH_CHECK(holds, what, " value out of range");
-      TORCH_CHECK(!c10::isIntegralType(dtype, /*includeBool=*/false) || std::trunc(value) == value, what,
-                  " value not an integer");
-    }
-    return element_pattern(value, dtype);
-  } catch (const std::exception&) {  // c10::Error, or std::runtime_error from c10's checked conversion
-    std::ostringstream declared;
-    declared << what << "=" << value;
-    fail("value", 0, path, std::string("a ") + what + " value " + dtype_string(dtype) + " can hold", declared.str(),
-         hint);
+  if (auto violation = fill_value_rule(value, dtype, what, hint)) {
+    fail(*violation, 0, path);
   }
+  return element_pattern(value, dtype);
 }
 
 void Walk::check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count) {
@@ -442,8 +405,7 @@ void Walk::check_named_dim(const std::string& name, size_t index, int64_t size, 
   if (known == -1) {
     known = size;
   } else if (known != size) {
-    fail("size", index, path, "dim " + name + " = " + std::to_string(known) + " (as in field " + entry.first + ")",
-         "dim " + name + " = " + std::to_string(size), "fields that share a named dim must agree within a sample");
+    fail(named_dim_misfit(name, known, entry.first, size), index, path);
   }
 }
 
@@ -451,36 +413,15 @@ void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t in
   if (!spec.range || value.numel() == 0) {
     return;
   }
-  if (value.is_complex()) {
-    fail("type", index, spec.path, "a real dtype (the field declares a range)", dtype_string(value.scalar_type()),
-         "complex values have no order: drop the range or convert the field");
+  if (auto violation = range_dtype_rule(value.scalar_type())) {
+    fail(*violation, index, spec.path);
   }
-  const ValueRange range = *spec.range;
-  at::Tensor contiguous = value.contiguous();
-  int64_t bad = -1;
+  const at::Tensor contiguous = value.contiguous();
   double bad_value = 0;
-  AT_DISPATCH_V2(contiguous.scalar_type(), "check_range", AT_WRAP([&] {
-                   const scalar_t* data = contiguous.const_data_ptr<scalar_t>();
-                   for (int64_t i = 0; i < contiguous.numel(); ++i) {
-                     const double v = static_cast<double>(data[i]);
-                     if (!(v >= range.low && v < range.high)) {  // NaN fails too
-                       bad = i;
-                       bad_value = v;
-                       break;
-                     }
-                   }
-                 }),
-                 AT_EXPAND(AT_ALL_TYPES), at::kBool, at::kHalf, at::kBFloat16, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
-                 AT_EXPAND(AT_FLOAT8_TYPES));
+  const int64_t bad = first_out_of_range(contiguous.const_data_ptr(), contiguous.scalar_type(), contiguous.numel(),
+                                         *spec.range, bad_value);
   if (bad >= 0) {
-    std::ostringstream expected;
-    expected << "values in [" << range.low << ", " << range.high << ")";
-    // Report where, not the value: sample contents may be sensitive; the bound is enough to act on.
-    const std::string where = " at flat position " + std::to_string(bad);
-    std::string got = std::isnan(bad_value)   ? "NaN" + where
-                      : bad_value < range.low ? "a value below the range" + where
-                                              : "a value at or above the upper bound" + where;
-    fail("value", index, spec.path, expected.str(), got, "fix the label, or widen the declared range");
+    fail(range_misfit(*spec.range, bad, bad_value), index, spec.path);
   }
 }
 

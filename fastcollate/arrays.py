@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ._ext import _C
 from .mapped_files import MappedFile, MappedFileError
 
 __all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
@@ -290,6 +291,9 @@ class ArrayBatch(Sequence):
     def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         if isinstance(indices, torch.Tensor):
             indices = indices.numpy()
+        if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+            self._checked_indices(dataset, np.ascontiguousarray(indices))  # IndexBatches' batches
+            return
         array = np.asarray(indices)
         if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
             # Python ints beyond int64: numpy keeps them as objects
@@ -307,15 +311,21 @@ class ArrayBatch(Sequence):
                 f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
                 f"shape {array.shape}"
             )
-        self.indices = np.ascontiguousarray(array, dtype=np.int64)
-        if self.indices.size and (self.indices.min() < 0 or self.indices.max() >= len(dataset)):
-            bad = np.flatnonzero((self.indices < 0) | (self.indices >= len(dataset)))
-            if bad.size:
-                first = int(bad[0])
-                raise IndexError(
-                    f"Arrays: index {int(self.indices[first])} (batch position {first}) is out of "
-                    f"range for a dataset of {len(dataset)} samples"
-                )
+        self._checked_indices(dataset, np.ascontiguousarray(array, dtype=np.int64))
+
+    def _checked_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
+        # One native pass, no numpy reductions: a batch costs microseconds, and numpy's machinery run
+        # between two gathers costs more than its work.
+        if not indices.flags.writeable:
+            indices = indices.copy()  # torch views only writable arrays without a warning
+        self.indices = indices
+        self.index_tensor = torch.from_numpy(indices)
+        first = _C.first_index_outside(self.index_tensor, len(dataset))
+        if first >= 0:
+            raise IndexError(
+                f"Arrays: index {int(indices[first])} (batch position {first}) is out of range for a dataset "
+                f"of {len(dataset)} samples"
+            )
         self.dataset = dataset
 
     def __len__(self) -> int:

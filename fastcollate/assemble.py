@@ -9,7 +9,6 @@ mapping, or fresh shared memory when no slot is free.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from torch.utils.data import get_worker_info
 from . import gather, jagged, worker_slots
 from ._ext import _C
 from ._torch_compat import new_shared_storage
-from .arrays import ArrayBatch
+from .arrays import ArrayBatch, Arrays
 from .contract import Contract
 from .errors import ContractEmptyError
 from .mapped_files import is_read_fault, read_fault_error
@@ -71,8 +70,9 @@ class Assembler:
         self.shared_slots = shared_slots
         self.max_shared_slots = max_shared_slots
         self._collator = None
-        # Arrays datasets' batch layouts, by batch size (gather.Layout.reusable), checked once each.
-        self._layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Arrays datasets' columns as the gather reads them (gather.gatherer), or False for the per-sample
+        # path: chosen once per dataset.
+        self._gatherers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._slots: worker_slots.SlotPool | None = None
         worker_slots.track(self)
 
@@ -106,30 +106,53 @@ class Assembler:
         if isinstance(batch, ArrayBatch):
             arrays = batch.dataset
             arrays.check_files()  # before anything reads a mapped file, gathered or walked
-            gathered = self._gather(batch)
-            if gathered is not None:
-                return gathered
+            plan = self._gathered_plan(batch)
+            if plan is not None:
+                return self._nested(self._execute(plan, arrays))
             batch = batch.rows()  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
+        return self._nested(self._execute(self._collator.plan(batch), arrays))
+
+    def _gathered_plan(self, batch: ArrayBatch) -> Any:
+        """An Arrays batch's plan, gathered column by column (fastcollate.gather), or None when the
+        per-sample path must collate it. The columns are chosen once per dataset."""
+        dataset = batch.dataset
         try:
-            # ring.assemble is called from here, one frame below the caller: its overflow warning points
-            # there.
+            gather_columns = self._gatherers.get(dataset)
+        except TypeError:  # a dataset class that is not hashable: nothing kept
+            gather_columns = None
+        if gather_columns is None:
+            gather_columns = gather.gatherer(dataset, self.contract, self.id_key) or False
+            try:
+                self._gatherers[dataset] = gather_columns
+            except TypeError:
+                pass
+        return gather_columns.plan(batch.index_tensor) if gather_columns else None
+
+    def _execute(self, plan: Any, arrays: Arrays | None = None) -> Any:
+        """Where a planned batch (walked or gathered) goes, decided here alone: in a DataLoader worker a
+        slot shared with the main process, else fresh shared memory; in the main process a slot of the
+        staging ring. A read of ``arrays``' mapped files that faulted becomes a MappedFileError naming
+        them (the column, when the gather knows it)."""
+        try:
             if get_worker_info() is not None:
-                plan = self._collator.plan(batch)
                 slot = self._claim_slot(plan.nbytes)
                 if slot is not None:
                     # Small fields stay in the slot: they cross the pipe by value (worker_slots).
-                    return self._nested(plan.execute(slot, small_fields_apart=False))
-                return self._nested(plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True))
+                    return plan.execute(slot, small_fields_apart=False)
+                return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
             ring = self.ring or main_process_ring()
             # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
-            out = ring.assemble(self._collator, batch, small_fields_apart=ring is not active_ring())
-            return self._nested(out)
-        except RuntimeError as error:
+            return ring.execute(plan, small_fields_apart=ring is not active_ring())
+        except (RuntimeError, IndexError) as error:
+            key = plan.failed_key or None  # the column whose gather raised, if one did
             if is_read_fault(error):
-                raise (arrays.read_fault(error) if arrays is not None else read_fault_error(error)) from error
+                named = read_fault_error(error) if arrays is None else arrays.read_fault(error, key)
+                raise named from error
+            if key is not None and arrays is not None:
+                raise arrays.columns[key].named(error) from error
             raise
 
     def _nested(self, out: Any) -> Any:
@@ -140,32 +163,6 @@ class Assembler:
         max_length = contract.packing.max_length
         longest = max_length[0] if max_length else None
         return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0], longest)
-
-    def _gather(self, batch: ArrayBatch) -> Any:
-        """An Arrays batch gathered column by column into the same memory as any batch (fastcollate.gather),
-        or None when the per-sample path must collate it."""
-        try:
-            sizes = self._layouts.setdefault(batch.dataset, {})
-        except TypeError:  # a dataset class that is not hashable: no layout kept
-            sizes = {}
-        planned = sizes.get(len(batch))
-        if planned is not None:
-            planned = dataclasses.replace(planned, batch=batch)
-        else:
-            planned = gather.layout(batch, self.contract, self.id_key)
-            if planned is None:
-                return None
-            if planned.reusable():
-                sizes[len(batch)] = dataclasses.replace(planned, batch=None)  # no strong ref to the dataset
-        if get_worker_info() is not None:
-            slot = self._claim_slot(planned.nbytes)
-            if slot is not None:
-                return self._nested(planned.fill(slot, small_fields_apart=False))
-            return self._nested(planned.fill(_shared_memory_buffer(planned.nbytes), small_fields_apart=True))
-        ring = self.ring or main_process_ring()
-        out = planned.fill(ring.acquire(planned.nbytes), small_fields_apart=ring is not active_ring())
-        ring.views_handed_out += planned.views
-        return self._nested(out)
 
     def _claim_slot(self, nbytes: int) -> torch.Tensor | None:
         slots = self._slots

@@ -137,9 +137,12 @@ class Field:
             raise ValueError("a packed bool field has no separator value: leave separator unset")
         if not float(separator).is_integer():
             raise ValueError(f"separator {separator!r} is not a value of the field's dtype {dtype}")
-        info = torch.iinfo(dtype)
-        low, high = max(info.min, -(2**53)), min(info.max, 2**53)
-        if not low <= separator <= high:
+        from ._ext import _C
+
+        # Whether it fits is the walk's rule (value_fits), as for pad values; exact as a double on top.
+        if not (abs(separator) <= 2**53 and _C.value_fits(float(separator), dtype)):
+            info = torch.iinfo(dtype)
+            low, high = max(info.min, -(2**53)), min(info.max, 2**53)
             raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
                              f"(a separator is from {low} to {high})")
 

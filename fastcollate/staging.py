@@ -79,13 +79,19 @@ class StagingRing:
 
     def assemble(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
         """Collates ``batch`` with ``collator`` (an Assembler's compiled one) into a slot of this ring: the
-        walk and checks, a slot, then the copy with the GIL released, in one native call. With
-        ``small_fields_apart`` a small field of a large batch gets storage of its own
-        (fastcollate.small_fields), so that keeping it does not keep the slot."""
-        out, overflowed, views = collator.assemble_in_ring(batch, self._native, small_fields_apart)
+        walk and checks, a slot, then the copy with the GIL released. With ``small_fields_apart`` a small
+        field of a large batch gets storage of its own (fastcollate.small_fields), so that keeping it does
+        not keep the slot."""
+        return self.execute(collator.plan(batch), small_fields_apart, stacklevel=5)
+
+    def execute(self, plan: _C.BatchPlan, small_fields_apart: bool = True, stacklevel: int = 5) -> Any:
+        """Runs ``plan`` (a walked or gathered batch's) into a slot of this ring, the copy with the GIL
+        released. ``stacklevel`` points the overflow warning at the collate function's caller (counted as
+        warn_overflow counts it; 5: through Assembler.__call__ and Assembler._execute)."""
+        out, overflowed, views = plan.execute_in_ring(self._native, small_fields_apart)
         self.views_handed_out += views
         if overflowed:
-            self.warn_overflow(stacklevel=4)  # the caller of assemble (this, then Assembler.__call__)
+            self.warn_overflow(stacklevel=stacklevel)
         return out
 
     def warn_overflow(self, stacklevel: int = 3) -> None:

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "copy_kernels.h"
+#include "cpu/gather_kernels.h"
 #include "mapped_reads.h"
 
 namespace fastcollate {
@@ -112,6 +113,8 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
   return done;
 }
 
+}  // namespace
+
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out) {
   TORCH_CHECK(source.device().is_cpu() && out.device().is_cpu(), "gather_into: source and out must be CPU tensors");
@@ -172,6 +175,8 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   });
 }
 
+namespace {
+
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
 // they may have been changed since, and the ops may be called directly).
@@ -194,6 +199,8 @@ void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, cons
                       " values (offsets must be non-decreasing, from 0 to len(values))");
   }
 }
+
+}  // namespace
 
 // Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
 // right with `value` to out's length; mask is 1 (True) at real positions; lengths gets each row's length.
@@ -271,6 +278,8 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   }
 }
 
+namespace {
+
 // cu_seq_lens must be int32 [batch + 1], from 0, one row's length a step: checked against the rows here
 // so a packed row and its offsets cannot disagree.
 void check_packed_offsets(const at::Tensor& cu_seq_lens, int64_t batch, const char* op) {
@@ -285,6 +294,8 @@ void check_packed_offsets(const at::Tensor& cu_seq_lens, int64_t batch, const ch
                 " at batch position ", b, ")");
   }
 }
+
+}  // namespace
 
 // Rows values[offsets[i]:offsets[i + 1]] of a ragged column for each index, back to back into out
 // ([total, *fixed dims]): row b at cu_seq_lens[b], which must hold the rows' lengths. A packed batch's
@@ -330,6 +341,8 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
     const_cast<at::Tensor&>(out).copy_(target);
   }
 }
+
+namespace {
 
 // The keys beside a packed row, from its cu_seq_lens: position_ids (int64, counting from `start` in each
 // sample) and seq_idx (int32, each token's batch position), each [total] or [1, total]; either may be None.

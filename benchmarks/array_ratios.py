@@ -256,6 +256,77 @@ def packed_contenders(documents: int, batch: int, seed: int) -> dict:
     return contenders
 
 
+def one_batch_at_a_time(batches_of: Callable[[int], dict], count: int) -> Epoch:
+    """An epoch over ``count`` prepared batches, one call of ``batches_of(k)`` each, taken in turn across
+    rounds (each batch's rows are fresh: not the cache's from the round before)."""
+    taken = iter(range(2**62))
+
+    def run(batches: int) -> Iterator:
+        for _ in range(batches):
+            yield batches_of(next(taken) % count)
+
+    return run
+
+
+def per_batch_tabular_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int) -> dict:
+    """One batch's cost, with nothing around it: ``assemble(arrays.__getitems__(indices))`` against
+    index_select of each column into reused buffers, over the same random indices."""
+    n = len(next(iter(columns.values())))
+    generator = torch.Generator().manual_seed(seed)
+    indices = [torch.randint(0, n, (batch,), generator=generator) for _ in range(4096)]
+    as_numpy = [index.numpy() for index in indices]
+    arrays = Arrays(columns)
+    buffers = {name: torch.empty((batch, *c.shape[1:]), dtype=c.dtype) for name, c in columns.items()}
+
+    def selected(k: int) -> dict:
+        index = indices[k]
+        selects = {name: torch.index_select(c, 0, index, out=buffers[name]) for name, c in columns.items()}
+        return {"id": index, **selects}
+
+    return {
+        "Arrays + assemble, one batch": one_batch_at_a_time(
+            lambda k: fastcollate.assemble(arrays.__getitems__(as_numpy[k])), len(indices)
+        ),
+        "index_select into reused buffers": one_batch_at_a_time(selected, len(indices)),
+    }
+
+
+def per_batch_packed_contenders(documents: int, batch: int, seed: int) -> dict:
+    """One packed batch's cost (input_ids packed, with position_ids, cu_seq_lens and max_length beside):
+    ``assemble(arrays.__getitems__(indices))`` against a bare torch.cat of the same rows (their views
+    made beforehand, untimed), and torch.cat plus the position ids written into a reused buffer."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 2049, (documents,), generator=generator)
+    offsets = torch.zeros(documents + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(0, 32000, (int(offsets[-1]),), generator=generator)
+    arrays = Arrays({"input_ids": fastcollate.Ragged(values, offsets)}, id_key=None)
+    tokens = Field(dtype=torch.int64, shape=("T",), pack=True)
+    contract = Contract({"input_ids": tokens}, id=None, packing=fastcollate.Packing())
+    collate = fastcollate.assemble.using(contract)
+    picks = torch.Generator().manual_seed(seed)
+    indices = [torch.randint(0, documents, (batch,), generator=picks).numpy() for _ in range(1024)]
+    rows = [[values[offsets[i] : offsets[i + 1]] for i in index] for index in indices]
+    cu_seq_lens = [collate(arrays.__getitems__(index))["cu_seq_lens_q"] for index in indices]
+    positions = torch.empty(int(max(cu[-1] for cu in cu_seq_lens)), dtype=torch.int64)
+
+    def cat(k: int) -> dict:
+        return {"input_ids": torch.cat(rows[k])[None], "cu_seq_lens_q": cu_seq_lens[k]}
+
+    def cat_and_positions(k: int) -> dict:
+        total = int(cu_seq_lens[k][-1])
+        torch.arange(total, out=positions[:total])
+        return cat(k)
+
+    return {
+        "Arrays + assemble, one packed batch": one_batch_at_a_time(
+            lambda k: collate(arrays.__getitems__(indices[k])), len(indices)
+        ),
+        "torch.cat of the same rows": one_batch_at_a_time(cat, len(indices)),
+        "torch.cat + position ids": one_batch_at_a_time(cat_and_positions, len(indices)),
+    }
+
+
 def worker_contenders(datasets: dict[str, tuple[dict[str, torch.Tensor], int]], seed: int) -> dict:
     """Arrays + assemble with IndexBatches at 0 and 2 workers, for each named (columns, batch size)."""
     out = {}
@@ -342,6 +413,8 @@ CASE_NOTES = {
     "tokens": "a uint16 memmap (page cache warm), batch 64 x 1024, random offsets",
     "workers": "Arrays + assemble with IndexBatches, workers 0 and 2",
     "packed": "--documents of 16..2048 int64 tokens, packed as DataCollatorWithFlattening packs, batch 256",
+    "tabular_batch": "one batch at a time, nothing around it: 256 random rows of the tabular columns",
+    "packed_batch": "one batch at a time, nothing around it: 16 random documents, input_ids packed",
 }
 
 
@@ -350,8 +423,8 @@ def main() -> int:
     parser.add_argument(
         "--cases",
         nargs="+",
-        default=["tabular", "images", "tokens", "workers", "packed"],
-        choices=["tabular", "images", "tokens", "workers", "packed"],
+        default=["tabular", "images", "tokens", "workers", "packed", "tabular_batch", "packed_batch"],
+        choices=["tabular", "images", "tokens", "workers", "packed", "tabular_batch", "packed_batch"],
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=10, help="batches per contender per round")
@@ -418,6 +491,18 @@ def main() -> int:
             pairs = [(gathered, name, "(for reference)") for name in contenders if name != gathered]
             pairs.append(("per-sample + assemble", "per-sample + torch.cat+arange", "(for reference)"))
             keys = ("cu_seq_lens_q",)  # each contender shuffles its own way: the token totals differ
+        elif case == "tabular_batch":
+            contenders = per_batch_tabular_contenders(tabular(args.rows), 256, args.seed)
+            pairs = [("index_select into reused buffers", "Arrays + assemble, one batch", "<= 2.5x")]
+            keys = ("id", "x", "label")
+        elif case == "packed_batch":
+            contenders = per_batch_packed_contenders(args.documents, 16, args.seed)
+            gathered = "Arrays + assemble, one packed batch"
+            pairs = [
+                ("torch.cat of the same rows", gathered, "<= 1.5x"),
+                ("torch.cat + position ids", gathered, "(the floor of the four outputs)"),
+            ]
+            keys = ("input_ids",)
         else:
             contenders = worker_contenders(
                 {"tabular": (tabular(args.rows), 4096), "images": (images(args.images), 256)}, args.seed
@@ -435,8 +520,10 @@ def main() -> int:
             ]
         else:
             problems = check_same(contenders, keys)
-        # A token batch is small (64 windows): more of them a round, so a round lasts about as long as others.
-        runs = time_rounds(contenders, args.batches * (10 if case == "tokens" else 1), args.rounds, args.seed)
+        # Token batches are small (64 windows) and one-batch cases smaller still: more of them a round, so
+        # a round lasts about as long as others.
+        per_round = {"tokens": 10, "tabular_batch": 100, "packed_batch": 100}.get(case, 1)
+        runs = time_rounds(contenders, args.batches * per_round, args.rounds, args.seed)
         case_lines, summary = summarize(case, runs, pairs, list(contenders), targets=not args.no_targets)
         if case == "workers":
             for name in ("tabular", "images"):

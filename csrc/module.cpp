@@ -3,10 +3,10 @@
 // binds itself.
 #include <torch/csrc/utils/pybind.h>
 
-#include "mapped_reads.h"
+#include "memory/mapped_reads.h"
 #include "plan.h"
-#include "shared_slots.h"
-#include "staging_ring.h"
+#include "memory/shared_slots.h"
+#include "memory/staging_ring.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastcollate native core: batch assembly, host staging ring, dispatcher ops";

@@ -13,9 +13,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "copy_kernels.h"
 #include "field_spec.h"
-#include "staging_ring.h"
+#include "memory/copy_kernels.h"
+#include "memory/staging_ring.h"
 
 namespace fastcollate {
 

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "copy_kernels.h"
+#include "memory/copy_kernels.h"
 #include "messages.h"
 #include "plan.h"
 #include "walk.h"

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "copy_kernels.h"
+#include "memory/copy_kernels.h"
 #include "messages.h"
 #include "plan.h"
 #include "walk.h"

@@ -1,5 +1,7 @@
-// Page-locked host memory for the staging ring, from the CUDA runtime. Only this file and the .cu files
-// talk to CUDA directly, so the CPU build needs no toolkit.
+// Page-locked host memory from the CUDA runtime: the staging ring's pinned slots and the page-locking of
+// the shared slots' mappings (declared in staging_ring.h and shared_slots.h). It is the memory side's CUDA
+// half, not a dispatcher op, so it lives in memory/cuda/ rather than ops/cuda/. Only this file and the .cu
+// files talk to CUDA directly, so the CPU build needs no toolkit.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
@@ -8,8 +10,8 @@
 #include <optional>
 #include <type_traits>
 
-#include "shared_slots.h"
-#include "staging_ring.h"
+#include "memory/shared_slots.h"
+#include "memory/staging_ring.h"
 
 namespace fastcollate {
 

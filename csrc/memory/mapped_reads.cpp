@@ -3,7 +3,7 @@
 // handler it replaced and lets the signal come again (a fault recurs when the read runs again, a sent
 // signal is raised again), so whatever handled SIGBUS before (Python's faulthandler, or the default: the
 // process dies) handles it as if fastcollate were not there.
-#include "mapped_reads.h"
+#include "memory/mapped_reads.h"
 
 #include <c10/util/Exception.h>
 

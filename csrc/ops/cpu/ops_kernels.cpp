@@ -1,5 +1,5 @@
-// The CPU kernels of the dispatcher ops declared in csrc/ops.cpp, as torchvision keeps them
-// (csrc/cuda/ holds the CUDA ones). Each checks its arguments with messages that name the value.
+// The CPU kernels of the dispatcher ops declared in csrc/ops/ops.cpp, as torchvision keeps them
+// (csrc/ops/cuda/ holds the CUDA ones). Each checks its arguments with messages that name the value.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "copy_kernels.h"
+#include "memory/copy_kernels.h"
 
 namespace fastcollate {
 

@@ -1,5 +1,7 @@
-// Byte-moving kernels shared by the dispatcher ops (csrc/cpu/) and the batch assembler: plain jobs that run with the
-// GIL released, split across torch's intra-op threads when the batch is large enough to pay for it.
+// Byte-moving kernels shared by the dispatcher ops (csrc/ops/cpu/), the batch assembler's walk and the staging
+// ring: plain jobs that run with the GIL released, split across torch's intra-op threads when the batch is large
+// enough to pay for it. They sit with the memory side, below both ops/ and the collate files, because every
+// one of those moves bytes through them (and their reads from mapped files go through mapped_reads.h).
 #pragma once
 
 #include <ATen/ATen.h>

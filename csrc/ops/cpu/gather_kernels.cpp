@@ -15,8 +15,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "copy_kernels.h"
-#include "mapped_reads.h"
+#include "memory/copy_kernels.h"
+#include "memory/mapped_reads.h"
 
 namespace fastcollate {
 

@@ -1,7 +1,7 @@
 // Byte-moving kernels: the only code that touches batch memory, run with the GIL released.
-#include "copy_kernels.h"
+#include "memory/copy_kernels.h"
 
-#include "mapped_reads.h"
+#include "memory/mapped_reads.h"
 
 #include <ATen/Dispatch_v2.h>
 #include <ATen/OpMathType.h>

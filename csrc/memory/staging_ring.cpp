@@ -1,11 +1,11 @@
-#include "staging_ring.h"
+#include "memory/staging_ring.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
 
-#include "copy_kernels.h"
-#include "shared_slots.h"
+#include "memory/copy_kernels.h"
+#include "memory/shared_slots.h"
 
 namespace fastcollate {
 
@@ -41,7 +41,7 @@ at::DataPtr allocate_aligned_host_memory(size_t bytes) {
 }
 
 #ifndef FASTCOLLATE_WITH_CUDA
-// The CUDA build defines these in csrc/cuda/pinned_memory.cpp.
+// The CUDA build defines these in csrc/memory/cuda/pinned_memory.cpp.
 at::DataPtr allocate_host_memory(size_t bytes, bool pinned, int64_t /*device*/) {
   TORCH_CHECK(!pinned, "fastcollate was built without CUDA: pinned memory is not available");
   return allocate_aligned_host_memory(bytes);

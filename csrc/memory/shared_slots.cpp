@@ -1,4 +1,4 @@
-#include "shared_slots.h"
+#include "memory/shared_slots.h"
 
 #include <fcntl.h>
 #include <pthread.h>

@@ -1,5 +1,5 @@
 // The dispatcher operators' schemas, every one in this TORCH_LIBRARY block: they are usable from
-// torch.compile and checked by torch.library.opcheck. The kernels are csrc/cpu/'s and csrc/cuda/'s.
+// torch.compile and checked by torch.library.opcheck. The kernels are csrc/ops/cpu/'s and csrc/ops/cuda/'s.
 #include <torch/library.h>
 
 namespace fastcollate {

@@ -3,10 +3,9 @@
 // binds itself.
 #include <torch/csrc/utils/pybind.h>
 
+#include "memory/bindings.h"
 #include "memory/mapped_reads.h"
 #include "plan.h"
-#include "memory/shared_slots.h"
-#include "memory/staging_ring.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastcollate native core: batch assembly, host staging ring, dispatcher ops";

@@ -1,8 +1,10 @@
+// The shared slots' pool and each slot's state machine (the transitions, each a compare-and-swap on the
+// slot's state word). Beside it: the shared file's layout and the word's bits (shared_slots_layout.h),
+// whether a writer is alive (process_liveness.h), and the pool's Python face (bindings.cpp).
 #include "memory/shared_slots.h"
 
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,10 +12,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <new>
 #include <random>
-#include <sstream>
+
+#include "memory/process_liveness.h"
+#include "memory/shared_slots_layout.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it and the pages fault in as written
@@ -21,83 +24,13 @@
 
 namespace fastcollate {
 
-namespace py = pybind11;
+using namespace slot_layout;  // the file's constants and state words, used throughout
 
 namespace {
 
-constexpr uint64_t kMagic = 0x73746f6c73636621ULL;  // "!fcslots"
-constexpr uint32_t kVersion = 2;
-constexpr size_t kPage = 4096;
-// The largest batch a slot takes (a larger one takes the fresh-shared-memory path).
-constexpr uint64_t kMaxBatchBytes = uint64_t{1} << 38;  // 256 GiB
-constexpr size_t kSlotsOffset = 128;
 // Mappings a writer keeps for slots no batch of its own uses now, so that a slot it writes again needs no
 // new mapping (and no page-table faults). More would only cost address space: RLIMIT_AS counts every one.
 constexpr size_t kWriterIdleMappings = 4;
-
-enum State : uint64_t { kFree = 0, kWriting = 1, kDelivered = 2, kLent = 3 };
-constexpr uint64_t kStateMask = 3;
-constexpr uint64_t kWriterHolds = 4;
-constexpr uint64_t kPidMask = (uint64_t{1} << 29) - 1;
-
-State state_of(uint64_t word) {
-  return static_cast<State>(word & kStateMask);
-}
-bool writer_holds(uint64_t word) {
-  return (word & kWriterHolds) != 0;
-}
-int64_t pid_of(uint64_t word) {
-  return static_cast<int64_t>((word >> 3) & kPidMask);
-}
-uint32_t seq_of(uint64_t word) {
-  return static_cast<uint32_t>(word >> 32);
-}
-uint64_t make_word(State state, bool holds, int64_t pid, uint32_t seq) {
-  return (uint64_t{seq} << 32) | ((static_cast<uint64_t>(pid) & kPidMask) << 3) | (holds ? kWriterHolds : 0) |
-         static_cast<uint64_t>(state);
-}
-uint64_t with_state(uint64_t word, State state) {
-  return (word & ~kStateMask) | static_cast<uint64_t>(state);
-}
-
-size_t round_up_page(size_t bytes) {
-  return (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
-}
-
-// A writer that is gone: no such process, or a zombie not yet reaped by its parent.
-bool process_is_gone(int64_t pid) {
-  if (::kill(static_cast<pid_t>(pid), 0) != 0) {
-    return errno == ESRCH;
-  }
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');  // the command name may hold spaces and parentheses
-  if (close == std::string::npos || close + 2 >= text.size()) {
-    return false;
-  }
-  const char state = text[close + 2];
-  return state == 'Z' || state == 'X';
-}
-
-std::string describe_word(uint64_t word) {
-  std::ostringstream out;
-  switch (state_of(word)) {
-    case kFree:
-      out << "is free";
-      break;
-    case kWriting:
-      out << "is being written by pid " << pid_of(word);
-      break;
-    case kDelivered:
-      out << "holds a batch sent by pid " << pid_of(word) << " and not yet received";
-      break;
-    case kLent:
-      out << "holds a batch this process received";
-      break;
-  }
-  out << " (batch #" << seq_of(word) << ")";
-  return out.str();
-}
 
 at::Tensor bytes_over(at::Storage storage, int64_t nbytes) {
   at::Tensor view = at::empty({0}, at::TensorOptions().dtype(at::kByte));
@@ -106,32 +39,6 @@ at::Tensor bytes_over(at::Storage storage, int64_t nbytes) {
 }
 
 }  // namespace
-
-struct SharedSlots::Header {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t capacity;
-  uint64_t max_batch_bytes;
-  int64_t token;
-  int64_t owner_pid;
-  std::atomic<int64_t> claims;
-  std::atomic<int64_t> fresh_fallbacks;
-  std::atomic<int64_t> reclaimed;
-  // Regions are appended at the file's end as slots are first written or outgrown, so the file is only
-  // as large as the slots in use (a file-size limit, `ulimit -f`, counts its size, sparse or not).
-  std::atomic<uint64_t> file_end;
-
-  // A slot's region fields are written only by the writer that claimed it, before the compare-and-swap
-  // that sends the batch, and read by the others after theirs.
-  struct Slot {
-    std::atomic<uint64_t> word;           // see shared_slots.h
-    std::atomic<uint64_t> region_offset;  // where its region starts in the file (0: none yet)
-    std::atomic<uint64_t> region_bytes;   // the region's size: the largest batch written, page-rounded, + 1/16
-  };
-  Slot& slot(int64_t index) { return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + kSlotsOffset)[index]; }
-};
-static_assert(sizeof(SharedSlots::Header) <= kSlotsOffset, "the slot table starts after the header");
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are shared between processes");
 
 // One process's mapping of a slot's region; unmapped (and unregistered) when the last batch over it dies.
 struct SharedSlots::Mapping {
@@ -745,65 +652,6 @@ std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {
   }
   return {static_cast<int64_t>(batch->pool->token()), batch->slot, static_cast<int64_t>(batch->seq),
           static_cast<int64_t>(tensor.storage().nbytes()), marked};
-}
-
-void bind_shared_slots(py::module_& m) {
-  using Stats = SharedSlotStats;
-  py::class_<Stats>(m, "SharedSlotStats")
-      .def_readonly("capacity", &Stats::capacity)
-      .def_readonly("free", &Stats::free)
-      .def_readonly("writing", &Stats::writing)
-      .def_readonly("delivered", &Stats::delivered)
-      .def_readonly("lent", &Stats::lent)
-      .def_readonly("kept_by_writers", &Stats::kept_by_writers)
-      .def_readonly("slots_used", &Stats::slots_used)
-      .def_readonly("bytes_held", &Stats::bytes_held)
-      .def_readonly("file_bytes", &Stats::file_bytes)
-      .def_readonly("claims", &Stats::claims)
-      .def_readonly("fresh_fallbacks", &Stats::fresh_fallbacks)
-      .def_readonly("reclaimed", &Stats::reclaimed)
-      .def_readonly("receipts", &Stats::receipts)
-      .def_readonly("mappings", &Stats::mappings)
-      .def_readonly("registrations", &Stats::registrations)
-      .def_readonly("registration_failures", &Stats::registration_failures)
-      .def_readonly("registered_bytes", &Stats::registered_bytes);
-  const py::call_guard<py::gil_scoped_release> release_gil;
-  py::class_<SharedSlots, std::shared_ptr<SharedSlots>>(m, "SharedSlots")
-      .def_static("create", &SharedSlots::create, py::arg("capacity"))
-      .def_static("attach", &SharedSlots::attach, py::arg("fd"), "Takes over `fd`")
-      .def_property_readonly("fd", &SharedSlots::fd)
-      .def_property_readonly("token", [](const SharedSlots& pool) { return static_cast<int64_t>(pool.token()); })
-      .def_property_readonly("owner_pid", &SharedSlots::owner_pid)
-      .def_property_readonly("capacity", &SharedSlots::capacity)
-      .def(
-          "claim",
-          [](SharedSlots& pool, int64_t nbytes, int64_t bound) -> py::object {
-            at::Tensor buffer;
-            ClaimRefusal refusal;
-            {
-              py::gil_scoped_release no_gil;  // the first claim of a slot maps and faults in its pages
-              buffer = pool.claim(nbytes, bound, refusal);
-            }
-            return py::make_tuple(buffer.defined() ? py::cast(buffer) : py::none(), refusal.cause, refusal.detail);
-          },
-          py::arg("nbytes"), py::arg("bound"))
-      .def("count_fresh_fallback", &SharedSlots::count_fresh_fallback)
-      .def("undeliver", &SharedSlots::undeliver, py::arg("slot"), py::arg("seq"))
-      .def(
-          "receive",
-          [](SharedSlots& pool, int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
-             const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
-             int64_t pin_device) { return pool.receive(slot, seq, nbytes, dtype, offset, sizes, strides, pin_device); },
-          py::arg("slot"), py::arg("seq"), py::arg("nbytes"), py::arg("dtype"), py::arg("offset"), py::arg("sizes"),
-          py::arg("strides"), py::arg("pin_device"), release_gil)
-      .def("reclaim_dead_writers", &SharedSlots::reclaim_dead_writers, release_gil)
-      .def("stats", &SharedSlots::stats, release_gil)
-      .def_property_readonly("registration_failures", &SharedSlots::registration_failures)
-      .def("describe_slot", &SharedSlots::describe_slot, py::arg("slot"));
-  m.def("shared_slot_kind", &shared_slot_kind, py::arg("tensor"),
-        "0: not a shared slot; 1: a worker's view of the slot it writes; 2: a batch received from a worker; "
-        "3: the same, page-locked");
-  m.def("deliver_slot_tensor", &deliver_slot_tensor, py::arg("tensor"));
 }
 
 }  // namespace fastcollate

@@ -1,4 +1,4 @@
-// Slots shared between the main process and its DataLoader workers (issue 11).
+// Slots shared between the main process and its DataLoader workers.
 //
 // The main process owns one memfd (no name in /dev/shm, mode 0600, sealed against shrinking) for each
 // pool: a header page with one state word per slot, then the slots' regions, each appended when its slot
@@ -19,7 +19,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <cstddef>
@@ -154,7 +153,5 @@ std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor);
 // Page-locks (and unlocks) host memory this process mapped, for CUDA copies. CUDA builds only.
 void register_host_memory(void* ptr, size_t bytes, int64_t device);
 void unregister_host_memory(void* ptr, int64_t device);  // `device`: the one it was registered with
-
-void bind_shared_slots(pybind11::module_& m);
 
 }  // namespace fastcollate

@@ -9,8 +9,6 @@
 
 namespace fastcollate {
 
-namespace py = pybind11;
-
 namespace {
 
 void free_aligned(void* ptr) {
@@ -290,67 +288,6 @@ RingStats StagingRing::stats() const {
     out.in_use += (slot.memory->lent.load(std::memory_order_acquire) || copy_running) ? 1 : 0;
   }
   return out;
-}
-
-namespace {
-const py::call_guard<py::gil_scoped_release> release_gil;
-}  // namespace
-
-void bind_build_info(py::module_& m) {
-#ifdef FASTCOLLATE_WITH_CUDA
-  m.attr("built_with_cuda") = true;
-#else
-  m.attr("built_with_cuda") = false;
-#endif
-  m.def("pinned_memory_available", &pinned_memory_available,
-        "True when this build can pin memory and a CUDA device is present");
-  m.attr("built_cuda_version") = built_cuda_version();
-}
-
-void bind_staging_ring(py::module_& m) {
-  py::class_<RingStats> stats(m, "RingStats");
-  py::list fields;  // (name, C++ type, what it counts): fastcollate.staging builds its RingStats from it
-#define FASTCOLLATE_BIND_RING_STATS_FIELD(type, name, what) \
-  stats.def_readonly(#name, &RingStats::name, what);        \
-  fields.append(py::make_tuple(#name, #type, what));
-  FASTCOLLATE_RING_STATS_FIELDS(FASTCOLLATE_BIND_RING_STATS_FIELD)
-#undef FASTCOLLATE_BIND_RING_STATS_FIELD
-  stats.attr("fields") = py::tuple(fields);
-
-  py::class_<CompletionFlag>(m, "CompletionFlag")
-      .def(py::init<>())
-      .def("set", &CompletionFlag::set)
-      .def("is_set", &CompletionFlag::is_set);
-  py::class_<StagingRing>(m, "StagingRing")
-      .def(py::init<int64_t, bool, int64_t>(), py::arg("max_slots"), py::arg("pinned"), py::arg("device") = -1)
-      // Every call that takes the ring's lock releases the GIL: acquire may wait there for a copy, and
-      // whatever finishes that copy (a CUDA event; a CompletionFlag set from another Python thread)
-      // must not wait for a GIL the waiting thread holds.
-      .def("acquire", &StagingRing::acquire, py::arg("nbytes"), release_gil)
-      .def(
-          "pack",
-          [](StagingRing& ring, const std::vector<at::Tensor>& tensors) {
-            py::gil_scoped_release no_gil;
-            return ring.pack(tensors);
-          },
-          py::arg("tensors"))
-      .def("owns", &StagingRing::owns, py::arg("tensor"), release_gil)
-      .def(
-          "hold_until_stream_done",
-          [](StagingRing& ring, const at::Tensor& buffer, int64_t stream, int64_t device) {
-            return ring.hold_until_done(buffer, record_on_stream(stream, device));
-          },
-          py::arg("buffer"), py::arg("stream"), py::arg("device"), release_gil,
-          "Keeps the slot under `buffer` busy until the work queued so far on `stream` (of CUDA device "
-          "`device`) has finished")
-      .def(
-          "hold_until_flag_set",
-          [](StagingRing& ring, const at::Tensor& buffer, const CompletionFlag& flag) {
-            return ring.hold_until_done(buffer, flag.pending());
-          },
-          py::arg("buffer"), py::arg("flag"), release_gil, "Keeps the slot under `buffer` busy until `flag` is set")
-      .def("trim", &StagingRing::trim, release_gil)
-      .def("stats", &StagingRing::stats, release_gil);
 }
 
 }  // namespace fastcollate

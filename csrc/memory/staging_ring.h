@@ -2,11 +2,10 @@
 // main process (fastcollate.StagingRing wraps it).
 // Reuse removes the page faults that fresh output memory costs on every batch; a slot is handed out
 // again only when no tensor outside the ring still points into it, so a batch a user kept is never
-// overwritten. With CUDA (issue: staging ring) slots are pinned and also wait for their copy's event.
+// overwritten. With CUDA, slots are pinned and also wait for their copy's event.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -134,10 +133,5 @@ bool pinned_memory_available();
 PendingCopy record_on_stream(int64_t stream, int64_t device);
 // The CUDA runtime version this build was compiled against (e.g. 13000), or 0 for a CPU-only build.
 int64_t built_cuda_version();
-
-// _C.built_with_cuda, _C.built_cuda_version and _C.pinned_memory_available: what this build can pin.
-void bind_build_info(pybind11::module_& m);
-// _C.RingStats, _C.CompletionFlag and _C.StagingRing (the pybind handle fastcollate.StagingRing wraps).
-void bind_staging_ring(pybind11::module_& m);
 
 }  // namespace fastcollate

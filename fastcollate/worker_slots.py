@@ -185,10 +185,10 @@ def being_spawned() -> bool:
 # The main process: rebuilding a worker's slot tensor.
 
 
-# _C.shared_slot_kind of a tensor: a worker's view of the slot it writes; a batch received over a
-# page-locked mapping (DeviceLoader's).
-WRITING = 1
-PAGE_LOCKED = 3
+# _C.shared_slot_kind of a tensor (C++'s SlotKind, exported once as _C.SLOT_KIND_*): a worker's view of the
+# slot it writes; a batch received over a page-locked mapping (DeviceLoader's).
+WRITING = _C.SLOT_KIND_WRITING
+PAGE_LOCKED = _C.SLOT_KIND_PAGE_LOCKED
 
 
 def _pin_device() -> int:

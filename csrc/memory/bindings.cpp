@@ -122,9 +122,16 @@ void bind_shared_slots(py::module_& m) {
       .def("stats", &SharedSlots::stats, release_gil)
       .def_property_readonly("registration_failures", &SharedSlots::registration_failures)
       .def("describe_slot", &SharedSlots::describe_slot, py::arg("slot"));
-  m.def("shared_slot_kind", &shared_slot_kind, py::arg("tensor"),
-        "0: not a shared slot; 1: a worker's view of the slot it writes; 2: a batch received from a worker; "
-        "3: the same, page-locked");
+  // Plain ints, so that Python compares them with ==, as it did the numbers they name.
+  m.attr("SLOT_KIND_NONE") = static_cast<int64_t>(SlotKind::kNone);
+  m.attr("SLOT_KIND_WRITING") = static_cast<int64_t>(SlotKind::kWriting);
+  m.attr("SLOT_KIND_RECEIVED") = static_cast<int64_t>(SlotKind::kReceived);
+  m.attr("SLOT_KIND_PAGE_LOCKED") = static_cast<int64_t>(SlotKind::kPageLocked);
+  m.def(
+      "shared_slot_kind", [](const at::Tensor& tensor) { return static_cast<int64_t>(shared_slot_kind(tensor)); },
+      py::arg("tensor"),
+      "SLOT_KIND_NONE: not a shared slot; SLOT_KIND_WRITING: a worker's view of the slot it writes; "
+      "SLOT_KIND_RECEIVED: a batch received from a worker; SLOT_KIND_PAGE_LOCKED: the same, page-locked");
   m.def("deliver_slot_tensor", &deliver_slot_tensor, py::arg("tensor"));
 }
 

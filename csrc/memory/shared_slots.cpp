@@ -630,15 +630,15 @@ const LentBatch* lent_batch(const at::Tensor& tensor, void (*deleter)(void*)) {
 
 }  // namespace
 
-int64_t shared_slot_kind(const at::Tensor& tensor) {
+SlotKind shared_slot_kind(const at::Tensor& tensor) {
   if (lent_batch(tensor, &writer_released) != nullptr) {
-    return 1;
+    return SlotKind::kWriting;
   }
   const LentBatch* received = lent_batch(tensor, &reader_released);
   if (received == nullptr) {
-    return 0;
+    return SlotKind::kNone;
   }
-  return received->mapping->registered.load() ? 3 : 2;
+  return received->mapping->registered.load() ? SlotKind::kPageLocked : SlotKind::kReceived;
 }
 
 std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {

@@ -140,9 +140,15 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::atomic<int64_t> registration_failures_{0};
 };
 
-// What a tensor's storage is, by its deleter: 0 not a slot; 1 a worker's view of the slot it is
-// writing; 2 a batch received from a worker; 3 the same, page-locked.
-int64_t shared_slot_kind(const at::Tensor& tensor);
+// What a tensor's storage is, by its deleter. Exported to Python once, as _C.SLOT_KIND_NONE and the others
+// (bindings.cpp), which worker_slots.py compares _C.shared_slot_kind with: the values are the module's API.
+enum class SlotKind : int64_t {
+  kNone = 0,        // not a slot
+  kWriting = 1,     // a worker's view of the slot it is writing
+  kReceived = 2,    // a batch received from a worker
+  kPageLocked = 3,  // the same, over the slot's page-locked mapping (DeviceLoader's)
+};
+SlotKind shared_slot_kind(const at::Tensor& tensor);
 // For a worker's view of a slot it wrote: marks the slot delivered (it is about to be sent) and returns
 // (pool token, slot, sequence number, storage bytes, first) where first is 1 when this call marked it and
 // 0 when it was delivered already. Empty when the tensor is not such a view, or its batch was received

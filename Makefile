@@ -11,7 +11,10 @@ PY := .venv/bin/python
 DEPS := .venv/.stamp-deps
 endif
 
-SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp) setup.py pyproject.toml
+# Every C++ and CUDA file under csrc/, at any depth (memory/, ops/cpu/, ops/cuda/, memory/cuda/): a change
+# to any of them rebuilds, and make lint checks them all.
+CSRC := $(shell find csrc -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' \) | sort)
+SOURCES := $(CSRC) setup.py pyproject.toml
 
 help:
 	@echo "make demo      build, then workers on pre-decoded images (slots on/off), the PIL-bound bench, arrays"
@@ -93,7 +96,7 @@ sanitize: $(DEPS)
 lint:
 	@PATH="$(CURDIR)/.venv/bin:$$PATH"; command -v ruff >/dev/null && command -v clang-format >/dev/null \
 		|| { echo "make lint needs ruff and clang-format: pip install ruff clang-format"; exit 2; }; \
-		ruff check . && clang-format --dry-run -Werror csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/* \
+		ruff check . && clang-format --dry-run -Werror $(CSRC) \
 		&& echo "ruff and clang-format: clean"
 
 # Another interpreter with its own torch already installed (e.g. torch 2.11 on Python 3.12, as on the GPU

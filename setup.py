@@ -132,12 +132,21 @@ say(
     f"sanitizers: {sanitizers or 'none'}"
 )
 
-sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+
+# csrc/ by concern (memory/, ops/, the collate files): every .cpp, but those in a cuda/ folder
+# (ops/cuda/, memory/cuda/) and the .cu files only in a CUDA build: only they include CUDA headers.
+def in_cuda_folder(path: str) -> bool:
+    return "cuda" in path.split("/")[1:-1]
+
+
+cpp_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+sources = [path for path in cpp_sources if not in_cuda_folder(path)]
 define_macros = []
 include_dirs = [os.path.abspath("csrc")]
 extra = {"cxx": cxx_flags}
 if USE_CUDA:
-    sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    sources += [path for path in cpp_sources if in_cuda_folder(path)]
     define_macros.append(("FASTCOLLATE_WITH_CUDA", None))
     extra["nvcc"] = ["-O3", "-lineinfo"] + (["-g", "-G"] if debug else [])
     extension_class = CUDAExtension

@@ -27,7 +27,7 @@ DEFAULT_MAX_SLOTS = 8
 
 _FIELD_TYPES = {"int64_t": int, "bool": bool}
 
-# The fields are the C++ RingStats' (csrc/staging_ring.h lists them once); this is their Python face.
+# The fields are the C++ RingStats' (csrc/memory/staging_ring.h lists them once); this is their Python face.
 RingStats = make_dataclass(
     "RingStats",
     [(name, _FIELD_TYPES[ctype]) for name, ctype, _ in _C.RingStats.fields],

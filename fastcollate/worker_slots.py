@@ -2,7 +2,7 @@
 
 Without them every batch a worker collates goes into fresh shared memory: a new segment, a new mapping
 in each process and a page fault per 4 KiB on both sides, then (under DeviceLoader) one more copy into
-pinned memory. With them (csrc/shared_slots.cpp):
+pinned memory. With them (csrc/memory/shared_slots.cpp):
 
 - The main process makes a pool (one memfd: no name in /dev/shm, mode 0600) when its workers start: in
   a fork hook for forked workers, or when the Assembler is pickled for a spawned or forkserver worker,
@@ -185,10 +185,10 @@ def being_spawned() -> bool:
 # The main process: rebuilding a worker's slot tensor.
 
 
-# _C.shared_slot_kind of a tensor: a worker's view of the slot it writes; a batch received over a
-# page-locked mapping (DeviceLoader's).
-WRITING = 1
-PAGE_LOCKED = 3
+# _C.shared_slot_kind of a tensor (C++'s SlotKind, exported once as _C.SLOT_KIND_*): a worker's view of the
+# slot it writes; a batch received over a page-locked mapping (DeviceLoader's).
+WRITING = _C.SLOT_KIND_WRITING
+PAGE_LOCKED = _C.SLOT_KIND_PAGE_LOCKED
 
 
 def _pin_device() -> int:

@@ -325,7 +325,7 @@ def test_two_padded_fields_over_the_same_named_dims_share_one_mask():
     def planned_bytes(contract):
         return _C.Collator("id", contract.native_specs(), True).plan(records).nbytes
 
-    alignment = 64  # every field starts at a multiple of 64 bytes (csrc/copy_kernels.h)
+    alignment = 64  # every field starts at a multiple of 64 bytes (csrc/memory/copy_kernels.h)
     mask_bytes = -(-batch["attention_mask"].nbytes // alignment) * alignment
     assert planned_bytes(bert_like_contract(mask="other")) - planned_bytes(bert_like_contract()) == mask_bytes
     # Fields under different containers put their masks in different dicts: not shared.

@@ -1,0 +1,55 @@
+#include "collate/contract_fields.h"
+
+#include <algorithm>
+#include <iterator>
+
+namespace fastcollate {
+
+namespace {
+
+std::vector<std::string> named_dims_of(const FieldSpec& field) {
+  std::vector<std::string> names;
+  std::copy_if(field.dim_names.begin(), field.dim_names.end(), std::back_inserter(names),
+               [](const std::string& name) { return !name.empty(); });
+  return names;
+}
+
+}  // namespace
+
+ContractFields::ContractFields(std::string id_key, std::vector<FieldSpec> fields, bool has_contract)
+    : id_key_(std::move(id_key)), fields_(std::move(fields)), has_contract_(has_contract) {
+  // Padded fields by the key their mask goes under: a shared mask is built once, so the fields must
+  // agree on what it is (contract.py refuses the rest first, with the same rule).
+  std::unordered_map<std::string, const FieldSpec*> masks;
+  for (size_t i = 0; i < fields_.size(); ++i) {
+    const auto& field = fields_[i];
+    TORCH_CHECK(by_path_.emplace(field.path, i).second, "Contract: field '", field.path, "' declared twice");
+    TORCH_CHECK(field.dim_names.size() == (field.shape ? field.shape->size() : 0), "Contract: field '", field.path,
+                "': dim_names and shape differ in length");
+    if (field.padded()) {
+      auto [first, added] = masks.emplace(child_path(parent_path(field.path), field.mask_name), &field);
+      TORCH_CHECK(added || (named_dims_of(*first->second) == named_dims_of(field) &&
+                            first->second->mask_dtype == field.mask_dtype),
+                  "Contract: padded fields '", first->second->path, "' and '", field.path, "' share mask '",
+                  field.mask_name, "' but pad different named dims or into different mask dtypes");
+    }
+    // Every prefix of a declared path is a container ("" is the sample itself).
+    if (!field.path.empty()) {
+      container_paths_[""] = true;
+    }
+    for (size_t dot = field.path.find('.'); dot != std::string::npos; dot = field.path.find('.', dot + 1)) {
+      container_paths_[field.path.substr(0, dot)] = true;
+    }
+  }
+}
+
+const FieldSpec* ContractFields::field(const std::string& path) const {
+  auto found = by_path_.find(path);
+  return found == by_path_.end() ? nullptr : &fields_[found->second];
+}
+
+bool ContractFields::is_container_path(const std::string& path) const {
+  return container_paths_.count(path) != 0;
+}
+
+}  // namespace fastcollate

@@ -1,0 +1,31 @@
+// A contract's fields as the walk reads them: each declared leaf by its path, which paths are containers,
+// and how samples are named in errors. Checked once, when an Assembler's collator is made.
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "collate/field_spec.h"
+
+namespace fastcollate {
+
+class ContractFields {
+ public:
+  ContractFields(std::string id_key, std::vector<FieldSpec> fields, bool has_contract);
+
+  const std::string& id_key() const { return id_key_; }
+  bool has_contract() const { return has_contract_; }
+  const FieldSpec* field(const std::string& path) const;
+  bool is_container_path(const std::string& path) const;
+  const std::vector<FieldSpec>& fields() const { return fields_; }
+
+ private:
+  std::string id_key_;
+  std::vector<FieldSpec> fields_;
+  std::unordered_map<std::string, size_t> by_path_;
+  std::unordered_map<std::string, bool> container_paths_;
+  bool has_contract_;
+};
+
+}  // namespace fastcollate

@@ -1,0 +1,58 @@
+// The contract's rules, stated once: the walk (per sample) and the column gather (per column of an
+// Arrays batch) both ask these, so a broken rule reads the same on either path. A rule returns what is
+// wrong as a Violation; the caller names the sample and raises it (raise_violation).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <string>
+
+#include "collate/field_spec.h"
+
+namespace fastcollate {
+
+// What a sample's field broke: the ContractError kind (a key of fastcollate.errors.ERROR_KINDS) and the
+// words of its message.
+struct Violation {
+  const char* kind;
+  std::string expected;
+  std::string got;
+  std::string hint;
+};
+
+// Raises the ContractError for sample `batch[position]` (its id read under `id_key`; `batch` None when no
+// sample carries one).
+[[noreturn]] void raise_violation(const Violation& violation, py::handle batch, size_t position,
+                                  const std::string& field, const std::string& id_key);
+
+// The declared dtype, or one the field declares castable to it (cast_from).
+std::optional<Violation> dtype_rule(const FieldSpec& spec, at::ScalarType declared, at::ScalarType got);
+
+// The declared shape's fixed dims (or the whole shape one of expand_from). Named dims are not compared
+// here: they agree between fields (named_dim_misfit) or are padded.
+std::optional<Violation> declared_shape_rule(const FieldSpec& spec, at::IntArrayRef sizes);
+
+// A named dim of `size` in field `path` where field `owner` of the same sample gave it `known`.
+Violation named_dim_misfit(const std::string& name, int64_t known, const std::string& owner, int64_t size);
+
+// Whether `value` is one of `dtype`'s: not 1e10 as float16 (inf), 300 as int8 (44) or 2.5 as int64 (2).
+bool value_fits(double value, at::ScalarType dtype);
+
+// The bytes of `value` as `dtype` for a fill, when it fits; `what` (pad, separator) names the declared value.
+std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint);
+
+// A range bounds real values: complex ones have none.
+std::optional<Violation> range_dtype_rule(at::ScalarType dtype);
+
+// The first of `numel` elements of `dtype` at `data` outside [low, high) (NaN included), compared as
+// doubles; -1 when all lie inside. `value` gets the element.
+int64_t first_out_of_range(const void* data, at::ScalarType dtype, int64_t numel, const ValueRange& range,
+                           double& value);
+
+// The range rule's words for the element at `flat` (the position within the sample, not its value:
+// sample contents may be sensitive, and the bound is enough to act on).
+Violation range_misfit(const ValueRange& range, int64_t flat, double value);
+
+}  // namespace fastcollate

@@ -1,0 +1,346 @@
+// The walk's structure: which kind of node each value makes, containers (dicts, mappings, lists, tuples,
+// namedtuples, sequences), strings, and where each tensor goes in the batch buffer.
+#include "collate/walk.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "collate/messages.h"
+#include "collate/plan.h"
+
+namespace fastcollate {
+
+void Walk::fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
+                const std::string& got, const std::string& hint) const {
+  fail(Violation{kind, expected, got, hint}, index, field);
+}
+
+void Walk::fail(const Violation& violation, size_t index, const std::string& field) const {
+  raise_violation(violation, batch_, index, field, contract_.id_key());
+}
+
+void Walk::fail_from(const py::error_already_set& error, size_t index, const std::string& field,
+                     const std::string& expected, const std::string& hint) const {
+  // The ContractError kind whose class is also the class of `error` (TypeError stays a TypeError, ...),
+  // so code written for default_collate's errors still works. The table is fastcollate.errors'.
+  const std::string kind = python_refs().error_kind(error.value()).cast<std::string>();
+  fail(kind.c_str(), index, field, expected, first_line(error), hint);
+}
+
+const FieldSpec* Walk::leaf_spec(const std::string& path, size_t index) const {
+  if (!contract_.has_contract()) {
+    return nullptr;
+  }
+  const FieldSpec* spec = contract_.field(path);
+  if (spec == nullptr) {
+    fail("key", index, path, "no such field (the contract does not declare it)", "a value",
+         "declare the field in the contract, or remove it in the dataset's transform");
+  }
+  return spec;
+}
+
+void Walk::check_all_fields_seen() {
+  if (!contract_.has_contract()) {
+    return;
+  }
+  for (const auto& spec : contract_.fields()) {
+    if (std::find(seen_fields_.begin(), seen_fields_.end(), spec.path) == seen_fields_.end()) {
+      fail("key", 0, spec.path, "a value (the contract declares this field)", "no such field",
+           "return the field from the dataset, or remove it from the contract");
+    }
+  }
+}
+
+std::unique_ptr<Node> Walk::node(const Items& items, const std::string& path) {
+  PyObject* elem = items[0];
+  const PythonRefs& refs = python_refs();
+  if (contract_.has_contract() && !contract_.is_container_path(path)) {
+    const FieldSpec* spec = leaf_spec(path, 0);
+    seen_fields_.push_back(path);
+    switch (spec->kind) {
+      case FieldKind::Number:
+        return numbers(items, path, spec);
+      case FieldKind::Text:
+        return texts(items, path, spec);
+      case FieldKind::Tensor:
+        return tensors(items, path, spec);
+    }
+  }
+  if (THPVariable_Check(elem) || is_instance(elem, refs.ndarray)) {
+    return tensors(items, path, nullptr);
+  }
+  if (is_instance(elem, refs.numpy_generic) && !PyUnicode_Check(elem) && !PyBytes_Check(elem)) {
+    return left_to_default(items, path);  // numpy scalars: torch.as_tensor(batch), as default_collate does
+  }
+  if (PyFloat_Check(elem) || PyLong_Check(elem)) {
+    return numbers(items, path, nullptr);
+  }
+  if (PyUnicode_Check(elem) || PyBytes_Check(elem)) {
+    return texts(items, path, nullptr);
+  }
+  if (PyDict_Check(elem) || is_instance(elem, refs.mapping_abc)) {
+    return mapping(items, path, PyDict_Check(elem));
+  }
+  if (PyTuple_Check(elem) || PyList_Check(elem) || is_instance(elem, refs.sequence_abc)) {
+    return sequence(items, path);
+  }
+  fail("type", 0, path, "tensors, numpy arrays, numbers, strings, dicts or lists", type_name(elem),
+       "convert the field to a tensor in the dataset, or drop it there explicitly");
+}
+
+std::unique_ptr<Node> Walk::left_to_default(const Items& items, const std::string& path) {
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Ready;
+  node->path = path;
+  py::list values(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    values[i] = py::reinterpret_borrow<py::object>(items[i]);
+  }
+  node->ready = python_refs().default_collate(values, path, batch_, contract_.id_key());
+  return node;
+}
+
+std::unique_ptr<Node> Walk::texts(const Items& items, const std::string& path, const FieldSpec* spec) {
+  auto node = std::make_unique<Node>();
+  node->kind = Node::Kind::Ready;
+  node->path = path;
+  py::list values(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (spec != nullptr && !PyUnicode_Check(items[i]) && !PyBytes_Check(items[i])) {
+      fail("type", i, path, "a str or bytes (declared text)", type_name(items[i]));
+    }
+    values[i] = py::reinterpret_borrow<py::object>(items[i]);
+  }
+  node->ready = std::move(values);
+  node->text = true;
+  return node;
+}
+
+namespace {
+
+std::vector<py::object> keys_of(PyObject* elem, bool is_dict) {
+  std::vector<py::object> keys;
+  if (is_dict) {
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(elem, &position, &key, &value)) {
+      keys.push_back(py::reinterpret_borrow<py::object>(key));
+    }
+  } else {
+    for (py::handle key : py::reinterpret_borrow<py::object>(elem).attr("keys")()) {
+      keys.push_back(py::reinterpret_borrow<py::object>(key));
+    }
+  }
+  return keys;
+}
+
+// Fast path: a dict whose keys come in sample 0's order (the usual case: one code path made every
+// sample) is read in one PyDict_Next pass with no hashing; what does not line up stays null. Value k of
+// sample i is at k * count + i.
+std::vector<py::object> values_in_key_order(const std::vector<PyObject*>& items, const std::vector<py::object>& keys) {
+  const size_t count = items.size();
+  std::vector<py::object> in_order(keys.size() * count);
+  for (size_t i = 0; i < count; ++i) {
+    if (!PyDict_Check(items[i])) {
+      continue;
+    }
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    for (size_t k = 0; k < keys.size() && PyDict_Next(items[i], &position, &key, &value); ++k) {
+      if (key != keys[k].ptr()) {
+        const int equal = PyObject_RichCompareBool(key, keys[k].ptr(), Py_EQ);
+        if (equal < 0) {
+          throw py::error_already_set();
+        }
+        if (equal == 0) {
+          break;
+        }
+      }
+      in_order[k * count + i] = py::reinterpret_borrow<py::object>(value);
+    }
+  }
+  return in_order;
+}
+
+// The value of `key` in `item`, looked up; null when it has none.
+py::object look_up(PyObject* item, const py::object& key) {
+  if (PyDict_Check(item)) {
+    PyObject* found = PyDict_GetItemWithError(item, key.ptr());
+    if (found == nullptr && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return py::reinterpret_borrow<py::object>(found);
+  }
+  py::object value = py::reinterpret_steal<py::object>(PyObject_GetItem(item, key.ptr()));
+  if (!value) {
+    PyErr_Clear();
+  }
+  return value;
+}
+
+}  // namespace
+
+std::unique_ptr<Node> Walk::mapping(const Items& items, const std::string& path, bool is_dict) {
+  PyObject* elem = items[0];
+  auto node = std::make_unique<Node>();
+  node->kind = PyDict_CheckExact(elem) ? Node::Kind::Dict : Node::Kind::Mapping;
+  node->path = path;
+  node->elem = py::reinterpret_borrow<py::object>(elem);
+  node->keys = keys_of(elem, is_dict);
+  check_same_keys(items, path, *node);
+  // Every value is held from here until the plan is done (BatchPlan::held): Python code the walk runs (a
+  // key's __eq__, a mapping's __getitem__, a tensor subclass's __torch_function__, another thread meanwhile)
+  // may remove values from their dicts, and execute() reads the tensors without the GIL.
+  const size_t count = items.size();
+  std::vector<py::object> in_order = values_in_key_order(items, node->keys);
+  std::vector<PyObject*> values(count);
+  for (size_t k = 0; k < node->keys.size(); ++k) {
+    const py::object& key = node->keys[k];
+    const std::string key_path = child_path(path, py::str(key));
+    for (size_t i = 0; i < count; ++i) {
+      py::object& value = in_order[k * count + i];
+      if (!value) {
+        value = look_up(items[i], key);
+      }
+      if (!value) {
+        fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
+             "every sample must have the same fields");
+      }
+      values[i] = value.ptr();
+    }
+    node->children.push_back(this->node(values, key_path));
+  }
+  plan_.held.push_back(std::move(in_order));
+  return node;
+}
+
+void Walk::check_same_keys(const Items& items, const std::string& path, const Node& node) {
+  PyObject* elem = items[0];
+  const Py_ssize_t key_count = static_cast<Py_ssize_t>(node.keys.size());
+  // Under a contract the sample that breaks the contract is named: sample 0 when it lacks a declared
+  // field or has an undeclared one.
+  auto declared = [&](const std::string& key_path) {
+    return contract_.field(key_path) != nullptr || contract_.is_container_path(key_path);
+  };
+  for (size_t i = 1; i < items.size(); ++i) {
+    PyObject* item = items[i];
+    if (!PyDict_Check(item) && !is_instance(item, python_refs().mapping_abc)) {
+      fail("type", i, path_or_sample(path), "a mapping (like sample 0)", type_name(item));
+    }
+    const Py_ssize_t size = PyObject_Length(item);
+    if (size < 0) {
+      throw py::error_already_set();
+    }
+    if (size == key_count) {
+      continue;
+    }
+    // Find a key one side has and the other lacks, to name it.
+    for (const auto& key : node.keys) {
+      if (PySequence_Contains(py::handle(item).attr("keys")().ptr(), key.ptr()) != 1) {
+        const std::string key_path = child_path(path, py::str(key));
+        if (contract_.has_contract() && !declared(key_path)) {
+          fail("key", 0, key_path, "no such field (the contract does not declare it)", "a value",
+               "declare the field in the contract, or remove it in the dataset's transform");
+        }
+        fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
+             "every sample must have the same fields");
+      }
+    }
+    for (py::handle key : py::handle(item).attr("keys")()) {
+      if (PySequence_Contains(py::handle(elem).attr("keys")().ptr(), key.ptr()) != 1) {
+        const std::string key_path = child_path(path, py::str(key));
+        if (contract_.has_contract() && declared(key_path)) {
+          fail("key", 0, key_path, "a value (the contract declares this field)", "no such field",
+               "return the field from the dataset, or remove it from the contract");
+        }
+        fail("key", i, key_path, "no such field (sample 0 lacks it)", "a value",
+             "every sample must have the same fields; default_collate would have dropped this one silently");
+      }
+    }
+  }
+}
+
+std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path) {
+  PyObject* elem = items[0];
+  auto node = std::make_unique<Node>();
+  node->path = path;
+  node->elem = py::reinterpret_borrow<py::object>(elem);
+  const bool named_tuple =
+      PyTuple_Check(elem) && PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(elem)), "_fields");
+  node->kind = named_tuple                                      ? Node::Kind::NamedTuple
+               : PyTuple_Check(elem) || PyList_CheckExact(elem) ? Node::Kind::List
+                                                                : Node::Kind::Sequence;
+  // PySequence_Fast gives list/tuple items without copying; other sequences are listed once.
+  std::vector<py::object> fast(items.size());
+  const Py_ssize_t length = PyObject_Length(elem);
+  if (length < 0) {
+    throw py::error_already_set();
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* item = items[i];
+    const bool is_sequence =
+        PyList_Check(item) || PyTuple_Check(item) ||
+        (!PyUnicode_Check(item) && !PyBytes_Check(item) && is_instance(item, python_refs().sequence_abc));
+    if (!is_sequence) {
+      fail("type", i, path_or_sample(path), "a sequence (like sample 0)", type_name(item));
+    }
+    // A tuple: its length and items stay fixed while the walk runs Python code (a list could shrink).
+    fast[i] = py::reinterpret_steal<py::object>(PySequence_Tuple(item));
+    if (!fast[i]) {
+      throw py::error_already_set();
+    }
+    if (PySequence_Fast_GET_SIZE(fast[i].ptr()) != length) {
+      fail("size", i, path_or_sample(path), std::to_string(length) + " elements (as sample 0)",
+           std::to_string(PySequence_Fast_GET_SIZE(fast[i].ptr())) + " elements",
+           "each element in list of batch should be of equal size");
+    }
+  }
+  std::vector<PyObject*> values(items.size());
+  for (Py_ssize_t k = 0; k < length; ++k) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      values[i] = PySequence_Fast_GET_ITEM(fast[i].ptr(), k);
+    }
+    std::string name =
+        named_tuple ? py::str(py::handle(elem).attr("_fields")[py::int_(k)]).cast<std::string>() : std::to_string(k);
+    auto child = this->node(values, child_path(path, name));
+    if (child->padded) {
+      // A sequence's batch is a sequence of the same length: no place for the mask and lengths beside it.
+      fail("type", 0, child->path, "a padded field in a mapping (its mask and lengths go beside it, by key)",
+           "a padded field in a " + type_name(elem),
+           "make the sample a dict (e.g. {\"tokens\": ..., \"label\": ...}), or declare no pad");
+    }
+    if (child->packed) {
+      // The keys beside a packed row (position ids, cu_seq_lens, ...) go beside it, by key.
+      fail("type", 0, child->path, "a packed field in a mapping (the keys beside it go there, by key)",
+           "a packed field in a " + type_name(elem), "make the sample a dict (e.g. {\"input_ids\": ..., \"id\": ...})");
+    }
+    if (child->text) {
+      child->ready = py::tuple(child->ready);  // default_collate hands strings back as zip gave them
+    }
+    node->children.push_back(std::move(child));
+  }
+  for (auto& sequence : fast) {
+    plan_.keepalive.push_back(std::move(sequence));
+  }
+  return node;
+}
+
+void Walk::lay_out(Node& node) {
+  // Sizes come from samples (a stride-0 expand can claim any size): the product must not wrap.
+  uint64_t bytes = c10::elementSize(node.dtype);
+  bool overflow = false;
+  for (int64_t size : node.shape) {
+    overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(size), &bytes);
+  }
+  const uint64_t limit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) - 2 * kFieldAlignment;
+  if (overflow || bytes > limit - static_cast<uint64_t>(plan_.nbytes())) {
+    fail("size", 0, path_or_sample(node.path), "a batch that fits in memory",
+         "a batch of shape " + shape_string(node.shape) + " " + dtype_string(node.dtype) + " (over 2^63 bytes)",
+         "check the sample's shape (an expand() can claim any size)");
+  }
+  node.offset = plan_.reserve(static_cast<size_t>(bytes));
+}
+
+}  // namespace fastcollate

@@ -355,7 +355,7 @@ def test_device_loader_on_the_cpu_passes_gathered_batches_through_unchanged():
     assert seen == list(range(40))
 
 
-# --- found by a hostile review ----------------------------------------------------------------------
+# --- odd columns and contracts: memmap slices, casts, unsigned ranges, read-only arrays, refused batches ----
 
 
 def test_slices_of_a_memmap_pickle_as_their_place_in_the_file(tmp_path):

@@ -298,7 +298,7 @@ def test_opcheck_gather_packed_into_and_packed_positions_into():
 
 
 # ---------------------------------------------------------------------------------------------------
-# What a hostile review found: each case must give the walk's batch, or the walk's error
+# Edges of packing by column: each case must give the walk's batch, or the walk's error
 
 
 def test_a_float_column_cast_to_integers_goes_to_the_walk_which_refuses_nan_and_overflow():

@@ -73,44 +73,31 @@ void cast_rows(const std::vector<const void*>& rows, Out* dst, int64_t row_eleme
 // ATen. Returns false when the pair is not one of them.
 bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, const at::Tensor& out,
                     int64_t row_elements) {
+  const at::ScalarType out_type = out.scalar_type();
   const bool in_floating = at::isFloatingType(in);
-  const bool out_floating = at::isFloatingType(out.scalar_type());
-  if (in == at::kBool || at::isComplexType(in) || at::isComplexType(out.scalar_type()) ||
-      (in_floating && !out_floating)) {
+  const bool out_floating = at::isFloatingType(out_type);
+  const bool out_taken =
+      out_type == at::kLong || out_type == at::kInt || out_type == at::kFloat || out_type == at::kDouble;
+  if (!out_taken || in == at::kBool || at::isComplexType(in) || (in_floating && !out_floating)) {
     return false;
   }
   const int64_t batch = static_cast<int64_t>(rows.size());
   const int64_t grain = std::max<int64_t>(1, kCastChunkBytes / std::max<int64_t>(row_elements * 8, 1));
   arm_mapped_read_guard();
-  bool done = true;
-  AT_DISPATCH_V2(in, "gather_casting", AT_WRAP([&] {
-                   using In = scalar_t;
-                   auto run = [&](auto* dst) {
-                     using Out = std::remove_pointer_t<decltype(dst)>;
-                     at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
-                       guard_mapped_reads([&] { cast_rows<In, Out>(rows, dst, row_elements, begin, end); });
-                     });
-                   };
-                   switch (out.scalar_type()) {
-                     case at::kLong:
-                       run(out.data_ptr<int64_t>());
-                       break;
-                     case at::kInt:
-                       run(out.data_ptr<int32_t>());
-                       break;
-                     case at::kFloat:
-                       run(out.data_ptr<float>());
-                       break;
-                     case at::kDouble:
-                       run(out.data_ptr<double>());
-                       break;
-                     default:
-                       done = false;
-                   }
-                 }),
-                 AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), at::kFloat, at::kDouble,
-                 at::kHalf, at::kBFloat16);
-  return done;
+  AT_DISPATCH_V2(
+      in, "gather_casting", AT_WRAP([&] {
+        using In = scalar_t;
+        AT_DISPATCH_V2(out_type, "gather_casting", AT_WRAP([&] {
+                         auto* dst = out.data_ptr<scalar_t>();
+                         at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+                           guard_mapped_reads([&] { cast_rows<In, scalar_t>(rows, dst, row_elements, begin, end); });
+                         });
+                       }),
+                       at::kLong, at::kInt, at::kFloat, at::kDouble);
+      }),
+      AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), at::kFloat, at::kDouble, at::kHalf,
+      at::kBFloat16);
+  return true;
 }
 
 }  // namespace
@@ -177,6 +164,11 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
 
 namespace {
 
+// The length of row index[b] of a ragged column.
+inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
+  return offset[index[b] + 1] - offset[index[b]];
+}
+
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
 // they may have been changed since, and the ops may be called directly).
@@ -223,10 +215,9 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   const int64_t* offset = offsets.const_data_ptr<int64_t>();
   const int64_t total = values.size(0);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = offset[index[b]];
-    const int64_t stop = offset[index[b] + 1];
-    TORCH_CHECK(stop - start <= longest, "gather_ragged_into: row ", index[b], " has length ", stop - start,
-                ", longer than out's ", longest);
+    const int64_t length = row_length(offset, index, b);
+    TORCH_CHECK(length <= longest, "gather_ragged_into: row ", index[b], " has length ", length, ", longer than out's ",
+                longest);
   }
   at::assert_no_overlap(out, values);
   at::assert_no_overlap(out, mask);
@@ -315,10 +306,9 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   const int64_t* offset = offsets.const_data_ptr<int64_t>();
   const int64_t total = values.size(0);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = offset[index[b]];
-    const int64_t stop = offset[index[b] + 1];
-    TORCH_CHECK(stop - start == cu[b + 1] - cu[b], "gather_packed_into: row ", index[b], " (batch position ", b,
-                ") has length ", stop - start, " but cu_seq_lens gives it ", cu[b + 1] - cu[b]);
+    const int64_t length = row_length(offset, index, b);
+    TORCH_CHECK(length == cu[b + 1] - cu[b], "gather_packed_into: row ", index[b], " (batch position ", b,
+                ") has length ", length, " but cu_seq_lens gives it ", cu[b + 1] - cu[b]);
   }
   if (out.numel() == 0) {
     return;

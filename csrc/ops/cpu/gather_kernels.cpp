@@ -247,7 +247,7 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
       jobs.add_memcpy(base + static_cast<size_t>(start) * step_bytes, row, length * step_bytes);
     }
     jobs.fills.push_back({row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
-                          values.element_size(), pad});
+                          static_cast<size_t>(values.element_size()), pad});
     unsigned char* mask_row = mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element;
     jobs.fills.push_back({mask_row, length, mask_element, one});
     jobs.fills.push_back({mask_row + length * mask_element, static_cast<size_t>(longest) - length, mask_element, 0});
@@ -263,7 +263,7 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
       const size_t length = static_cast<size_t>(length_values[b]);
       unsigned char* row = cast_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * out_step_bytes;
       padding.fills.push_back({row + length * out_step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
-                               out.element_size(), out_pad});
+                               static_cast<size_t>(out.element_size()), out_pad});
     }
     padding.run();
   }

@@ -259,6 +259,7 @@ void bind_batch_plan(py::module_& m) {
       .def_property_readonly("nbytes", &BatchPlan::nbytes)
       .def_property_readonly("views", &BatchPlan::views)
       .def_property_readonly("failed_key", [](const BatchPlan& plan) { return plan.failed_key; })
+      .def_property_readonly("overflowed_ring", &BatchPlan::overflowed_ring)
       .def("execute", &BatchPlan::execute, py::arg("buffer"), py::arg("small_fields_apart") = true)
       .def("execute_in_ring", &BatchPlan::execute_in_ring, py::arg("ring"), py::arg("small_fields_apart") = true);
   py::class_<Collator>(m, "Collator")
@@ -294,8 +295,8 @@ void bind_column_gather(py::module_& m) {
            py::arg("kind"), py::arg("key"), py::arg("rows") = py::none(), py::arg("values") = py::none(),
            py::arg("offsets") = py::none(), py::arg("dtype"), py::arg("field") = py::none());
   py::class_<ColumnGather>(m, "ColumnGather")
-      .def(py::init<std::vector<GatheredColumn>, std::string, bool>(), py::arg("columns"), py::arg("id_key"),
-           py::arg("ids_are_indices"))
+      .def(py::init<std::vector<GatheredColumn>, int64_t, std::string, bool>(), py::arg("columns"), py::arg("length"),
+           py::arg("id_key"), py::arg("ids_are_indices"))
       .def("plan", &ColumnGather::plan, py::arg("indices"));
 }
 

@@ -292,7 +292,7 @@ class ArrayBatch(Sequence):
         if isinstance(indices, torch.Tensor):
             indices = indices.numpy()
         if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
-            self._checked_indices(dataset, np.ascontiguousarray(indices))  # IndexBatches' batches
+            self._checked_indices(dataset, indices)  # IndexBatches' batches
             return
         array = np.asarray(indices)
         if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
@@ -311,13 +311,13 @@ class ArrayBatch(Sequence):
                 f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
                 f"shape {array.shape}"
             )
-        self._checked_indices(dataset, np.ascontiguousarray(array, dtype=np.int64))
+        self._checked_indices(dataset, array)
 
     def _checked_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
-        # One native pass, no numpy reductions: a batch costs microseconds, and numpy's machinery run
-        # between two gathers costs more than its work.
-        if not indices.flags.writeable:
-            indices = indices.copy()  # torch views only writable arrays without a warning
+        # The batch's own copy: the caller's array changed after this check must not move a read. One
+        # native pass checks it, no numpy reductions: a batch costs microseconds, and numpy's machinery
+        # run between two gathers costs more than its work.
+        indices = np.array(indices, dtype=np.int64, order="C", copy=True)
         self.indices = indices
         self.index_tensor = torch.from_numpy(indices)
         first = _C.first_index_outside(self.index_tensor, len(dataset))

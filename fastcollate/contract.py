@@ -46,8 +46,8 @@ class Field:
             batch's longest; the batch gets ``mask`` (True at real positions, shape
             ``[batch, *longest named dims]``) and, if named, ``lengths`` (int64 ``[batch]``, or
             ``[batch, n_named_dims]``) beside the field. Without it, named dims must agree across the batch.
-            A real number the dtype holds (a whole one for integer dtypes, within 2**53 of 0: it is
-            converted as ``torch.full`` converts it, so -1 is 255 in uint8).
+            A real number the dtype holds (a whole one for integer dtypes, within 2**53 of 0; no negative
+            one for unsigned dtypes: -1 is refused in uint8, not wrapped to 255).
         mask: the mask's key (default ``"<field>_mask"``); only with ``pad``. Two padded fields may
             name the same mask key when they pad the same named dims (same names, same order) with the
             same ``mask_dtype``: their masks are then equal, and the batch holds it once (BERT's
@@ -148,8 +148,8 @@ class Field:
 
     def _check_pad(self) -> None:
         """At declaration, not at the first batch: the pad crosses to C++ as a double, as the separator
-        does, so an integer one must be exact there; whether it fits the dtype is the walk's to say (as
-        torch.full, it takes -1 as 255 in uint8)."""
+        does, so an integer one must be exact there; whether it fits the dtype is the walk's to say (the
+        rule of pad values and separators, _C.value_fits: -1 does not fit uint8)."""
         pad, dtype = self.pad, self.dtype
         if pad is None:
             return

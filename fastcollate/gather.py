@@ -7,8 +7,9 @@ The contract's rules are the walk's own (csrc/contract_rules.h), applied per col
 (``cast_from`` casts during the copy), fixed and named dims, pads and separators the dtype can hold, and
 ranges, checked on the gathered column. What this path does not cover (``expand_from``, text fields,
 padding a column that is not ragged, one mask shared by two fields, a padded dim another field names, a
-cast from floating point to an integer dtype, a range with a cast that can change values, a packed column
-of fixed-length rows or of other fixed dims, a contract the per-sample path would refuse) goes the
+cast from floating point to an integer dtype, a range with a cast that can change values, a pad or
+separator the dtype cannot hold, a packed column of fixed-length rows or of other fixed dims, a contract
+the per-sample path would refuse) goes the
 per-sample way instead, with the same result: :func:`gatherer` returns None.
 """
 
@@ -68,9 +69,8 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
         columns.append(column)
-    return _C.ColumnGather(
-        columns, id_key=dataset.id_key or id_key, ids_are_indices=dataset.id_key is not None
-    )
+    names = dataset.id_key or id_key  # the key errors name samples by
+    return _C.ColumnGather(columns, length=len(dataset), id_key=names, ids_are_indices=dataset.id_key is not None)
 
 
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
@@ -88,6 +88,9 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
         if field.range is not None and not _keeps_values(source.dtype, dtype):
             return None  # a cast that can change values (narrowing): the range is the source's to check
+        for value in (field.pad, field.separator):
+            if value is not None and not _C.value_fits(float(value), dtype):
+                return None  # the walk names it, after the samples' own ranges, as it checks them first
     made = {"key": key, "dtype": declared, "field": spec}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)

@@ -88,7 +88,12 @@ class StagingRing:
         """Runs ``plan`` (a walked or gathered batch's) into a slot of this ring, the copy with the GIL
         released. ``stacklevel`` points the overflow warning at the collate function's caller (counted as
         warn_overflow counts it; 5: through Assembler.__call__ and Assembler._execute)."""
-        out, overflowed, views = plan.execute_in_ring(self._native, small_fields_apart)
+        try:
+            out, overflowed, views = plan.execute_in_ring(self._native, small_fields_apart)
+        except BaseException:
+            if plan.overflowed_ring:  # said even when the batch then fails: the ring was full all the same
+                self.warn_overflow(stacklevel=stacklevel)
+            raise
         self.views_handed_out += views
         if overflowed:
             self.warn_overflow(stacklevel=stacklevel)

@@ -490,3 +490,72 @@ def test_a_range_on_a_ragged_column_checks_real_positions_only_whatever_the_mask
             collate(dataset.__getitems__([0, 2]))
         assert (caught.value.sample_id, caught.value.position) == (2, 1)
         assert "flat position 0" in str(caught.value)
+
+
+def test_indices_changed_after_getitems_do_not_move_the_gather():
+    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])))
+    indices = np.array([0, 1], dtype=np.int64)
+    batch = dataset.__getitems__(indices)
+    indices[1] = 10**12  # the caller's array, changed after the batch checked it
+    assert fastcollate.assemble(batch)["t"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    tensor = torch.tensor([0, 2])
+    batch = dataset.__getitems__(tensor)
+    tensor[1] = 3  # one past the end
+    assert fastcollate.assemble(batch)["t"].tolist() == [[0, 1, 2], [6, 7, 8]]
+
+
+def test_the_native_plan_refuses_what_arraybatch_would_not_hand_it():
+    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])))
+    columns = gather.gatherer(dataset, None, "id")
+    with pytest.raises(RuntimeError, match="an empty batch"):
+        columns.plan(torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(IndexError, match="index 3 .batch position 1. is out of range for 3 rows"):
+        columns.plan(torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("declared", [dict(pad=300), dict(pack=True, separator=300)])
+def test_a_value_the_dtype_cannot_hold_is_named_after_the_samples_ranges_as_the_walk_names_it(declared):
+    rows = Ragged(np.array([1, 2, 3, 100, 4], dtype=np.int8), np.array([0, 2, 4, 5]))
+    packing = fastcollate.Packing() if declared.get("pack") else None
+    contract = Contract({"t": Field(shape=("T",), range=(0, 10), **declared)}, id=None, packing=packing)
+    dataset = Arrays(t=rows, id_key=None)
+    collate = fastcollate.Assembler(contract)
+    with pytest.raises(ContractError) as gathered:
+        collate(dataset.__getitems__([0, 1, 2]))
+    with pytest.raises(ContractError) as walked:
+        collate([dataset[0], dataset[1], dataset[2]])
+    assert str(gathered.value) == str(walked.value) and gathered.value.position == 1
+
+
+def test_a_range_on_a_complex_column_names_the_first_sample_with_values():
+    values = np.array([1 + 1j, 2 + 0j], dtype=np.complex64)
+    dataset = Arrays(t=Ragged(values, np.array([0, 0, 2])))
+    contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=0, range=(0, 10))})
+    collate = fastcollate.Assembler(contract)
+    with pytest.raises(ContractError) as gathered:
+        collate(dataset.__getitems__([0, 1]))
+    with pytest.raises(ContractError) as walked:
+        collate([dataset[0], dataset[1]])
+    named = [(error.value.position, error.value.sample_id) for error in (gathered, walked)]
+    assert named == [(1, 1), (1, 1)]
+
+
+def test_a_refused_batch_in_a_full_ring_still_warns_and_its_kept_error_holds_no_slot():
+    ring = fastcollate.StagingRing(max_slots=1)
+    dataset = Arrays(a=np.arange(100).reshape(50, 2))
+    contract = Contract({"id": Field(kind="number"), "a": Field(shape=(2,), range=(0, 10))})
+    collate = fastcollate.Assembler(contract, ring=ring)
+    kept = collate(dataset.__getitems__([0, 1]))  # holds the only slot
+    with pytest.warns(ResourceWarning, match="staging slots are held"):
+        with pytest.raises(ContractError):
+            collate(dataset.__getitems__([0, 40]))  # a fresh buffer, then the range refuses it
+    del kept
+    errors = []
+    for _ in range(3):  # the errors (and their tracebacks) are kept: they must not keep the slot
+        try:
+            collate(dataset.__getitems__([0, 40]))
+        except ContractError as error:
+            errors.append(error)
+    before = ring.stats().overflow_allocations
+    collate(dataset.__getitems__([0, 1]))
+    assert ring.stats().overflow_allocations == before and len(errors) == 3

@@ -31,17 +31,6 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
-py::tuple BatchPlan::execute_in_ring(StagingRing& ring, bool small_fields_apart) {
-  bool overflowed = false;
-  at::Storage slot;
-  {
-    py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
-    slot = ring.acquire_storage(nbytes(), overflowed);
-  }
-  py::object out = execute_into(slot, 0, small_fields_apart);
-  return py::make_tuple(out, overflowed, views());
-}
-
 py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const {
   return plan(samples)->execute_in_ring(ring, small_fields_apart);
 }

@@ -16,6 +16,7 @@ namespace fastcollate {
 
 struct ColumnGather::Shared {
   std::vector<GatheredColumn> columns;
+  int64_t length = 0;
   std::string id_key;
   bool ids_are_indices = false;
 };
@@ -165,9 +166,11 @@ void gather_column(const ColumnFill& fill, const at::Tensor& indices) {
 
 }  // namespace
 
-ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, std::string id_key, bool ids_are_indices) {
+ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key,
+                           bool ids_are_indices) {
   auto shared = std::make_shared<Shared>();
   shared->columns = std::move(columns);
+  shared->length = length;
   shared->id_key = std::move(id_key);
   shared->ids_are_indices = ids_are_indices;
   for (const auto& column : shared->columns) {
@@ -176,8 +179,10 @@ ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, std::string id_k
                       column.offsets.is_contiguous() && column.values.dim() >= 1,
                   "ColumnGather: column '", column.key, "' needs int64 offsets and values with a leading dim");
     }
-    TORCH_CHECK(column.kind != Kind::Rows || column.rows.dim() >= 1, "ColumnGather: column '", column.key,
-                "' needs rows with a leading dim");
+    const int64_t rows = column.kind == Kind::Rows  ? column.rows.dim() >= 1 ? column.rows.size(0) : -1
+                         : column.kind == Kind::Ids ? length
+                                                    : column.offsets.numel() - 1;
+    TORCH_CHECK(rows == length, "ColumnGather: column '", column.key, "' has ", rows, " rows, the dataset ", length);
   }
   shared_ = std::move(shared);
 }
@@ -188,6 +193,11 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
       "ColumnGather.plan: indices must be a contiguous 1-D int64 CPU tensor");
   const Shared& shared = *shared_;
   const int64_t size = indices.numel();
+  TORCH_CHECK(size > 0, "ColumnGather.plan: an empty batch has no rows to lay out");
+  // ArrayBatch has named any bad index; this keeps the reads below inside the columns whoever calls.
+  const int64_t outside = first_index_outside(indices, shared.length);
+  TORCH_CHECK_INDEX(outside < 0, "ColumnGather.plan: index ", outside < 0 ? 0 : indices[outside].item<int64_t>(),
+                    " (batch position ", outside, ") is out of range for ", shared.length, " rows");
   const int64_t* index = indices.const_data_ptr<int64_t>();
   auto refuse = [&](const Violation& violation, size_t position, const std::string& key) {
     raise_violation(violation, sample_at(shared.ids_are_indices, shared.id_key, index, position), position, key,
@@ -241,9 +251,18 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
           }
         }
       }
-      if (field->range && source.numel() > 0) {
-        if (auto violation = range_dtype_rule(source.scalar_type())) {
-          refuse(*violation, 0, column.key);
+      if (field->range) {
+        // As the walk: a sample with no element has no value to order, so the first one with some is named.
+        const int64_t row_elements = c10::multiply_integers(source.sizes().slice(1));
+        const auto has_elements = [&](int64_t b) { return row_elements > 0 && (lengths.empty() || lengths[b] > 0); };
+        int64_t first = 0;
+        while (first < size && !has_elements(first)) {
+          ++first;
+        }
+        if (first < size) {
+          if (auto violation = range_dtype_rule(source.scalar_type())) {
+            refuse(*violation, static_cast<size_t>(first), column.key);
+          }
         }
       }
     }

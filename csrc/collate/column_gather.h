@@ -40,9 +40,10 @@ class ColumnGather {
  public:
   // `id_key` names samples in errors: the dataset's id column when it has one (`ids_are_indices`: a
   // sample's id is its index), else the collate function's.
-  ColumnGather(std::vector<GatheredColumn> columns, std::string id_key, bool ids_are_indices);
+  // `length`: the dataset's rows, which every column has.
+  ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key, bool ids_are_indices);
 
-  // The batch at `indices` (int64, checked against the dataset by ArrayBatch), or None when the per-sample
+  // The batch at `indices` (int64, at least one; ArrayBatch names a bad one), or None when the per-sample
   // path must collate it: rows of unequal length without a pad, packed rows the walk refuses or whose
   // fields differ in length. Raises the ContractError of the first sample that breaks a rule.
   py::object plan(const at::Tensor& indices) const;

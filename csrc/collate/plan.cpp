@@ -345,6 +345,18 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
   TORCH_CHECK(!executed_, "BatchPlan.execute: a plan runs once");
   TORCH_INTERNAL_ASSERT(offset % kFieldAlignment == 0 && storage.nbytes() >= offset + total_bytes_);
   executed_ = true;
+  // Whatever happens, the plan lets go of the buffer's views and the samples when it is done: a failed
+  // batch's error (and its traceback, which holds this plan) must not keep a ring slot or a shared slot.
+  struct Release {
+    BatchPlan& plan;
+    ~Release() {
+      plan.fill_gathered = nullptr;
+      plan.root.reset();
+      plan.keepalive.clear();
+      plan.held.clear();
+      plan.batch = py::none();
+    }
+  } release{*this};
   views_ = make_views(*root, storage, offset, small_fields_apart ? static_cast<int64_t>(total_bytes_) : 0);
   CopyJobs jobs;
   collect_jobs(*root, jobs);
@@ -354,14 +366,20 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
   }
   if (fill_gathered) {
     fill_gathered();
-    fill_gathered = nullptr;
   }
-  py::object out = build_output(*root);
-  root.reset();
-  keepalive.clear();
-  held.clear();
-  batch = py::none();
-  return out;
+  return build_output(*root);
+}
+
+py::tuple BatchPlan::execute_in_ring(StagingRing& ring, bool small_fields_apart) {
+  bool overflowed = false;
+  at::Storage slot;
+  {
+    py::gil_scoped_release no_gil;  // acquire may wait for a device copy to free a slot
+    slot = ring.acquire_storage(nbytes(), overflowed);
+  }
+  overflowed_ring_ = overflowed;
+  py::object out = execute_into(slot, 0, small_fields_apart);
+  return py::make_tuple(out, overflowed, views());
 }
 
 }  // namespace fastcollate

@@ -53,6 +53,8 @@ class BatchPlan {
 
   // The tensors execute() made as views of the buffer (the others have storage of their own).
   int64_t views() const { return views_; }
+  // Whether execute_in_ring() found every slot busy (and took a fresh buffer), even when the batch failed.
+  bool overflowed_ring() const { return overflowed_ring_; }
 
   // Reserves an aligned region and returns its offset.
   size_t reserve(size_t bytes);
@@ -70,6 +72,7 @@ class BatchPlan {
   size_t total_bytes_ = 0;
   bool executed_ = false;
   int64_t views_ = 0;
+  bool overflowed_ring_ = false;
 };
 
 }  // namespace fastcollate

@@ -69,8 +69,9 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
         columns.append(column)
-    names = dataset.id_key or id_key  # the key errors name samples by
-    return _C.ColumnGather(columns, length=len(dataset), id_key=names, ids_are_indices=dataset.id_key is not None)
+    by_index = dataset.id_key is not None  # a sample's id is its index
+    names = dataset.id_key or id_key
+    return _C.ColumnGather(columns, length=len(dataset), id_key=names, ids_are_indices=by_index)
 
 
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:

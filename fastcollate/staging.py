@@ -82,7 +82,7 @@ class StagingRing:
         walk and checks, a slot, then the copy with the GIL released. With ``small_fields_apart`` a small
         field of a large batch gets storage of its own (fastcollate.small_fields), so that keeping it does
         not keep the slot."""
-        return self.execute(collator.plan(batch), small_fields_apart, stacklevel=5)
+        return self.execute(collator.plan(batch), small_fields_apart, stacklevel=4)  # this method's caller
 
     def execute(self, plan: _C.BatchPlan, small_fields_apart: bool = True, stacklevel: int = 5) -> Any:
         """Runs ``plan`` (a walked or gathered batch's) into a slot of this ring, the copy with the GIL

@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_co
 
 import fastcollate
 from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows, gather
+from fastcollate._ext import _C
 from fastcollate.arrays import ArrayBatch
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
@@ -511,6 +512,12 @@ def test_the_native_plan_refuses_what_arraybatch_would_not_hand_it():
         columns.plan(torch.zeros(0, dtype=torch.int64))
     with pytest.raises(IndexError, match="index 3 .batch position 1. is out of range for 3 rows"):
         columns.plan(torch.tensor([0, 3]))
+    unordered = _C.GatheredColumn(
+        kind=_C.GatheredKind.RAGGED, key="t", values=torch.arange(5), offsets=torch.tensor([0, 3, 2, 5]),
+        dtype=torch.int64,
+    )
+    with pytest.raises(RuntimeError, match="offsets must start at 0, never decrease"):
+        _C.ColumnGather([unordered], length=3, id_key="id", ids_are_indices=False)
 
 
 @pytest.mark.parametrize("declared", [dict(pad=300), dict(pack=True, separator=300)])

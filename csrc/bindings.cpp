@@ -265,9 +265,7 @@ void bind_batch_plan(py::module_& m) {
   py::class_<Collator>(m, "Collator")
       .def(py::init<std::string, std::vector<FieldSpec>, bool>(), py::arg("id_key"), py::arg("fields"),
            py::arg("has_contract"))
-      .def("plan", &Collator::plan, py::arg("samples"))
-      .def("assemble_in_ring", &Collator::assemble_in_ring, py::arg("samples"), py::arg("ring"),
-           py::arg("small_fields_apart") = true);
+      .def("plan", &Collator::plan, py::arg("samples"));
 }
 
 void bind_column_gather(py::module_& m) {
@@ -309,9 +307,10 @@ PYBIND11_MODULE(_C, m) {
   fastcollate::bind_build_info(m);
   fastcollate::bind_field_spec(m);
   fastcollate::bind_contract_rules(m);
+  // The ring first: the plan's signatures then name _C.StagingRing.
+  fastcollate::bind_staging_ring(m);
+  fastcollate::bind_shared_slots(m);
   fastcollate::bind_batch_plan(m);
   fastcollate::bind_column_gather(m);
   m.attr("MAPPED_READ_FAULT") = fastcollate::kMappedReadFault;
-  fastcollate::bind_staging_ring(m);
-  fastcollate::bind_shared_slots(m);
 }

@@ -1,6 +1,6 @@
 """The native walk's Python callback for the leaves it hands back to ``default_collate``.
 
-The walk (csrc/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
+The walk (csrc/collate/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
 callbacks are public elsewhere: ``fastcollate.errors`` (make_error, kind_of) and ``fastcollate.tree``
 (rebuild_mapping, rebuild_sequence).
 """

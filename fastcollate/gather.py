@@ -3,7 +3,7 @@ ragged rows padded with their mask and lengths, or packed into one row with the 
 once per dataset and contract; each batch is then planned and gathered by ``_C.ColumnGather`` in C++,
 straight into the buffer the batch goes out in, with no Python per column or per sample.
 
-The contract's rules are the walk's own (csrc/contract_rules.h), applied per column: dtype
+The contract's rules are the walk's own (csrc/collate/contract_rules.h), applied per column: dtype
 (``cast_from`` casts during the copy), fixed and named dims, pads and separators the dtype can hold, and
 ranges, checked on the gathered column. What this path does not cover (``expand_from``, text fields,
 padding a column that is not ragged, one mask shared by two fields, a padded dim another field names, a

@@ -3,7 +3,7 @@ labels kept for metrics) does not keep the batch's images alive.
 
 Every field of a batch is a view of one buffer (a staging slot, a shared slot, DeviceLoader's device
 allocation), and a buffer is freed only when its last view dies. The rule is the C++ one
-(csrc/plan.h): fields of at most ``SMALL_FIELD_BYTES`` in batches of at least ``LARGE_BATCH_BYTES``.
+(csrc/collate/plan.h): fields of at most ``SMALL_FIELD_BYTES`` in batches of at least ``LARGE_BATCH_BYTES``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def name_the_waited_worker(error: BaseException, source: Any) -> None:
         if lost_connection and not named:
             pids = ", ".join(str(worker.pid) for worker in workers)
             error.add_note(f"fastcollate.DeviceLoader: the connection to a DataLoader worker failed while "
-                           f"a batch was received; no worker had exited 5 s later (workers: pids {pids})")
+                           f"a batch was received; no worker had exited {_REAP_WAIT_S:g} s later "
+                           f"(workers: pids {pids})")
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         return
 

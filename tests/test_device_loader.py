@@ -668,7 +668,7 @@ def test_tensors_in_a_custom_leaf_never_reach_the_user_page_locked(workers):
         extra = batch["extra"]
         assert batch["image"].is_cuda and not extra.images.is_cuda
         for tensor in (extra.images, extra.meta["ids"]):
-            assert not tensor.is_pinned() and _C.shared_slot_kind(tensor) == 0
+            assert not tensor.is_pinned() and _C.shared_slot_kind(tensor) == _C.SLOT_KIND_NONE
             assert not device_loader._ring.owns(tensor)
         assert torch.equal(extra.images, batch["image"][:2].cpu())
         assert extra.meta["ids"].tolist() == list(range(8 * count, 8 * count + 8))

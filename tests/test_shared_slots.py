@@ -25,7 +25,8 @@ from tests.helpers.worker_datasets import ChangesTheBatch, KillsItselfAfterAssem
 from tests.test_assemble_dropin import assert_same
 from tests.test_faults import TORCH_FD_PROBE, fd_targets
 
-RECEIVED = 2  # _C.shared_slot_kind of a batch received over a slot
+RECEIVED = _C.SLOT_KIND_RECEIVED  # _C.shared_slot_kind of a batch received over a slot
+NONE = _C.SLOT_KIND_NONE  # of a tensor in no slot
 
 
 def shm_entries() -> set[str]:
@@ -110,11 +111,11 @@ def test_the_switch_forces_fresh_shared_memory(monkeypatch):
     off = list(
         DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=assemble.using(shared_slots=False))
     )
-    assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in off)
+    assert all(_C.shared_slot_kind(b["image"]) == NONE and b["image"].is_shared() for b in off)
     monkeypatch.setenv("FASTCOLLATE_SHARED_SLOTS", "0")
     collate = assemble.using()
     by_env = list(DataLoader(Records(16), batch_size=8, num_workers=1, collate_fn=collate))
-    assert all(_C.shared_slot_kind(b["image"]) == 0 and b["image"].is_shared() for b in by_env)
+    assert all(_C.shared_slot_kind(b["image"]) == NONE and b["image"].is_shared() for b in by_env)
     assert collate.shared_slot_stats() is None  # no pool was made
     for a, b in zip(off, by_env, strict=True):
         assert_same(a, b)
@@ -147,7 +148,7 @@ FULL_POOL = textwrap.dedent("""
                         timeout=60)
     kept = list(loader)
     assert all(torch.equal(b["x"], b["id"].float()[:, None].expand(8, 64)) for b in kept)
-    in_slots = sum(_C.shared_slot_kind(b["x"]) == 2 for b in kept)
+    in_slots = sum(_C.shared_slot_kind(b["x"]) == _C.SLOT_KIND_RECEIVED for b in kept)
     print(len(kept), in_slots, collate.shared_slot_stats().fresh_fallbacks)
 """)
 
@@ -238,7 +239,7 @@ def test_a_batch_a_worker_kept_and_sent_again_arrives_intact():
         assert torch.equal(batch["doubled"], 2 * batch["id"].float()[:, None, None].expand(8, 2, 3))
         assert torch.equal(batch["first_column"][:, :, 0], batch["id"].float()[:, None].expand(8, 2))
     assert _C.shared_slot_kind(batches[-1]["first_column"]) == RECEIVED  # a view of the slot, received
-    assert _C.shared_slot_kind(batches[-1]["doubled"]) == 0  # a new tensor, in fresh shared memory
+    assert _C.shared_slot_kind(batches[-1]["doubled"]) == NONE  # a new tensor, in fresh shared memory
 
 
 def test_an_iterable_dataset_a_timeout_and_a_loader_deleted_mid_epoch_leave_no_slot_held():
@@ -326,7 +327,7 @@ def test_on_a_gpu_pin_memory_true_pins_a_copy_not_the_slot():
     loader = DataLoader(Records(32), batch_size=8, num_workers=2, collate_fn=collate, pin_memory=True)
     for batch in loader:
         assert batch["image"].is_pinned()
-        assert _C.shared_slot_kind(batch["image"]) == 0  # torch's pinned copy
+        assert _C.shared_slot_kind(batch["image"]) == NONE  # torch's pinned copy
     assert collate.shared_slot_stats().registrations == 0
 
 

@@ -59,7 +59,7 @@ def test_a_batch_sent_twice_arrives_after_the_first_was_received_and_dropped():
     del first  # the user drops the first batch: the slot is free
     assert pool.native.stats().free == 4
     second = pickle.loads(second_message)
-    assert _C.shared_slot_kind(second["x"]) == 0  # a copy, sent the ordinary way
+    assert _C.shared_slot_kind(second["x"]) == _C.SLOT_KIND_NONE  # a copy, sent the ordinary way
     assert torch.equal(second["x"].view(torch.uint8), torch.full((4096,), 7, dtype=torch.uint8))
 
 
@@ -156,7 +156,7 @@ expected = list(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=defa
 in_slots = count = 0
 for batch, reference in zip(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate), expected):
     assert_same(batch, reference)  # each batch dropped after: the slots in use stay few
-    in_slots += _C.shared_slot_kind(batch["x"]) == 2
+    in_slots += _C.shared_slot_kind(batch["x"]) == _C.SLOT_KIND_RECEIVED
     count += 1
 assert count == len(expected) == 12
 stats = collate.shared_slot_stats()
@@ -301,7 +301,7 @@ def test_a_batch_over_a_slot_is_not_shared_memory_and_share_memory_copies_it_out
     expected = x.clone()
     assert collate.shared_slot_stats().lent == 1
     x.share_memory_()  # torch copies it into fresh shared memory: the slot is no longer used
-    assert x.is_shared() and _C.shared_slot_kind(x) == 0 and torch.equal(x, expected)
+    assert x.is_shared() and _C.shared_slot_kind(x) == _C.SLOT_KIND_NONE and torch.equal(x, expected)
     del batch, x
     assert settled_stats(collate).lent == 0
 

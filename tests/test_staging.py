@@ -6,9 +6,11 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
+import fastcollate
 from fastcollate import _C, StagingRing, assemble
 
 
@@ -54,6 +56,31 @@ def test_past_the_bound_fresh_buffers_are_used_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         collate(images())  # warns once per ring, not per batch
+
+
+@pytest.mark.parametrize("path", ["walked", "gathered", "ring.assemble", "refused after the overflow"])
+def test_the_overflow_warning_points_at_the_line_that_collated(path):
+    ring = StagingRing(max_slots=1)
+    fields = {"id": fastcollate.Field(kind="number"), "x": fastcollate.Field(range=(0, 9))}
+    contract = fastcollate.Contract(fields)
+    collate = fastcollate.Assembler(contract if path == "refused after the overflow" else None, ring=ring)
+    dataset = fastcollate.Arrays(x=np.arange(10))
+    kept = collate(dataset.__getitems__([0, 1]))  # holds the only slot
+    calls = {
+        "walked": lambda: collate([{"id": 0, "x": 1}, {"id": 1, "x": 2}]),
+        "gathered": lambda: collate(dataset.__getitems__([2, 3])),
+        "ring.assemble": lambda: ring.assemble(_C.Collator("id", [], False), [{"x": 1}, {"x": 2}]),
+        "refused after the overflow": lambda: collate(dataset.__getitems__([2, 9])),
+    }
+    line = calls[path].__code__.co_firstlineno
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            calls[path]()
+        except fastcollate.ContractError:
+            assert path == "refused after the overflow"
+    [warning] = [w for w in caught if "staging slots" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line) and kept is not None
 
 
 def test_a_slot_grows_when_a_larger_batch_arrives_and_is_sized_exactly():

@@ -33,9 +33,10 @@ def test_workers_give_the_same_batches_as_the_main_process_and_as_default_collat
         assert_same(a, expected)
         assert_same(b, expected)
     if shared_slots:  # received over a slot the worker wrote into
-        assert all(_C.shared_slot_kind(batch["image"]) == 2 for batch in in_workers)
+        assert all(_C.shared_slot_kind(batch["image"]) == _C.SLOT_KIND_RECEIVED for batch in in_workers)
     else:  # built in fresh shared memory, as default_collate does
-        assert in_workers[0]["image"].is_shared() and _C.shared_slot_kind(in_workers[0]["image"]) == 0
+        first = in_workers[0]["image"]
+        assert first.is_shared() and _C.shared_slot_kind(first) == _C.SLOT_KIND_NONE
 
 
 def test_a_contract_assembler_works_in_spawned_workers():

@@ -31,8 +31,4 @@ std::shared_ptr<BatchPlan> Collator::plan(py::handle samples) const {
   return plan;
 }
 
-py::tuple Collator::assemble_in_ring(py::handle samples, StagingRing& ring, bool small_fields_apart) const {
-  return plan(samples)->execute_in_ring(ring, small_fields_apart);
-}
-
 }  // namespace fastcollate

@@ -1,5 +1,5 @@
-// The plan's second step: views over the batch buffer, the copy jobs that fill it, the output structure,
-// and the Collator that runs the walk (walk.h) to make a plan.
+// The plan's second step: views over the batch buffer, the copy jobs that fill it, and the output
+// structure. The walk (collator.h) or the column gather (column_gather.h) makes the plan.
 #include "collate/plan.h"
 
 #include <ATen/Dispatch_v2.h>

@@ -1,9 +1,10 @@
-// Batch assembly in two steps. `Collator::plan` (collator.h) or `ColumnGather::plan` (column_gather.h) walks a list of
-// samples (nested dicts, lists, tuples, namedtuples, tensors, numpy arrays, numbers, strings) once, checks every sample
-// against the first one (drop-in mode) or against a declared contract, and lays every tensor field of the output out in
-// one block of bytes. Nothing is written yet, so a bad sample costs no copy. `BatchPlan::execute` then copies all
-// samples into a buffer the caller chose (a ring slot, shared memory) with the GIL released, and builds the output
-// structure with views into that buffer. The walk itself is walk.h's.
+// Batch assembly in two steps. `Collator::plan` (collator.h) walks a list of samples (nested dicts, lists,
+// tuples, namedtuples, tensors, numpy arrays, numbers, strings) once, checks every sample against the first
+// one (drop-in mode) or against a declared contract, and lays every tensor field of the output out in one
+// block of bytes; `ColumnGather::plan` (column_gather.h) lays out an Arrays batch column by column, with
+// no samples. Nothing is written yet, so a bad sample costs no copy. `BatchPlan::execute` then copies into
+// a buffer the caller chose (a ring slot, shared memory) with the GIL released, and builds the output
+// structure with views into that buffer.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>

@@ -341,7 +341,7 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
 }
 
 // A padded field's pad value as the field's dtype, and the mask and lengths nodes beside it. A mask key
-// already laid out beside an earlier field of the same parent is that field's mask (the Collator has
+// already laid out beside an earlier field of the same parent is that field's mask (ContractFields has
 // checked that both pad the same named dims into the same mask dtype): this field builds none.
 void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& row_shape, Node& node) {
   const size_t count = node.inputs.size();

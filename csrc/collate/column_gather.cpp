@@ -178,15 +178,6 @@ ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, 
       TORCH_CHECK(column.offsets.scalar_type() == at::kLong && column.offsets.dim() == 1 &&
                       column.offsets.numel() >= 1 && column.offsets.is_contiguous() && column.values.dim() >= 1,
                   "ColumnGather: column '", column.key, "' needs int64 offsets and values with a leading dim");
-      // Once per dataset: a plan reads row lengths from these and lays the batch out by them.
-      const int64_t* offset = column.offsets.const_data_ptr<int64_t>();
-      const int64_t rows = column.offsets.numel() - 1;
-      bool ordered = offset[0] == 0 && offset[rows] == column.values.size(0);
-      for (int64_t r = 0; ordered && r < rows; ++r) {
-        ordered = offset[r] <= offset[r + 1];
-      }
-      TORCH_CHECK(ordered, "ColumnGather: column '", column.key,
-                  "': offsets must start at 0, never decrease and end at len(values)");
     }
     const int64_t rows = column.kind == Kind::Rows  ? column.rows.dim() >= 1 ? column.rows.size(0) : -1
                          : column.kind == Kind::Ids ? length
@@ -233,6 +224,10 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
       continue;
     }
     if (column.kind != Kind::Rows) {
+      // The batch is laid out by its rows' lengths: their spans are checked first, as the gather checks
+      // them (the offsets may have changed since the column was made), the error naming the column.
+      const std::string where = "Arrays: column '" + column.key + "'";
+      check_ragged_rows(column.values, column.offsets, indices, where.c_str());
       lengths = row_lengths(column, index, size);
     }
     if (field != nullptr) {

@@ -169,6 +169,8 @@ inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b
   return offset[index[b] + 1] - offset[index[b]];
 }
 
+}  // namespace
+
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
 // they may have been changed since, and the ops may be called directly).
@@ -191,8 +193,6 @@ void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, cons
                       " values (offsets must be non-decreasing, from 0 to len(values))");
   }
 }
-
-}  // namespace
 
 // Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
 // right with `value` to out's length; mask is 1 (True) at real positions; lengths gets each row's length.

@@ -9,6 +9,10 @@ namespace fastcollate {
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out);
 
+// What the ragged gathers check first, their errors led by `op`: values and offsets as a Ragged column
+// holds them, every index in range, and every gathered row's span inside values.
+void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op);
+
 // Rows values[offsets[i]:offsets[i + 1]], padded on the right with `value` to out's length; mask is 1 at
 // real positions; lengths gets each row's length.
 void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,

@@ -517,7 +517,8 @@ def test_the_native_plan_refuses_what_arraybatch_would_not_hand_it():
         dtype=torch.int64,
     )
     columns = _C.ColumnGather([unordered], length=3, id_key="id", ids_are_indices=False)
-    with pytest.raises(IndexError, match=r"^Arrays: column 't': row 1 \(batch position 1\) spans offsets 3\.\.2"):
+    spans = r"^Arrays: column 't': row 1 \(batch position 1\) spans offsets 3\.\.2"
+    with pytest.raises(IndexError, match=spans):
         columns.plan(torch.tensor([0, 1]))
 
 

@@ -221,6 +221,17 @@ class Documents(Dataset):
         return {"input_ids": tokens, "labels": tokens}
 
 
+def documents_corpus(documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed cases' corpus, the same in every run: values and offsets of ``documents`` documents of
+    16..2048 int64 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 2049, (documents,), generator=generator)
+    offsets = torch.zeros(documents + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.randint(0, 32000, (int(offsets[-1]),), generator=generator)
+    return values, offsets
+
+
 def packed_contenders(documents: int, batch: int, seed: int) -> dict:
     """Packed causal-LM batches (collate_cases.packed_contract: DataCollatorWithFlattening's keys) of the
     same shuffled documents, 16..2048 int64 tokens each: per-sample datasets with the collator, with
@@ -228,11 +239,7 @@ def packed_contenders(documents: int, batch: int, seed: int) -> dict:
     and offsets with no sample made."""
     from collate_cases import cat_arange_packed, flattening_collator, have_transformers, packed_contract
 
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 2049, (documents,), generator=generator)
-    offsets = torch.zeros(documents + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    values = torch.randint(0, 32000, (int(offsets[-1]),), generator=generator)
+    values, offsets = documents_corpus(documents)
     per_sample = Documents(values, offsets)
     collates: dict = {"torch.cat+arange": cat_arange_packed}
     collates["assemble"] = fastcollate.assemble.using(packed_contract())
@@ -295,11 +302,7 @@ def per_batch_packed_contenders(documents: int, batch: int, seed: int) -> dict:
     """One packed batch's cost (input_ids packed, with position_ids, cu_seq_lens and max_length beside):
     ``assemble(arrays.__getitems__(indices))`` against a bare torch.cat of the same rows (their views
     made beforehand, untimed), and torch.cat plus the position ids written into a reused buffer."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 2049, (documents,), generator=generator)
-    offsets = torch.zeros(documents + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    values = torch.randint(0, 32000, (int(offsets[-1]),), generator=generator)
+    values, offsets = documents_corpus(documents)
     arrays = Arrays({"input_ids": fastcollate.Ragged(values, offsets)}, id_key=None)
     tokens = Field(dtype=torch.int64, shape=("T",), pack=True)
     contract = Contract({"input_ids": tokens}, id=None, packing=fastcollate.Packing())

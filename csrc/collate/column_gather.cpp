@@ -47,7 +47,7 @@ std::vector<int64_t> row_lengths(const GatheredColumn& column, const int64_t* in
   const int64_t* offset = column.offsets.const_data_ptr<int64_t>();
   std::vector<int64_t> lengths(static_cast<size_t>(size));
   for (int64_t b = 0; b < size; ++b) {
-    lengths[b] = offset[index[b] + 1] - offset[index[b]];
+    lengths[b] = row_length(offset, index, b);
   }
   return lengths;
 }

@@ -162,14 +162,7 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   });
 }
 
-namespace {
-
-// The length of row index[b] of a ragged column.
-inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
-  return offset[index[b] + 1] - offset[index[b]];
-}
-
-}  // namespace
+namespace {}  // namespace
 
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but

@@ -9,6 +9,11 @@ namespace fastcollate {
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out);
 
+// The length of row index[b] of a ragged column.
+inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
+  return offset[index[b] + 1] - offset[index[b]];
+}
+
 // What the ragged gathers check first, their errors led by `op`: values and offsets as a Ragged column
 // holds them, every index in range, and every gathered row's span inside values.
 void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op);

@@ -276,16 +276,17 @@ void bind_column_gather(py::module_& m) {
       .value("ROWS", GatheredColumn::Kind::Rows)
       .value("RAGGED", GatheredColumn::Kind::Ragged)
       .value("PACKED", GatheredColumn::Kind::Packed);
+  // rows, values and offsets: lists, one tensor for each chunk of the column (one for a column in one array).
   py::class_<GatheredColumn>(m, "GatheredColumn")
-      .def(py::init([](GatheredColumn::Kind kind, std::string key, std::optional<at::Tensor> rows,
-                       std::optional<at::Tensor> values, std::optional<at::Tensor> offsets, at::ScalarType dtype,
-                       std::optional<FieldSpec> field) {
+      .def(py::init([](GatheredColumn::Kind kind, std::string key, std::optional<std::vector<at::Tensor>> rows,
+                       std::optional<std::vector<at::Tensor>> values, std::optional<std::vector<at::Tensor>> offsets,
+                       at::ScalarType dtype, std::optional<FieldSpec> field) {
              GatheredColumn column;
              column.kind = kind;
              column.key = std::move(key);
-             column.rows = rows.value_or(at::Tensor());
-             column.values = values.value_or(at::Tensor());
-             column.offsets = offsets.value_or(at::Tensor());
+             column.rows = rows.value_or(std::vector<at::Tensor>{});
+             column.values = values.value_or(std::vector<at::Tensor>{});
+             column.offsets = offsets.value_or(std::vector<at::Tensor>{});
              column.dtype = dtype;
              column.field = std::move(field);
              return column;
@@ -293,8 +294,9 @@ void bind_column_gather(py::module_& m) {
            py::arg("kind"), py::arg("key"), py::arg("rows") = py::none(), py::arg("values") = py::none(),
            py::arg("offsets") = py::none(), py::arg("dtype"), py::arg("field") = py::none());
   py::class_<ColumnGather>(m, "ColumnGather")
-      .def(py::init<std::vector<GatheredColumn>, int64_t, std::string, bool>(), py::arg("columns"), py::arg("length"),
-           py::arg("id_key"), py::arg("ids_are_indices"))
+      .def(py::init<std::vector<GatheredColumn>, int64_t, std::string, bool, std::optional<at::Tensor>>(),
+           py::arg("columns"), py::arg("length"), py::arg("id_key"), py::arg("ids_are_indices"),
+           py::arg("rows_of") = py::none())
       .def("plan", &ColumnGather::plan, py::arg("indices"));
 }
 

@@ -9,6 +9,7 @@ instead of building and walking one object per sample.
 
 from __future__ import annotations
 
+import bisect
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,10 @@ from torch.utils.data import Dataset
 from ._ext import _C
 from .mapped_files import MappedFile, MappedFileError
 
-__all__ = ["ArrayBatch", "Arrays", "Ragged", "TokenWindows"]
+__all__ = ["ArrayBatch", "Arrays", "Chunked", "Ragged", "TokenWindows"]
+
+# Which columns of a table: every one, some by name, or {key: column name}.
+ColumnChoice = Sequence[str] | Mapping[str, str] | None
 
 _UNTRACED = (
     "the column lies in a mapped file that fastcollate does not check (a torch tensor over a mapping, or a "
@@ -40,13 +44,24 @@ class Ragged:
         self.offsets = offsets
 
 
+class Chunked:
+    """A column stored in pieces that hold its rows in order, read where they are with nothing
+    concatenated: the chunks of an Arrow column, or one array (or ``Ragged``) per shard file. Every piece
+    is of one kind (arrays, or Ragged), with one dtype and the same dims after the first."""
+
+    def __init__(self, pieces: Sequence[Any]) -> None:
+        self.pieces = list(pieces)
+
+
 class Column:
     """One column as the gather reads it: ``rows`` (a tensor whose dim 0 is the sample, each row
-    contiguous), or a ragged pair (``values``, ``offsets``). ``files`` names those of them that lie in
-    memory-mapped files (fastcollate.mapped_files): they are read through the column's own mapping,
-    pickle as their file, and a file that shrank or was replaced is caught before anything reads it.
-    The offsets are the column's own copy: they were checked when the column was made, and a caller's
-    array changed later must not change the rows."""
+    contiguous), or a ragged pair (``values``, ``offsets``); or, made from ``Chunked``, ``parts``, one
+    such column for each piece. ``files`` names those of them that lie in memory-mapped files
+    (fastcollate.mapped_files): they are read through the column's own mapping, pickle as their file,
+    and a file that shrank or was replaced is caught before anything reads it; ``watched`` are the
+    files another library mapped (an Arrow file), checked the same way. The offsets are the column's own
+    copy: they were checked when the column was made, and a caller's array changed later must not change
+    the rows."""
 
     def __init__(self, name: str, value: Any) -> None:
         self.name = name
@@ -54,6 +69,12 @@ class Column:
         self.values: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
         self.files: dict[str, MappedFile] = {}
+        self.watched: list[Any] = []
+        self.parts: list[Column] | None = None
+        self.starts: list[int] = []  # each part's first row
+        if isinstance(value, Chunked):
+            self._take_parts(value.pieces)
+            return
         if isinstance(value, Ragged):
             self.values = self._tensor("values", value.values)
             offsets = self._tensor("offsets", value.offsets)
@@ -95,6 +116,39 @@ class Column:
             )
         self.rows = rows
 
+    def _take_parts(self, pieces: list[Any]) -> None:
+        if not pieces:
+            raise ValueError(f"Arrays: column {self.name!r}: Chunked needs at least one piece")
+        if any(isinstance(piece, Chunked) for piece in pieces):
+            raise TypeError(f"Arrays: column {self.name!r}: a piece of a Chunked column cannot be Chunked")
+        self.parts = [Column(self.name, piece) for piece in pieces]
+        first = self.parts[0]
+        for number, part in enumerate(self.parts):
+            if part.ragged != first.ragged or part.first.dtype != first.first.dtype or (
+                part.first.shape[1:] != first.first.shape[1:]
+            ):
+                raise ValueError(
+                    f"Arrays: column {self.name!r}: piece {number} ({_described(part)}) differs from piece 0 "
+                    f"({_described(first)})"
+                )
+        starts = np.cumsum([0] + [len(part) for part in self.parts])
+        self.starts, self._length = starts[:-1].tolist(), int(starts[-1])
+
+    @property
+    def chunks(self) -> list[Column]:
+        """The column's pieces, each with ``rows`` or ``values`` and ``offsets``: itself when in one."""
+        return self.parts if self.parts is not None else [self]
+
+    @property
+    def ragged(self) -> bool:
+        return self.chunks[0].rows is None
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The first piece's rows or values: their dtype and inner dims are every piece's."""
+        chunk = self.chunks[0]
+        return chunk.values if chunk.rows is None else chunk.rows
+
     def _tensor(self, role: str, value: Any) -> torch.Tensor:
         mapped = MappedFile.of(value)
         if mapped is not None:
@@ -104,23 +158,33 @@ class Column:
         return _as_tensor(self.name, value, "column" if role == "rows" else role)
 
     def __len__(self) -> int:
+        if self.parts is not None:
+            return self._length
         return len(self.offsets) - 1 if self.rows is None else len(self.rows)
 
     def row(self, index: int) -> torch.Tensor:
         """Row ``index``, a view; the caller has checked the column's files (check_file)."""
+        if self.parts is not None:
+            part = bisect.bisect_right(self.starts, index) - 1
+            return self.parts[part].row(index - self.starts[part])
         if self.rows is not None:
             return self.rows[index]
         return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
 
+    def on_disk(self) -> list[Any]:
+        """The files this column reads (MappedFile, or a file another library mapped), each with
+        ``unreadable()`` and ``check(column)``."""
+        return self.watched + [mapped for chunk in self.chunks for mapped in chunk.files.values()]
+
     def check_file(self) -> None:
         """Raises MappedFileError, naming the column, if a file it reads shrank or, in a process that
         mapped it again, is not the file the column was made from."""
-        for mapped in self.files.values():
+        for mapped in self.on_disk():
             mapped.check(self.name)
 
     def unreadable(self) -> str | None:
         """Why a file this column reads cannot be read now, or None (see MappedFile.unreadable)."""
-        return next((why for why in (m.unreadable() for m in self.files.values()) if why), None)
+        return next((why for why in (m.unreadable() for m in self.on_disk()) if why), None)
 
     def named(self, error: RuntimeError | IndexError) -> RuntimeError | IndexError:
         """An op's error on this column, the column named in place of the op (its words name the row)."""
@@ -129,6 +193,7 @@ class Column:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
+        state["watched"] = []  # pickled by value, the copy reads its own memory, not another's mapping
         for role in self.files:
             state[role] = None  # mapped again where it is unpickled, not copied through the pipe
         return state
@@ -143,6 +208,11 @@ class Column:
                 shape, strides = mapped.shape, tuple(stride // itemsize for stride in mapped.strides)
                 dtype = _as_tensor(self.name, np.empty(0, dtype=mapped.dtype), role).dtype
                 setattr(self, role, torch.empty_strided(shape, strides, dtype=dtype, device="meta"))
+
+
+def _described(column: Column) -> str:
+    kind = "ragged" if column.ragged else "rows"
+    return f"{kind}, {column.first.dtype}, inner dims {tuple(column.first.shape[1:])}"
 
 
 def _as_tensor(name: str, value: Any, what: str) -> torch.Tensor:
@@ -218,6 +288,37 @@ class Arrays(Dataset):
             described = ", ".join(f"{name!r}: {n}" for name, n in lengths.items())
             raise ValueError(f"Arrays: columns must have the same number of rows, got {described}")
         self._length = next(iter(lengths.values()))
+        self.rows_of: torch.Tensor | None = None  # sample i is row rows_of[i] of every column, if set
+
+    @classmethod
+    def from_hf(
+        cls, dataset: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+    ) -> Arrays:
+        """The columns of a Hugging Face ``datasets.Dataset``, read where they lie in its Arrow files (no
+        copy of their values), sample ``i`` being row ``dataset[i]`` (through ``select``, ``shuffle``,
+        ``shard``, ``train_test_split``). ``columns``: None for every column ``dataset[i]`` holds, a list
+        of names, or ``{key: column}`` (one column under two keys reads the same bytes). ``list`` columns
+        become ragged, fixed-size lists and ``Array2D``..``Array5D`` rows of that shape, scalars 1-D.
+        Pickled, it is the dataset's (which reopens its files by path), so spawned workers map the files
+        again. See fastcollate.arrow_columns."""
+        from .arrow_columns import from_hf
+
+        return from_hf(dataset, columns, id_key)
+
+    @classmethod
+    def from_arrow(
+        cls, table: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+    ) -> Arrays:
+        """The columns of a ``pyarrow.Table``, or of the Arrow IPC file at a path (memory-mapped, and
+        pickled as its path), read where they lie, chunk by chunk. Columns map as in :meth:`from_hf`."""
+        from .arrow_columns import from_arrow
+
+        return from_arrow(table, columns, id_key)
+
+    def _read_through(self, rows_of: torch.Tensor) -> None:
+        """Sample ``i`` becomes row ``rows_of[i]`` (int64, within the columns) of every column."""
+        self.rows_of = rows_of
+        self._length = len(rows_of)
 
     def __len__(self) -> int:
         return self._length
@@ -236,8 +337,9 @@ class Arrays(Dataset):
     def _sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (in range), its files already checked."""
         sample: dict[str, Any] = {} if self.id_key is None else {self.id_key: index}
+        row = index if self.rows_of is None else int(self.rows_of[index])
         for name, column in self.columns.items():
-            sample[name] = column.row(index)
+            sample[name] = column.row(row)
         return sample
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
@@ -267,12 +369,12 @@ class Arrays(Dataset):
         )
 
     def _file_columns(self) -> list[Column]:
-        return [column for column in self.columns.values() if column.files]
+        return [column for column in self.columns.values() if column.on_disk()]
 
     def _sources_of(self, name: str) -> list[Column]:
         """The file-backed columns whose bytes column ``name`` reads."""
         column = self.columns[name]
-        return [column] if column.files else []
+        return [column] if column.on_disk() else []
 
     def _checked(self, index: Any) -> int:
         if isinstance(index, (torch.Tensor, np.integer)):
@@ -368,6 +470,7 @@ class TokenWindows(Arrays):
         windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
         if flat.is_meta:  # its file could not be mapped in this process: check_files says why, on every read
             self.id_key, self.columns, self._length = id_key, types.MappingProxyType({}), windows
+            self.rows_of = None
             return
         offset = flat.storage_offset()
         super().__init__(
@@ -383,7 +486,7 @@ class TokenWindows(Arrays):
         self.tokens.check_file()
 
     def _file_columns(self) -> list[Column]:
-        return [self.tokens] if self.tokens.files else []
+        return [self.tokens] if self.tokens.on_disk() else []
 
     def _sources_of(self, name: str) -> list[Column]:
         return self._file_columns()  # both columns are views of the stream

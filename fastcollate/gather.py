@@ -71,19 +71,21 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
         columns.append(column)
     by_index = dataset.id_key is not None  # a sample's id is its index
     names = dataset.id_key or id_key
-    return _C.ColumnGather(columns, length=len(dataset), id_key=names, ids_are_indices=by_index)
+    return _C.ColumnGather(
+        columns, length=len(dataset), id_key=names, ids_are_indices=by_index, rows_of=dataset.rows_of
+    )
 
 
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
     """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
-    source = column.rows if column.rows is not None else column.values
+    source = column.first
     declared = field.dtype if field is not None and field.dtype is not None else source.dtype
     # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
     dtype = declared if field is not None and source.dtype in (declared, *field.cast_from) else source.dtype
     if field is not None:
         if field.kind == "text" or field.expand_from:
             return None
-        if field.kind == "number" and (column.rows is None or column.rows.dim() != 1):
+        if field.kind == "number" and (column.ragged or source.dim() != 1):
             return None  # a number per sample is a 1-D column
         if source.dtype.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
@@ -92,23 +94,25 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
         for value in (field.pad, field.separator):
             if value is not None and not _C.value_fits(float(value), dtype):
                 return None  # the walk names it, after the samples' own ranges, as it checks them first
+    chunks = column.chunks
+    ragged = {"values": [c.values for c in chunks], "offsets": [c.offsets for c in chunks]}
     made = {"key": key, "dtype": declared, "field": spec}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)
             return None  # the walk names the sample's whole shape against the declared one
-        return _C.GatheredColumn(kind=_Kind.PACKED, values=column.values, offsets=column.offsets, **made)
-    if column.rows is not None:
+        return _C.GatheredColumn(kind=_Kind.PACKED, **ragged, **made)
+    if not column.ragged:
         if field is not None and field.pad is not None:
             return None
-        return _C.GatheredColumn(kind=_Kind.ROWS, rows=column.rows, **made)
+        return _C.GatheredColumn(kind=_Kind.ROWS, rows=[c.rows for c in chunks], **made)
     if field is None or field.pad is None:
         if has_contract:
             return None  # rows of one length under a contract: the walk checks each sample's shape
-        return _C.GatheredColumn(kind=_Kind.RAGGED, values=column.values, offsets=column.offsets, **made)
+        return _C.GatheredColumn(kind=_Kind.RAGGED, **ragged, **made)
     shape = field.shape
     if shape is None or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
         return None  # padded along dim 0 alone
-    return _C.GatheredColumn(kind=_Kind.RAGGED, values=column.values, offsets=column.offsets, **made)
+    return _C.GatheredColumn(kind=_Kind.RAGGED, **ragged, **made)
 
 
 def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:
@@ -126,7 +130,7 @@ def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:
     dim = fields[keys[0]].shape[0]
     if any(not f.pack and dim in (f.shape or ()) for f in fields.values()):
         return False
-    return all(dataset.columns[key].rows is None for key in keys)
+    return all(dataset.columns[key].ragged for key in keys)
 
 
 def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:

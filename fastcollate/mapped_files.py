@@ -10,6 +10,7 @@ an intact mapping goes on working, as the mapping itself does.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime
 import errno
@@ -17,13 +18,16 @@ import fcntl
 import mmap
 import os
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
 
 from ._ext import _C
 
-__all__ = ["FileIdentity", "MappedFile", "MappedFileError", "is_read_fault", "read_fault_error"]
+__all__ = [
+    "FileIdentity", "MappedFile", "MappedFileError", "WatchedFile", "is_read_fault", "read_fault_error",
+]
 
 
 class MappedFileError(RuntimeError):
@@ -306,16 +310,90 @@ def _names_another_file(path: str, mapped: FileIdentity) -> bool:
 def _region_at(address: int) -> tuple[int, int, int, int, str] | None:
     """(start, end, device, inode, path) of the file mapping that holds ``address``, from /proc/self/maps;
     None where there is no such file (not Linux). A deleted file's path ends in " (deleted)"."""
+    regions = _file_regions()
+    at = bisect.bisect_right([region[0] for region in regions], address) - 1
+    return regions[at] if at >= 0 and address < regions[at][1] else None
+
+
+class WatchedFile:
+    """A file another library mapped (pyarrow maps Arrow files, and Hugging Face datasets through it),
+    whose bytes a column reads through that mapping. It is watched through a descriptor of its own, as a
+    MappedFile is: a file that shrank is named before a read, and a read that faults anyway is named
+    after it.
+
+    ``of(addresses)`` finds the files mapped at those addresses (one ``/proc/self/maps`` read), one object
+    a file. ``expect(identity)`` refuses, on every check, a file that is not the one ``identity`` was
+    taken from (a process that mapped its path again, when the path now holds another file).
+    """
+
+    def __init__(self, path: str, descriptor: int) -> None:
+        self.path = path
+        self.identity = FileIdentity.of(descriptor)
+        self._descriptor = descriptor
+        self._refusal: str | None = None
+        weakref.finalize(self, os.close, descriptor)
+
+    @classmethod
+    def of(cls, addresses: list[int]) -> dict[int, WatchedFile]:
+        """The file mapped at each of ``addresses`` that lies in a file mapping, by address."""
+        regions = _file_regions()
+        starts = [region[0] for region in regions]
+        found: dict[tuple[int, int], WatchedFile] = {}
+        watched: dict[int, WatchedFile] = {}
+        for address in addresses:
+            at = bisect.bisect_right(starts, address) - 1
+            if at < 0 or address >= regions[at][1]:
+                continue
+            start, end, device, inode, path = regions[at]
+            if (device, inode) not in found:
+                try:
+                    descriptor = _open(path.removesuffix(" (deleted)"), os.O_RDONLY, start)
+                except OSError:
+                    continue  # not ours to open: reads are still guarded, and a fault still named
+                found[device, inode] = cls(path, descriptor)
+            watched[address] = found[device, inode]
+        return watched
+
+    def expect(self, identity: FileIdentity) -> None:
+        if not identity.same_file(self.identity):
+            self._refusal = (
+                f"its file {self.path} is not the one the dataset was made from (then {identity}; now "
+                f"{self.identity}): it was replaced, and this process (a spawned or forkserver worker, or an "
+                "unpickled copy) opened it by path. Make the dataset again after replacing a file, or start "
+                "workers by fork"
+            )
+
+    def unreadable(self) -> str | None:
+        if self._refusal is not None:
+            return self._refusal
+        size = os.fstat(self._descriptor).st_size
+        if size < self.identity.size:
+            return (
+                f"its file {self.path} shrank to {size} bytes from {self.identity.size}: it was truncated or "
+                "rewritten in place while mapped (reading past its end would kill the process). Keep a "
+                "dataset's files as they are while it is read, or load the dataset again"
+            )
+        return None
+
+    def check(self, column: str) -> None:
+        why = self.unreadable()
+        if why is not None:
+            raise MappedFileError(f"Arrays: column {column!r}: {why}")
+
+
+def _file_regions() -> list[tuple[int, int, int, int, str]]:
+    """(start, end, device, inode, path) of every file mapping of this process, by start."""
+    regions = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
+                if len(fields) < 6 or int(fields[4]) == 0 or not fields[5].startswith("/"):
+                    continue
                 start, _, end = fields[0].partition("-")
-                if int(start, 16) <= address < int(end, 16):
-                    major, _, minor = fields[3].partition(":")
-                    device = os.makedev(int(major, 16), int(minor, 16))
-                    name = fields[5].rstrip("\n") if len(fields) > 5 else ""
-                    return int(start, 16), int(end, 16), device, int(fields[4]), name
+                major, _, minor = fields[3].partition(":")
+                device = os.makedev(int(major, 16), int(minor, 16))
+                regions.append((int(start, 16), int(end, 16), device, int(fields[4]), fields[5].rstrip("\n")))
     except OSError:
-        return None
-    return None
+        return []
+    return sorted(regions)

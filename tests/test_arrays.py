@@ -513,7 +513,7 @@ def test_the_native_plan_refuses_what_arraybatch_would_not_hand_it():
     with pytest.raises(IndexError, match="index 3 .batch position 1. is out of range for 3 rows"):
         columns.plan(torch.tensor([0, 3]))
     unordered = _C.GatheredColumn(
-        kind=_C.GatheredKind.RAGGED, key="t", values=torch.arange(5), offsets=torch.tensor([0, 3, 2, 5]),
+        kind=_C.GatheredKind.RAGGED, key="t", values=[torch.arange(5)], offsets=[torch.tensor([0, 3, 2, 5])],
         dtype=torch.int64,
     )
     columns = _C.ColumnGather([unordered], length=3, id_key="id", ids_are_indices=False)

@@ -17,6 +17,8 @@ namespace fastcollate {
 struct ColumnGather::Shared {
   std::vector<GatheredColumn> columns;
   int64_t length = 0;
+  int64_t rows = 0;    // each column's: `length`, or the rows `rows_of` maps into
+  at::Tensor rows_of;  // int64 [length]: sample i is row rows_of[i] of every column; undefined for i
   std::string id_key;
   bool ids_are_indices = false;
 };
@@ -29,7 +31,8 @@ using Kind = GatheredColumn::Kind;
 struct ColumnFill {
   const GatheredColumn* column;
   Node* node;
-  std::vector<int64_t> lengths;  // Ragged, Packed: each row's
+  RowSpans rows;                 // where each row of the batch lies, in whichever chunk
+  std::vector<int64_t> lengths;  // Ragged, Packed: each row's; empty when every row is whole
 };
 
 std::unique_ptr<Node> laid_out(BatchPlan& plan, const std::string& path, Node::Kind kind, at::ScalarType dtype,
@@ -43,13 +46,35 @@ std::unique_ptr<Node> laid_out(BatchPlan& plan, const std::string& path, Node::K
   return node;
 }
 
-std::vector<int64_t> row_lengths(const GatheredColumn& column, const int64_t* index, int64_t size) {
-  const int64_t* offset = column.offsets.const_data_ptr<int64_t>();
-  std::vector<int64_t> lengths(static_cast<size_t>(size));
-  for (int64_t b = 0; b < size; ++b) {
-    lengths[b] = row_length(offset, index, b);
+// Where the rows `index` of `column` lie: each row's chunk (the last chunk starting at or before it), and
+// there its bytes, and for a ragged column its span, checked within the chunk's values as the gathers check
+// theirs (the offsets may have changed since the column was made), the error naming the column.
+RowSpans spans_of(const GatheredColumn& column, const int64_t* index, int64_t size) {
+  RowSpans spans;
+  spans.data.resize(static_cast<size_t>(size));
+  if (column.kind != Kind::Rows) {
+    spans.lengths.resize(static_cast<size_t>(size));
   }
-  return lengths;
+  const std::string where = "Arrays: column '" + column.key + "'";
+  for (int64_t b = 0; b < size; ++b) {
+    const size_t chunk = column.starts.size() == 2
+                             ? 0
+                             : static_cast<size_t>(std::upper_bound(column.starts.begin(), column.starts.end(), index[b]) -
+                                                   column.starts.begin() - 1);
+    const int64_t row = index[b] - column.starts[chunk];
+    if (column.kind == Kind::Rows) {
+      const at::Tensor& rows = column.rows[chunk];
+      spans.data[b] = static_cast<const unsigned char*>(rows.const_data_ptr()) + row * rows.stride(0) * rows.element_size();
+      continue;
+    }
+    const at::Tensor& values = column.values[chunk];
+    const int64_t* offset = column.offsets[chunk].const_data_ptr<int64_t>();
+    check_row_span(offset[row], offset[row + 1], values.size(0), where.c_str(), index[b], b);
+    spans.data[b] =
+        static_cast<const unsigned char*>(values.const_data_ptr()) + offset[row] * values.stride(0) * values.element_size();
+    spans.lengths[b] = offset[row + 1] - offset[row];
+  }
+  return spans;
 }
 
 std::vector<int64_t> with_rows(int64_t rows, int64_t row_length, at::IntArrayRef inner) {
@@ -133,30 +158,29 @@ void write_separators(const Node& node, uint64_t pattern) {
 }
 
 // Gathers one column into its node's views.
-void gather_column(const ColumnFill& fill, const at::Tensor& indices) {
+void gather_column(const ColumnFill& fill) {
   const GatheredColumn& column = *fill.column;
   Node& node = *fill.node;
   switch (column.kind) {
     case Kind::Rows:
-      gather_into_cpu(column.rows, indices, node.out);
+      gather_rows_into_cpu(fill.rows.data, column.source().scalar_type(), node.out);
       return;
     case Kind::Ragged: {
       const double pad = node.padded ? *column.field->pad_value : 0;
       if (node.padded) {
-        gather_ragged_into_cpu(column.values, column.offsets, indices, pad, node.out, node.mask->out,
-                               node.lengths->out);
+        gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out, node.mask->out,
+                                     node.lengths->out);
       } else {  // rows of one length: the mask and lengths are the gather's scratch
-        const int64_t size = indices.numel();
-        gather_ragged_into_cpu(column.values, column.offsets, indices, pad, node.out,
-                               at::detail::empty_cpu({size, node.out.size(1)}, at::kBool),
-                               at::detail::empty_cpu({size}, at::kLong));
+        const int64_t size = static_cast<int64_t>(fill.rows.data.size());
+        gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out,
+                                     at::detail::empty_cpu({size, node.out.size(1)}, at::kBool),
+                                     at::detail::empty_cpu({size}, at::kLong));
       }
       return;
     }
     case Kind::Packed: {
-      std::vector<int32_t> cu(node.starts.begin(), node.starts.end());
-      const at::Tensor cu_seq_lens = at::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, at::kInt);
-      gather_packed_into_cpu(column.values, column.offsets, indices, cu_seq_lens, node.out.select(0, 0));
+      const std::vector<int32_t> cu(node.starts.begin(), node.starts.end());
+      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), cu.data(), node.out.select(0, 0));
       return;
     }
     case Kind::Ids:
@@ -167,22 +191,52 @@ void gather_column(const ColumnFill& fill, const at::Tensor& indices) {
 }  // namespace
 
 ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key,
-                           bool ids_are_indices) {
+                           bool ids_are_indices, std::optional<at::Tensor> rows_of) {
   auto shared = std::make_shared<Shared>();
   shared->columns = std::move(columns);
   shared->length = length;
+  shared->rows = length;
+  if (rows_of) {
+    TORCH_CHECK(rows_of->device().is_cpu() && rows_of->scalar_type() == at::kLong && rows_of->dim() == 1 &&
+                    rows_of->is_contiguous() && rows_of->numel() == length,
+                "ColumnGather: rows_of must be a contiguous 1-D int64 CPU tensor of one row per sample");
+    shared->rows_of = *rows_of;
+    shared->rows = -1;  // every column's, checked below; each entry is checked against it per batch
+  }
   shared->id_key = std::move(id_key);
   shared->ids_are_indices = ids_are_indices;
-  for (const auto& column : shared->columns) {
-    if (column.kind == Kind::Ragged || column.kind == Kind::Packed) {
-      TORCH_CHECK(column.offsets.scalar_type() == at::kLong && column.offsets.dim() == 1 &&
-                      column.offsets.numel() >= 1 && column.offsets.is_contiguous() && column.values.dim() >= 1,
-                  "ColumnGather: column '", column.key, "' needs int64 offsets and values with a leading dim");
+  for (auto& column : shared->columns) {
+    if (column.kind == Kind::Ids) {
+      continue;
     }
-    const int64_t rows = column.kind == Kind::Rows  ? column.rows.dim() >= 1 ? column.rows.size(0) : -1
-                         : column.kind == Kind::Ids ? length
-                                                    : column.offsets.numel() - 1;
-    TORCH_CHECK(rows == length, "ColumnGather: column '", column.key, "' has ", rows, " rows, the dataset ", length);
+    const std::vector<at::Tensor>& chunks = column.kind == Kind::Rows ? column.rows : column.values;
+    TORCH_CHECK(!chunks.empty() && (column.kind == Kind::Rows || column.offsets.size() == chunks.size()),
+                "ColumnGather: column '", column.key, "' needs at least one chunk, and offsets for each");
+    column.starts.assign(1, 0);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const at::Tensor& chunk = chunks[c];
+      TORCH_CHECK(chunk.device().is_cpu() && chunk.dim() >= 1 && chunk.scalar_type() == chunks[0].scalar_type() &&
+                      chunk.sizes().slice(1) == chunks[0].sizes().slice(1) && !chunk.is_conj() && !chunk.is_neg(),
+                  "ColumnGather: column '", column.key, "': chunk ", c, " (", chunk.scalar_type(), " of shape ",
+                  chunk.sizes(), ") is not a CPU tensor of the first chunk's dtype and inner dims");
+      TORCH_CHECK(column.kind == Kind::Rows ? rows_are_contiguous(chunk) : chunk.is_contiguous(), "ColumnGather: column '",
+                  column.key, "': the rows of chunk ", c, " are not contiguous");
+      int64_t rows = chunk.size(0);
+      if (column.kind != Kind::Rows) {
+        const at::Tensor& offsets = column.offsets[c];
+        TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                        offsets.numel() >= 1 && offsets.is_contiguous(),
+                    "ColumnGather: column '", column.key, "': the offsets of chunk ", c,
+                    " must be a contiguous 1-D int64 CPU tensor");
+        rows = offsets.numel() - 1;
+      }
+      column.starts.push_back(column.starts.back() + rows);
+    }
+    if (shared->rows < 0) {
+      shared->rows = column.starts.back();
+    }
+    TORCH_CHECK(column.starts.back() == shared->rows, "ColumnGather: column '", column.key, "' has ",
+                column.starts.back(), " rows, another ", shared->rows);
   }
   shared_ = std::move(shared);
 }
@@ -199,6 +253,20 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   TORCH_CHECK_INDEX(outside < 0, "ColumnGather.plan: index ", outside < 0 ? 0 : indices[outside].item<int64_t>(),
                     " (batch position ", outside, ") is out of range for ", shared.length, " rows");
   const int64_t* index = indices.const_data_ptr<int64_t>();
+  // The rows the batch reads: its indices, or the rows they map to (a shuffled or selected dataset).
+  std::vector<int64_t> mapped;
+  const int64_t* read = index;
+  if (shared.rows_of.defined()) {
+    const int64_t* rows_of = shared.rows_of.const_data_ptr<int64_t>();
+    mapped.resize(static_cast<size_t>(size));
+    for (int64_t b = 0; b < size; ++b) {
+      mapped[b] = rows_of[index[b]];
+      TORCH_CHECK_INDEX(0 <= mapped[b] && mapped[b] < shared.rows, "ColumnGather.plan: sample ", index[b],
+                        " (batch position ", b, ") maps to row ", mapped[b], ", outside the ", shared.rows,
+                        " rows of its columns");
+    }
+    read = mapped.data();
+  }
   auto refuse = [&](const Violation& violation, size_t position, const std::string& key) {
     raise_violation(violation, sample_at(shared.ids_are_indices, shared.id_key, index, position), position, key,
                     shared.id_key);
@@ -213,9 +281,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   bool packing_keys_laid_out = false;
   for (const GatheredColumn& column : shared.columns) {
     const FieldSpec* field = column.field ? &*column.field : nullptr;
-    const at::Tensor& source = column.kind == Kind::Rows ? column.rows : column.values;
     std::unique_ptr<Node> node;
-    std::vector<int64_t> lengths;
     if (column.kind == Kind::Ids) {
       node = laid_out(*plan, column.key, Node::Kind::Numbers, at::kLong, {size});
       node->ints.assign(index, index + size);
@@ -223,13 +289,10 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
       root->children.push_back(std::move(node));
       continue;
     }
-    if (column.kind != Kind::Rows) {
-      // The batch is laid out by its rows' lengths: their spans are checked first, as the gather checks
-      // them (the offsets may have changed since the column was made), the error naming the column.
-      const std::string where = "Arrays: column '" + column.key + "'";
-      check_ragged_rows(column.values, column.offsets, indices, where.c_str());
-      lengths = row_lengths(column, index, size);
-    }
+    const at::Tensor& source = column.source();
+    // The batch is laid out by its rows' lengths: their spans are checked first.
+    RowSpans rows = spans_of(column, read, size);
+    std::vector<int64_t> lengths = rows.lengths;
     if (field != nullptr) {
       // Every row of a column has its dtype, and every row of a rows column its shape: sample 0 stands
       // for all (a ragged column's rows differ only along the padded or packed dim).
@@ -341,7 +404,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
       }
     }
     node->gathered = true;
-    fills.push_back({&column, node.get(), std::move(lengths)});
+    fills.push_back({&column, node.get(), std::move(rows), std::move(lengths)});
     root->keys.push_back(py::str(column.key));
     root->children.push_back(std::move(node));
   }
@@ -353,7 +416,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
       const GatheredColumn& column = *fill.column;
       try {
         py::gil_scoped_release no_gil;  // the copy touches no Python object
-        gather_column(fill, indices);
+        gather_column(fill);
       } catch (...) {
         self->failed_key = column.key;  // the caller names the column, and its file when a read faulted
         throw;

@@ -29,19 +29,29 @@ struct GatheredColumn {
   };
   Kind kind = Kind::Rows;
   std::string key;
-  at::Tensor rows;
-  at::Tensor values;
-  at::Tensor offsets;                 // int64 [N + 1], contiguous
+  // The column's rows, in one chunk or several (an Arrow column comes in chunks, in one file or many):
+  // Rows: rows[c] is [rows of chunk c, *row]; Ragged, Packed: values[c], and offsets[c] (int64, one entry
+  // more than chunk c has rows, within values[c]). Every chunk has the first one's dtype and inner dims.
+  std::vector<at::Tensor> rows;
+  std::vector<at::Tensor> values;
+  std::vector<at::Tensor> offsets;
   at::ScalarType dtype = at::kFloat;  // the output's: the source's, or the field's when it casts
   std::optional<FieldSpec> field;     // none without a contract
+  // Each chunk's first row, then the column's rows (set by ColumnGather).
+  std::vector<int64_t> starts;
+
+  // The first chunk, which stands for all in dtype and inner dims.
+  const at::Tensor& source() const { return kind == Kind::Rows ? rows.front() : values.front(); }
 };
 
 class ColumnGather {
  public:
   // `id_key` names samples in errors: the dataset's id column when it has one (`ids_are_indices`: a
   // sample's id is its index), else the collate function's.
-  // `length`: the dataset's rows, which every column has.
-  ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key, bool ids_are_indices);
+  // `length`: the dataset's samples. Sample i is row i of every column, or row rows_of[i] when given (int64,
+  // one entry per sample: a shuffled or selected Hugging Face dataset reads its table through such a map).
+  ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key, bool ids_are_indices,
+               std::optional<at::Tensor> rows_of = std::nullopt);
 
   // The batch at `indices` (int64, at least one; ArrayBatch names a bad one), or None when the per-sample
   // path must collate it: rows of unequal length without a pad, packed rows the walk refuses or whose

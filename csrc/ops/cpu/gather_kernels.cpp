@@ -27,22 +27,6 @@ namespace {
 // vectorised cast while it is still in the cache.
 constexpr int64_t kCastChunkBytes = 256 << 10;
 
-// Whether each row of `source` (dims 1..) is contiguous; the rows themselves may be any stride apart, so
-// overlapping windows over one token stream (as_strided) gather as they are.
-bool rows_are_contiguous(const at::Tensor& source) {
-  if (source.dim() > 1 && source.numel() == 0 && source.size(0) > 0) {
-    return true;  // empty rows: nothing to copy
-  }
-  int64_t expected = 1;
-  for (int64_t d = source.dim() - 1; d >= 1; --d) {
-    if (source.size(d) != 1 && source.stride(d) != expected) {
-      return false;
-    }
-    expected *= source.size(d);
-  }
-  return true;
-}
-
 void check_indices(const at::Tensor& indices, int64_t rows, const char* op) {
   TORCH_CHECK(
       indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
@@ -102,6 +86,22 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
 
 }  // namespace
 
+// Whether each row of `source` (dims 1..) is contiguous; the rows themselves may be any stride apart, so
+// overlapping windows over one token stream (as_strided) gather as they are.
+bool rows_are_contiguous(const at::Tensor& source) {
+  if (source.dim() > 1 && source.numel() == 0 && source.size(0) > 0) {
+    return true;  // empty rows: nothing to copy
+  }
+  int64_t expected = 1;
+  for (int64_t d = source.dim() - 1; d >= 1; --d) {
+    if (source.size(d) != 1 && source.stride(d) != expected) {
+      return false;
+    }
+    expected *= source.size(d);
+  }
+  return true;
+}
+
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out) {
   TORCH_CHECK(source.device().is_cpu() && out.device().is_cpu(), "gather_into: source and out must be CPU tensors");
@@ -123,22 +123,31 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   const int64_t* index = indices.const_data_ptr<int64_t>();
   const auto* base = static_cast<const unsigned char*>(source.const_data_ptr());
   const size_t row_stride = static_cast<size_t>(source.stride(0)) * source.element_size();
-  const size_t row_bytes = static_cast<size_t>(out.numel() / batch) * source.element_size();
   std::vector<const void*> rows(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     rows[b] = base + static_cast<size_t>(index[b]) * row_stride;
   }
-  if (source.scalar_type() == out.scalar_type()) {
+  gather_rows_into_cpu(rows, source.scalar_type(), out);
+}
+
+void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType source, const at::Tensor& out) {
+  const int64_t batch = static_cast<int64_t>(rows.size());
+  if (batch == 0 || out.numel() == 0) {
+    return;
+  }
+  const size_t source_element = c10::elementSize(source);
+  const size_t row_bytes = static_cast<size_t>(out.numel() / batch) * source_element;
+  if (source == out.scalar_type()) {
     CopyJobs jobs;
     jobs.add_rows(rows.data(), out.data_ptr(), row_bytes, rows.size());
     jobs.run();
     return;
   }
   const int64_t row_elements = out.numel() / batch;
-  const bool narrowing_integers = at::isIntegralType(source.scalar_type(), /*includeBool=*/false) &&
+  const bool narrowing_integers = at::isIntegralType(source, /*includeBool=*/false) &&
                                   at::isIntegralType(out.scalar_type(), false) &&
-                                  out.element_size() < source.element_size();
-  if (!narrowing_integers && gather_casting(rows, source.scalar_type(), out, row_elements)) {
+                                  out.element_size() < source_element;
+  if (!narrowing_integers && gather_casting(rows, source, out, row_elements)) {
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, kCastChunkBytes / static_cast<int64_t>(std::max<size_t>(row_bytes, 1)));
@@ -147,7 +156,7 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> scratch_shape = out.sizes().vec();
     scratch_shape[0] = std::min(chunk, batch);
-    at::Tensor scratch = at::empty(scratch_shape, source.options());
+    at::Tensor scratch = at::empty(scratch_shape, out.options().dtype(source));
     for (int64_t c = first; c < last; ++c) {
       const int64_t begin = c * chunk;
       const int64_t n = std::min(chunk, batch - begin);
@@ -162,7 +171,6 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
   });
 }
 
-namespace {}  // namespace
 
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
@@ -179,12 +187,14 @@ void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, cons
   const int64_t* offset = offsets.const_data_ptr<int64_t>();
   const int64_t total = values.size(0);
   for (int64_t b = 0; b < indices.numel(); ++b) {
-    const int64_t start = offset[index[b]];
-    const int64_t stop = offset[index[b] + 1];
-    TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, op, ": row ", index[b], " (batch position ", b,
-                      ") spans offsets ", start, "..", stop, ", outside the ", total,
-                      " values (offsets must be non-decreasing, from 0 to len(values))");
+    check_row_span(offset[index[b]], offset[index[b] + 1], total, op, index[b], b);
   }
+}
+
+void check_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position) {
+  TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, op, ": row ", row, " (batch position ", position,
+                    ") spans offsets ", start, "..", stop, ", outside the ", total,
+                    " values (offsets must be non-decreasing, from 0 to len(values))");
 }
 
 // Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
@@ -204,43 +214,62 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
                   lengths.sizes() == at::IntArrayRef({batch}),
               "gather_ragged_into: lengths must be a contiguous int64 tensor of shape [", batch, "]");
-  const int64_t* index = indices.const_data_ptr<int64_t>();
-  const int64_t* offset = offsets.const_data_ptr<int64_t>();
-  const int64_t total = values.size(0);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t length = row_length(offset, index, b);
-    TORCH_CHECK(length <= longest, "gather_ragged_into: row ", index[b], " has length ", length, ", longer than out's ",
-                longest);
-  }
   at::assert_no_overlap(out, values);
   at::assert_no_overlap(out, mask);
   at::assert_no_overlap(out, lengths);
-  // A cast goes through a gather in the values' dtype first (ATen then casts the whole block).
-  const at::Tensor target = out.scalar_type() == values.scalar_type() ? out : at::empty(out.sizes(), values.options());
-  const size_t step_bytes = static_cast<size_t>(values.numel() / std::max<int64_t>(total, 1)) * values.element_size();
-  const size_t step_elements = step_bytes / values.element_size();
+  gather_ragged_spans_into_cpu(ragged_spans(values, offsets, indices), values.scalar_type(), value, out, mask,
+                               lengths);
+}
+
+RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices) {
+  const int64_t batch = indices.numel();
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const int64_t* offset = offsets.const_data_ptr<int64_t>();
   const auto* base = static_cast<const unsigned char*>(values.const_data_ptr());
+  const size_t step_bytes = static_cast<size_t>(values.stride(0)) * values.element_size();
+  RowSpans spans;
+  spans.data.resize(static_cast<size_t>(batch));
+  spans.lengths.resize(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    spans.data[b] = base + static_cast<size_t>(offset[index[b]]) * step_bytes;
+    spans.lengths[b] = row_length(offset, index, b);
+  }
+  return spans;
+}
+
+void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const at::Scalar& value,
+                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths) {
+  const int64_t batch = static_cast<int64_t>(spans.data.size());
+  const int64_t longest = out.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(spans.lengths[b] <= longest, "gather_ragged_into: batch position ", b, " has length ",
+                spans.lengths[b], ", longer than out's ", longest);
+  }
+  // A cast goes through a gather in the source's dtype first (ATen then casts the whole block).
+  const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
+  const size_t step_elements = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2)));
+  const size_t source_element = c10::elementSize(source);
+  const size_t step_bytes = step_elements * source_element;
   auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
   auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
   int64_t* length_values = lengths.data_ptr<int64_t>();
   // Casting, the padding is written after the cast, in out's dtype (-100 stays -100 when uint16 tokens
-  // become int64 labels); the gather in the values' dtype pads with zeros meanwhile.
+  // become int64 labels); the gather in the source's dtype pads with zeros meanwhile.
   const bool casting = !target.is_same(out);
   // Both made before anything is written: a value out's dtype refuses leaves out, mask and lengths as they were.
-  const uint64_t pad = casting ? 0 : element_pattern(value, values.scalar_type());
+  const uint64_t pad = casting ? 0 : element_pattern(value, source);
   const uint64_t out_pad = casting ? element_pattern(value, out.scalar_type()) : pad;
   const uint64_t one = element_pattern(1, mask.scalar_type());
   const size_t mask_element = mask.element_size();
   CopyJobs jobs;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = offset[index[b]];
-    const size_t length = static_cast<size_t>(offset[index[b] + 1] - start);
+    const size_t length = static_cast<size_t>(spans.lengths[b]);
     unsigned char* row = out_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * step_bytes;
     if (length > 0) {
-      jobs.add_memcpy(base + static_cast<size_t>(start) * step_bytes, row, length * step_bytes);
+      jobs.add_memcpy(spans.data[b], row, length * step_bytes);
     }
     jobs.fills.push_back({row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
-                          static_cast<size_t>(values.element_size()), pad});
+                          source_element, pad});
     unsigned char* mask_row = mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element;
     jobs.fills.push_back({mask_row, length, mask_element, one});
     jobs.fills.push_back({mask_row + length * mask_element, static_cast<size_t>(longest) - length, mask_element, 0});
@@ -295,28 +324,32 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
                   out.sizes().slice(1) == values.sizes().slice(1),
               "gather_packed_into: out must be contiguous of shape [", cu[batch], ", ", values.sizes().slice(1),
               "] (cu_seq_lens' total first), got ", out.sizes());
-  const int64_t* index = indices.const_data_ptr<int64_t>();
-  const int64_t* offset = offsets.const_data_ptr<int64_t>();
-  const int64_t total = values.size(0);
+  const RowSpans spans = ragged_spans(values, offsets, indices);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t length = row_length(offset, index, b);
-    TORCH_CHECK(length == cu[b + 1] - cu[b], "gather_packed_into: row ", index[b], " (batch position ", b,
-                ") has length ", length, " but cu_seq_lens gives it ", cu[b + 1] - cu[b]);
+    TORCH_CHECK(spans.lengths[b] == cu[b + 1] - cu[b], "gather_packed_into: row ", indices[b].item<int64_t>(),
+                " (batch position ", b, ") has length ", spans.lengths[b], " but cu_seq_lens gives it ",
+                cu[b + 1] - cu[b]);
   }
   if (out.numel() == 0) {
     return;
   }
   at::assert_no_overlap(out, values);
-  const at::Tensor target = out.scalar_type() == values.scalar_type() ? out : at::empty(out.sizes(), values.options());
-  const size_t step_bytes = static_cast<size_t>(values.numel() / std::max<int64_t>(total, 1)) * values.element_size();
-  const auto* base = static_cast<const unsigned char*>(values.const_data_ptr());
+  gather_packed_spans_into_cpu(spans, values.scalar_type(), cu, out);
+}
+
+void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int32_t* cu_seq_lens,
+                                  const at::Tensor& out) {
+  if (out.numel() == 0) {
+    return;
+  }
+  const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
+  const size_t step_bytes = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(1))) * c10::elementSize(source);
   auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
   CopyJobs jobs;
-  for (int64_t b = 0; b < batch; ++b) {
-    const size_t length = static_cast<size_t>(cu[b + 1] - cu[b]);
+  for (size_t b = 0; b < spans.data.size(); ++b) {
+    const size_t length = static_cast<size_t>(spans.lengths[b]);
     if (length > 0) {
-      jobs.add_memcpy(base + static_cast<size_t>(offset[index[b]]) * step_bytes,
-                      out_bytes + static_cast<size_t>(cu[b]) * step_bytes, length * step_bytes);
+      jobs.add_memcpy(spans.data[b], out_bytes + static_cast<size_t>(cu_seq_lens[b]) * step_bytes, length * step_bytes);
     }
   }
   jobs.run();

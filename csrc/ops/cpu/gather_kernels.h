@@ -4,15 +4,34 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace fastcollate {
+
+// Where each row of a batch lies: row b starts at data[b] and, in a ragged column, spans lengths[b]
+// positions of its dim 0. Rows may come from different arrays (the chunks of one column).
+struct RowSpans {
+  std::vector<const void*> data;
+  std::vector<int64_t> lengths;
+};
+
+// Whether each row of `source` (dims 1..) is contiguous, however far apart the rows are.
+bool rows_are_contiguous(const at::Tensor& source);
 
 // out[b] = source[indices[b]] for every b, cast to out's dtype on the way when it differs.
 void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const at::Tensor& out);
+
+// The same from rows already found: out[b] is the row at rows[b], of `source`'s dtype.
+void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType source, const at::Tensor& out);
 
 // The length of row index[b] of a ragged column.
 inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
   return offset[index[b] + 1] - offset[index[b]];
 }
+
+// Raises the IndexError of a ragged row (`row`, at batch position `position`) whose span start..stop is not
+// within the `total` values, led by `op`.
+void check_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position);
 
 // What the ragged gathers check first, their errors led by `op`: values and offsets as a Ragged column
 // holds them, every index in range, and every gathered row's span inside values.
@@ -24,8 +43,19 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
                             const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
                             const at::Tensor& lengths);
 
+// The spans of rows indices of a ragged column (check_ragged_rows first).
+RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices);
+
+// The same from spans already found, of `source`'s dtype; out, mask and lengths shaped as above.
+void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const at::Scalar& value,
+                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths);
+
 // The same rows back to back into out ([total, *fixed dims]), row b at cu_seq_lens[b].
 void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
                             const at::Tensor& cu_seq_lens, const at::Tensor& out);
+
+// The same from spans already found: row b at token cu_seq_lens[b] of out ([total, *fixed dims]).
+void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int32_t* cu_seq_lens,
+                                  const at::Tensor& out);
 
 }  // namespace fastcollate

@@ -6,7 +6,7 @@
 
 from ._ext import _C  # noqa: F401, I001  (first: a missing build says how to fix it)
 from . import audit
-from .arrays import Arrays, Ragged, TokenWindows
+from .arrays import Arrays, Chunked, Ragged, TokenWindows
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
 from .contract import Contract, Field, Packing
@@ -34,6 +34,7 @@ __all__ = [
     "MappedFileError",
     "Normalize",
     "Packing",
+    "Chunked",
     "Ragged",
     "StagingRing",
     "TagWorker",

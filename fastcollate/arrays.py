@@ -10,6 +10,7 @@ instead of building and walking one object per sample.
 from __future__ import annotations
 
 import bisect
+import copy
 import types
 import warnings
 from collections.abc import Mapping, Sequence
@@ -210,6 +211,15 @@ class Column:
                 setattr(self, role, torch.empty_strided(shape, strides, dtype=dtype, device="meta"))
 
 
+def _column(name: str, value: Any) -> Column:
+    """The column ``name`` over ``value``; a Column already made (one column under two keys) is shared."""
+    if isinstance(value, Column):
+        shared = copy.copy(value)
+        shared.name = name
+        return shared
+    return Column(name, value)
+
+
 def _described(column: Column) -> str:
     kind = "ragged" if column.ragged else "rows"
     return f"{kind}, {column.first.dtype}, inner dims {tuple(column.first.shape[1:])}"
@@ -282,7 +292,7 @@ class Arrays(Dataset):
             )
         self.id_key = id_key
         # Read-only: assemble keeps each batch size's layout, which names these columns.
-        self.columns = types.MappingProxyType({name: Column(name, value) for name, value in given.items()})
+        self.columns = types.MappingProxyType({name: _column(name, value) for name, value in given.items()})
         lengths = {name: len(column) for name, column in self.columns.items()}
         if len(set(lengths.values())) > 1:
             described = ", ".join(f"{name!r}: {n}" for name, n in lengths.items())

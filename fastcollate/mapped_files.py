@@ -155,7 +155,8 @@ class MappedFile:
             self.array = np.empty(self.shape, dtype=dtype)
             return
         try:
-            descriptor = _open(self.path, os.O_RDWR if self.writable else os.O_RDONLY, mapped_at)
+            region = _region_at(mapped_at) if mapped_at is not None else None
+            descriptor = _open(self.path, os.O_RDWR if self.writable else os.O_RDONLY, region)
         except OSError as error:
             self._refusal = self._cannot_open(error)
             return
@@ -273,12 +274,11 @@ class _Replaced(OSError):
     """The path names another file than the mapping the column is made from."""
 
 
-def _open(path: str, flags: int, mapped_at: int | None) -> int:
-    """A descriptor of the file mapped at ``mapped_at`` when there is one, else of the file at ``path``.
-    The mapping's own file comes from /proc/self/map_files (it may be deleted or replaced since it was
-    mapped); where that is not allowed (it needs CAP_CHECKPOINT_RESTORE), the path's file, refused
-    (_Replaced) if /proc/self/maps shows the mapping holds another inode of the same device."""
-    region = _region_at(mapped_at) if mapped_at is not None else None
+def _open(path: str, flags: int, region: tuple[int, int, int, int, str] | None) -> int:
+    """A descriptor of the file of the mapping ``region`` (see _region_at) when there is one, else of the
+    file at ``path``. The mapping's own file comes from /proc/self/map_files (it may be deleted or replaced
+    since it was mapped); where that is not allowed (it needs CAP_CHECKPOINT_RESTORE), the path's file,
+    refused (_Replaced) if the mapping holds another inode of the same device."""
     if region is not None:
         try:
             return os.open(f"/proc/self/map_files/{region[0]:x}-{region[1]:x}", flags)
@@ -344,10 +344,11 @@ class WatchedFile:
             at = bisect.bisect_right(starts, address) - 1
             if at < 0 or address >= regions[at][1]:
                 continue
-            start, end, device, inode, path = regions[at]
+            region = regions[at]
+            start, end, device, inode, path = region
             if (device, inode) not in found:
                 try:
-                    descriptor = _open(path.removesuffix(" (deleted)"), os.O_RDONLY, start)
+                    descriptor = _open(path.removesuffix(" (deleted)"), os.O_RDONLY, region)
                 except OSError:
                     continue  # not ours to open: reads are still guarded, and a fault still named
                 found[device, inode] = cls(path, descriptor)

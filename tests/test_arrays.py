@@ -21,6 +21,8 @@ from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWin
 from fastcollate._ext import _C
 from fastcollate.arrays import ArrayBatch
 
+from .helpers.chunks import chunked, cuts
+
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
 
 
@@ -41,7 +43,7 @@ def datasets(draw):
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=2)))
         values = torch.randint(0, 100, (rows, *shape)).to(dtype)
         as_numpy = draw(st.booleans())
-        columns[f"c{n}"] = values.numpy() if as_numpy else values
+        columns[f"c{n}"] = chunked(values.numpy() if as_numpy else values, draw(cuts(rows)))
     indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=30))
     return Arrays(columns), indices
 
@@ -79,7 +81,8 @@ def ragged_datasets(draw):
             ),
         }
     )
-    dataset = Arrays(tokens=Ragged(values, offsets), label=np.arange(rows) % 7)
+    tokens = chunked(Ragged(values, offsets), draw(cuts(rows)))
+    dataset = Arrays(tokens=tokens, label=chunked(np.arange(rows) % 7, draw(cuts(rows))))
     indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=20))
     return dataset, contract, indices
 

@@ -18,6 +18,8 @@ from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, 
 from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.errors import ContractSizeError, ContractTypeError, ContractValueError
 
+from .helpers.chunks import chunked, cuts
+
 
 def ragged(lengths, dtype=torch.int64, inner=(), seed=0, high=100):
     generator = torch.Generator().manual_seed(seed)
@@ -236,15 +238,19 @@ DTYPES = [torch.int64, torch.int32, torch.uint16, torch.uint8, torch.float32, to
     start=st.integers(0, 3),
     seq_idx=st.booleans(),
     picks=st.lists(st.integers(0, 2**16), min_size=1, max_size=16),
+    data=st.data(),
 )
-def test_any_gathered_packed_batch_equals_the_walk_s(lengths, dtypes, separators, start, seq_idx, picks):
+def test_any_gathered_packed_batch_equals_the_walk_s(  # noqa: PLR0913 (hypothesis draws each)
+    lengths, dtypes, separators, start, seq_idx, picks, data
+):
     indices = [p % len(lengths) for p in picks]
     if sum(lengths[i] for i in indices) == 0:
         lengths[indices[0]] = 1
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     columns, fields = {}, {"id": Field(kind="number")}
     for k, (dtype, separator) in enumerate(zip(dtypes, separators, strict=False)):
-        columns[f"f{k}"] = Ragged(torch.randint(0, 100, (int(offsets[-1]),)).to(dtype), offsets)
+        column = Ragged(torch.randint(0, 100, (int(offsets[-1]),)).to(dtype), offsets)
+        columns[f"f{k}"] = chunked(column, data.draw(cuts(len(lengths))))
         fields[f"f{k}"] = Field(dtype=dtype, shape=("T",), pack=True, separator=separator)
     dataset = Arrays(columns)
     packing = Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None)

@@ -89,8 +89,8 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
 // Whether each row of `source` (dims 1..) is contiguous; the rows themselves may be any stride apart, so
 // overlapping windows over one token stream (as_strided) gather as they are.
 bool rows_are_contiguous(const at::Tensor& source) {
-  if (source.dim() > 1 && source.numel() == 0 && source.size(0) > 0) {
-    return true;  // empty rows: nothing to copy
+  if (source.numel() == 0) {
+    return true;  // no rows, or empty ones: nothing to copy
   }
   int64_t expected = 1;
   for (int64_t d = source.dim() - 1; d >= 1; --d) {

@@ -1,0 +1,285 @@
+"""Arrays over Arrow: the columns of a ``pyarrow.Table``, an Arrow IPC file or a Hugging Face
+``datasets.Dataset``, read where they lie, chunk by chunk (``fastcollate.Chunked``), with no copy of
+their values. Only the offsets of list columns are copied (8 bytes a row): a column checks its own.
+
+How Arrow types become columns:
+
+- integers and floating point: a value per row (1-D);
+- ``list`` / ``large_list`` (a ``Sequence`` feature): ragged rows, padded or packed by a contract;
+- ``fixed_size_list`` (``Sequence(length=k)``, ``List(..., length=k)``) and Hugging Face's ``Array2D`` to
+  ``Array5D``: rows of that shape; an ``ArrayXD`` whose first dim is None is ragged along it;
+- everything else is refused, naming the column: strings and binary (tokenize first), booleans (stored
+  as bits: cast to uint8), nulls, structs, and lists within lists of varying length.
+
+The Arrays made here pickle as their source: a dataset's files by path (Hugging Face reopens them), an
+IPC file by path, a table by value (with a warning). Worker processes started by spawn therefore map the
+files again, and one whose path now holds another file refuses to read it, naming the column. A file
+that shrinks under a mapping is named before a read, and a read that faults anyway is named after it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._ext import _C
+from .arrays import Arrays, Chunked, Column, ColumnChoice, Ragged
+from .mapped_files import WatchedFile
+
+__all__ = ["from_arrow", "from_hf"]
+
+
+class ArrowArrays(Arrays):
+    """Arrays made from Arrow columns, pickled as where they came from (see the module's docstring)."""
+
+    _source: tuple  # (the function that made it, its source, columns, id_key)
+
+    def __reduce__(self) -> tuple:
+        build, source, columns, id_key = self._source
+        if _by_value(source):
+            warnings.warn(
+                f"fastcollate.Arrays over {_what(source)} is pickled by value (each worker started by "
+                "spawn receives a copy of its columns): save it to a file (Dataset.save_to_disk, or an "
+                "Arrow IPC file given to from_arrow by path) to have workers map it instead",
+                stacklevel=2,
+            )
+        identities = {watched.path: watched.identity for watched in self._watched()}
+        return (_rebuilt, (build, source, columns, id_key, identities))
+
+    def _watched(self) -> list[WatchedFile]:
+        return list({id(w): w for c in self.columns.values() for w in c.watched}.values())
+
+
+def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
+    """``Arrays.from_hf``: see its docstring."""
+    import datasets
+
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise TypeError(
+            "Arrays.from_hf: a streaming dataset (IterableDataset) has no rows to read by index, and Arrays "
+            "gathers batches by index. Load it without streaming=True to read it where it lies, or keep "
+            "streaming and pass fastcollate.assemble as the DataLoader's collate_fn"
+        )
+    if isinstance(dataset, datasets.DatasetDict):
+        raise TypeError(
+            f"Arrays.from_hf: a DatasetDict holds splits ({', '.join(map(repr, dataset))}): pass one, "
+            "e.g. Arrays.from_hf(dataset['train'])"
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"Arrays.from_hf: expected a datasets.Dataset, got {type(dataset).__name__}")
+    table = dataset.data.table
+    shown = dataset.format.get("columns") or dataset.column_names
+    chosen = _chosen(columns, shown, dataset.column_names, "Arrays.from_hf")
+    arrays = _arrays(table, chosen, id_key, "Arrays.from_hf")
+    if dataset._indices is not None:  # select, shuffle, shard, train_test_split: rows through a map
+        rows = dataset._indices.column(0).to_numpy().astype(np.int64)
+        arrays._read_through(torch.from_numpy(rows))
+        outside = _C.first_index_outside(arrays.rows_of, table.num_rows)
+        if outside >= 0:
+            raise IndexError(
+                f"Arrays.from_hf: sample {outside} maps to row {int(rows[outside])} of a table of "
+                f"{table.num_rows} rows: the dataset's index map does not fit its table"
+            )
+    arrays._source = (from_hf, dataset, columns, id_key)
+    return arrays
+
+
+def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
+    """``Arrays.from_arrow``: see its docstring."""
+    import pyarrow as pa
+
+    if isinstance(source, (str, os.PathLike)):
+        table = _read_ipc(os.fspath(source))
+    elif isinstance(source, pa.RecordBatch):
+        table = pa.Table.from_batches([source])
+    elif isinstance(source, pa.Table):
+        table = source
+    else:
+        raise TypeError(
+            "Arrays.from_arrow: expected a pyarrow.Table, a RecordBatch or the path of an Arrow IPC file, "
+            f"got {type(source).__name__}"
+        )
+    chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
+    arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow")
+    arrays._source = (
+        from_arrow,
+        os.fspath(source) if isinstance(source, os.PathLike) else source,
+        columns,
+        id_key,
+    )
+    return arrays
+
+
+def _read_ipc(path: str) -> Any:
+    """The table of the Arrow IPC file at ``path``, memory-mapped: the file format (``.arrow``,
+    ``.feather`` v2) or the stream format (what Hugging Face datasets writes)."""
+    import pyarrow as pa
+
+    source = pa.memory_map(path)
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:
+        source.seek(0)
+        return pa.ipc.open_stream(source).read_all()
+
+
+def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str) -> dict[str, str]:
+    """{key: column name} from ``columns`` (None: every column shown), each checked to exist."""
+    if columns is None:
+        chosen = {name: name for name in shown}
+    elif isinstance(columns, Mapping):
+        chosen = dict(columns)
+    elif isinstance(columns, str):
+        raise TypeError(
+            f"{who}: columns is a list of names or a {{key: column}} mapping, got the str {columns!r}"
+        )
+    else:
+        chosen = {name: name for name in columns}
+    for key, name in chosen.items():
+        if name not in every:
+            raise KeyError(
+                f"{who}: column {name!r} (for key {key!r}) does not exist; the columns are {every}"
+            )
+    if not chosen:
+        raise ValueError(f"{who}: no column chosen")
+    return chosen
+
+
+def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) -> ArrowArrays:
+    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in."""
+    made: dict[str, Column] = {}  # one column under two keys is made once
+    for key, name in chosen.items():
+        if name not in made:
+            made[name] = Column(key, Chunked(_pieces(key, table.column(name), who)))
+    arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
+    addresses = {
+        name: [chunk.first.data_ptr() for chunk in column.chunks if chunk.first.numel()]
+        for name, column in arrays.columns.items()
+    }
+    watched = WatchedFile.of([address for found in addresses.values() for address in found])
+    for name, column in arrays.columns.items():
+        column.watched = list({id(watched[a]): watched[a] for a in addresses[name] if a in watched}.values())
+    return arrays
+
+
+def _pieces(key: str, column: Any, who: str) -> list[Any]:
+    chunks = [chunk for chunk in column.chunks if len(chunk)] or [column.combine_chunks()]
+    with warnings.catch_warnings():
+        # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [_tensors(_piece(key, chunk, who)) for chunk in chunks]
+
+
+def _tensors(piece: np.ndarray | Ragged) -> torch.Tensor | Ragged:
+    if isinstance(piece, Ragged):
+        return Ragged(torch.from_numpy(piece.values), torch.from_numpy(piece.offsets))
+    return torch.from_numpy(piece)
+
+
+def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
+    """One Arrow chunk as Arrays reads it: rows (an array whose dim 0 is the row) or Ragged, over the
+    chunk's own buffers."""
+    import pyarrow as pa
+
+    shape = getattr(array.type, "shape", None)  # Hugging Face's Array2D..Array5D: each row's dims
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    where = f"{who}: column {key!r}"
+    levels: list[tuple[np.ndarray | None, int | None]] = []  # each list level: (offsets, fixed length)
+    node = array
+    while (
+        pa.types.is_list(node.type)
+        or pa.types.is_large_list(node.type)
+        or pa.types.is_fixed_size_list(node.type)
+    ):
+        _no_nulls(where, node)
+        if pa.types.is_fixed_size_list(node.type):
+            levels.append((None, node.type.list_size))
+            node = node.flatten()  # the chunk's own rows (a slice of the values, no copy)
+        else:
+            fixed = shape[len(levels)] if shape is not None and len(levels) < len(shape) else None
+            levels.append((node.offsets.to_numpy(zero_copy_only=True), fixed))
+            node = node.values
+    _no_nulls(where, node)
+    leaf = _leaf(where, node, array.type)
+    for depth in reversed(range(len(levels))):
+        offsets, fixed = levels[depth]
+        if offsets is None:
+            leaf = leaf.reshape(-1, fixed, *leaf.shape[1:])
+            continue
+        within = leaf[offsets[0] : offsets[-1]]
+        if fixed is None and depth == 0:
+            return Ragged(within, offsets.astype(np.int64) - offsets[0])
+        steps = np.diff(offsets)
+        if fixed is None or (steps != fixed).any():
+            raise TypeError(
+                f"{where} ({array.type}) holds lists within lists whose lengths vary: only a row's first dim "
+                "may vary (ragged). Declare the inner lengths with a feature (Sequence(length=k), "
+                "Array2D(shape=(None, k))) or flatten the column"
+            )
+        leaf = within.reshape(-1, fixed, *leaf.shape[1:])
+    return leaf
+
+
+def _leaf(where: str, node: Any, column_type: Any) -> np.ndarray:
+    """The values of a column's innermost level, as numpy over their Arrow buffer."""
+    import pyarrow as pa
+
+    kind = node.type
+    if (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or (pa.types.is_large_binary(kind) or pa.types.is_string_view(kind))
+    ):
+        raise TypeError(
+            f"{where} holds text or bytes ({column_type}), which a batch of tensors cannot: tokenize it "
+            "first (Dataset.map), or leave it out (columns=[...])"
+        )
+    if pa.types.is_boolean(kind):
+        raise TypeError(
+            f"{where} holds booleans ({column_type}), which Arrow stores as bits, not as the bytes a tensor "
+            "reads: cast the column to uint8 (Dataset.cast_column, or pyarrow.compute.cast)"
+        )
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise TypeError(
+            f"{where} has type {column_type}, which has no tensor dtype: integers and floating point, and "
+            "lists of them, are read"
+        )
+    return node.to_numpy(zero_copy_only=True)
+
+
+def _no_nulls(where: str, node: Any) -> None:
+    if node.null_count:
+        raise ValueError(
+            f"{where} has {node.null_count} missing values (nulls) in a chunk: a tensor has no null. Fill "
+            "or drop them first (Dataset.filter, or pyarrow.compute.fill_null)"
+        )
+
+
+def _by_value(source: Any) -> bool:
+    """Whether pickling ``source`` copies its data (rather than naming its files)."""
+    if isinstance(source, str):
+        return False
+    return not getattr(source, "cache_files", None)
+
+
+def _what(source: Any) -> str:
+    if hasattr(source, "cache_files"):
+        return "an in-memory Hugging Face dataset (no cache file)"
+    return f"a {type(source).__name__}"
+
+
+def _rebuilt(build: Any, source: Any, columns: ColumnChoice, id_key: str | None, identities: dict) -> Arrays:
+    """``build(source, ...)`` again in this process, refusing files that are not the ones it was made
+    from (see WatchedFile.expect)."""
+    arrays = build(source, columns, id_key)
+    for watched in arrays._watched():
+        if watched.path in identities:
+            watched.expect(identities[watched.path])
+    return arrays

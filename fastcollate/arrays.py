@@ -134,6 +134,8 @@ class Column:
                 )
         starts = np.cumsum([0] + [len(part) for part in self.parts])
         self.starts, self._length = starts[:-1].tolist(), int(starts[-1])
+        # Listed once: every batch checks them, and a column may come in thousands of pieces.
+        self._part_files = [mapped for part in self.parts for mapped in part.files.values()]
 
     @property
     def chunks(self) -> list[Column]:
@@ -175,7 +177,7 @@ class Column:
     def on_disk(self) -> list[Any]:
         """The files this column reads (MappedFile, or a file another library mapped), each with
         ``unreadable()`` and ``check(column)``."""
-        return self.watched + [mapped for chunk in self.chunks for mapped in chunk.files.values()]
+        return self.watched + (self._part_files if self.parts is not None else list(self.files.values()))
 
     def check_file(self) -> None:
         """Raises MappedFileError, naming the column, if a file it reads shrank or, in a process that

@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         **header,
         "versions": versions(),
         "start_method": multiprocessing.get_start_method(),
+        # Checkouts may share one environment, whose install is another checkout's: say which ran.
+        "fastcollate_path": str(Path(fastcollate.__file__).parent),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "datasets": {},
         "cases": {},
@@ -492,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header_line(header))
     print(", ".join(f"{k} {v}" for k, v in report["versions"].items())
           + f"; workers started by {report['start_method']}; one torch thread; {args.rounds} rounds after a "
-          "warm-up; medians (min-max)", flush=True)
+          f"warm-up; medians (min-max)\nfastcollate from {report['fastcollate_path']}", flush=True)
     temporary = None if args.data_dir else tempfile.TemporaryDirectory(prefix="fastcollate-hf-")
     folder = args.data_dir or Path(temporary.name)
     folder.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
                            "--batches", "2", "--data-dir", str(tmp_path / "data"), "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert {"date", "command", "torch", "machine", "malloc", "versions", "start_method"} <= set(report)
+    header = {"date", "command", "torch", "machine", "malloc", "versions", "start_method", "fastcollate_path"}
+    assert header <= set(report)
     assert report["malloc"].startswith("mmap threshold 64 MiB")
     assert report["versions"]["datasets"] and report["versions"]["pyarrow"]
     for name in ("tokens", "tabular"):

@@ -359,12 +359,16 @@ def time_rounds(case: str, epochs: dict[str, Callable], batches: int, rounds: in
 
 def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
     """HF's median rate (min-max over rounds), and each other path's ratio of medians to it, with the
-    min-max of its per-round ratios; or the path's failure."""
+    min-max of its per-round ratios; or the path's failure. And the rounds in which the paths drained
+    different numbers of tokens or rows: their loaders' shuffles went apart, so they met other batches."""
     rates: dict[str, dict[int, float]] = {}
+    units: dict[int, set[int]] = {}
     for run in runs:
+        units.setdefault(run["round"], set()).add(run["units"])
         if not run["warmup"] and run["path"] not in failures:
             rates.setdefault(run["path"], {})[run["round"]] = run["units_per_s"]
-    out: dict[str, Any] = {"failures": dict(failures)}
+    out: dict[str, Any] = {"failures": dict(failures),
+                           "rounds_of_unequal_work": [k for k, seen in units.items() if len(seen) > 1]}
     if "HF" not in rates:
         return out
     hf = rates["HF"]
@@ -426,6 +430,9 @@ def group_lines(case: str, group: dict) -> list[str]:
                          f"{r['ratio_max']:.2f})")
         else:
             lines.append(f"      {NAMES[case][name]:<44} {group['failures'].get(name, 'no rounds')}")
+    if group["rounds_of_unequal_work"]:
+        lines.append(f"      NOT THE SAME BATCHES: the paths drained different {unit} in rounds "
+                     f"{group['rounds_of_unequal_work']}")
     return lines
 
 

@@ -50,6 +50,7 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
         # Every round of every path that ran, the warm-up (round 0) included.
         assert {(r["path"], r["round"]) for r in group["runs"]} == {(n, k) for n in timed for k in (0, 1)}
         assert all(r["units"] > 0 and r["batches"] == 2 for r in group["runs"])
+        assert group["rounds_of_unequal_work"] == []  # the same seeded shuffle: the same batches
     assert report["cases"]["tabular"]["groups"][0]["failures"] == {}  # no new feature needed there
 
 

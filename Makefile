@@ -17,7 +17,8 @@ CSRC := $(shell find csrc -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu
 SOURCES := $(CSRC) setup.py pyproject.toml
 
 help:
-	@echo "make demo      build, then workers on pre-decoded images (slots on/off), the PIL-bound bench, arrays"
+	@echo "make demo      build, then workers on pre-decoded images (slots on/off), the PIL-bound bench, arrays,"
+	@echo "               Hugging Face datasets (DataCollatorWithFlattening, with_format(\"torch\"))"
 	@echo "make test      build, then the test suite"
 	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate); COMPARE=1 compares with the last run"
 	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
@@ -56,7 +57,8 @@ test: .stamp-build
 
 # First where the data path matters: pre-decoded images with workers (bound by moving bytes: shared slots
 # on and off against default_collate), with a chart; then the FashionMNIST-like bench, bound by its PIL
-# transforms, where no collate can show a gain; then data already in arrays, gathered by index.
+# transforms, where no collate can show a gain; then data already in arrays, gathered by index; then
+# Hugging Face datasets as loaded from disk, through HF's own collate and format against fastcollate's.
 # The PIL-bound part at 0 and 2 workers, 5 interleaved runs each (the ~ mark's default): under 3 minutes on
 # 2 cores, the worker part included. BENCH_ARGS adds options (--quick: 4 steps a run); BENCH_WORKERS= runs
 # the bench's default worker counts.
@@ -66,15 +68,19 @@ WORKER_ROUNDS := $(if $(findstring --quick,$(BENCH_ARGS)),3,5)
 # The arrays part: 1M tabular rows and 100M tokens (a 200 MB file in the temporary folder, made once);
 # with --quick a fifth of each and 3 rounds.
 ARRAY_ARGS := $(if $(findstring --quick,$(BENCH_ARGS)),--rounds 3 --rows 200000 --tokens 20000000,--rounds 5)
+# The Hugging Face part always runs --quick (a tenth of its rows, 3 rounds: 2-3 minutes on 2 cores);
+# benchmarks/hf_ratios.py alone runs the full sizes, in up to 15.
 demo: .stamp-build
-	@echo; echo "1/3  where the data path matters: pre-decoded images, DataLoader workers"
+	@echo; echo "1/4  where the data path matters: pre-decoded images, DataLoader workers"
 	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds $(WORKER_ROUNDS) \
 		--json bench-out-workers/results.json --chart bench-out-workers/chart.png
-	@echo; echo "2/3  bound by its PIL transforms (about 300 us a sample): expect no gain from any collate"
+	@echo; echo "2/4  bound by its PIL transforms (about 300 us a sample): expect no gain from any collate"
 	$(PY) -m fastcollate bench $(BENCH_WORKERS) $(BENCH_ARGS)
-	@echo; echo "3/3  data already in arrays: fastcollate.Arrays gathered by index, against the idiom and nanoGPT"
+	@echo; echo "3/4  data already in arrays: fastcollate.Arrays gathered by index, against the idiom and nanoGPT"
 	$(PY) benchmarks/array_ratios.py --cases tabular tokens $(ARRAY_ARGS) --no-targets \
 		--json bench-out-arrays/results.json
+	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf"
+	$(PY) benchmarks/hf_ratios.py --quick --json bench-out-hf/results.json
 
 bench: .stamp-build
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \

@@ -1,0 +1,545 @@
+"""Hugging Face's own data path against fastcollate's, side by side in one run, over ``datasets``
+datasets as users have them (saved with ``save_to_disk``, loaded with ``load_from_disk``: memory-mapped
+Arrow files in several shards, 1000-row record batches, datasets' default writer batch size).
+
+    python benchmarks/hf_ratios.py [--quick] [--cases packed tabular] [--workers 0 2] [--rounds 5]
+                                   [--data-dir DIR] [--malloc fixed|default] [--json PATH]
+
+Two datasets, seeded: ``tokens``, 200k rows of ``input_ids`` (list<int32>, 16..512 tokens each); and
+``tabular``, 500k rows of 64 float32 ``features`` (``Sequence(Value("float32"), length=64)``) and an
+int64 ``label`` (--quick: a tenth of each). Three paths each, all through a DataLoader(batch_size=B,
+shuffle=True) that differs only where named:
+
+  packed, batches of 8, 16 and 64 sequences (tokens/s):
+    HF       the dataset, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    swapped  the same dataset and loader, ``assemble.using(contract)``: the collate swapped only, the
+             contract equal to HF's output (labels a copy of input_ids, -100 at each sequence's start)
+    Arrays   ``Arrays.from_hf(ds, columns={"input_ids": "input_ids", "labels": "input_ids"})``, the same
+             contract with labels an ordinary packed field
+  tabular, batches of 256 and 4096 rows (rows/s):
+    HF       ``ds.with_format("torch")``, torch's default collate
+    swapped  the same, ``assemble``
+    Arrays   ``Arrays.from_hf(ds)``, ``assemble``
+
+Method. Every path is first run on one fixed batch of indices, as a DataLoader runs it
+(``collate(dataset.__getitems__(indices))``), and its batch must equal HF's, key for key, in dtype,
+shape and value (the run stops with the difference otherwise: ratios compare equal work). A path that
+raises instead is reported as failed, and the rest still run. Then, for each batch size and worker
+count, the three loaders are made (persistent workers with the platform's start method, so start-up is
+not timed; the same seeded shuffle in each, so every path meets the same batches) and timed in rounds: a
+round drains a fixed number of batches from each loader, in a freshly shuffled order (seeded), dropping
+each batch at once, the loader's iterator kept across rounds. The first round is a warm-up (it also
+starts the workers): kept in the JSON, out of the medians. Rates are medians over the rounds (min-max
+beside); a ratio is of medians, its min-max over the per-round paired ratios. One torch thread in every
+process; glibc's mmap threshold fixed at 64 MiB in the main process and every worker (``--malloc fixed``,
+as array_ratios.py runs) or left as glibc sets it (``--malloc default``): the header says which ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+try:
+    import fastcollate
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fastcollate
+
+from fastcollate import Arrays, Contract, Field
+from fastcollate.bench.malloc import samples_on_the_heap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from array_ratios import loader_epoch  # noqa: E402  (a sibling script, not a package)
+from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
+
+EMULATED = "emulated_from_hf (no Arrays.from_hf here: the columns copied into memory)"
+SHARDS = 4  # Arrow files a dataset is saved in: a user's dataset is rarely one file
+PATHS = ("HF", "swapped", "Arrays")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One dataset's benchmark: what a batch's size counts, the rows (full, --quick), the batch sizes,
+    and how much a round drains (``units_per_round`` of them; with workers, at least ``min_batches``
+    batches)."""
+
+    dataset: str
+    unit: str
+    rows: int
+    quick_rows: int
+    batch_sizes: tuple[int, ...]
+    units_per_round: int
+    quick_units_per_round: int
+    min_batches: int = 40
+
+
+# Rounds of about 1-2 s (tokens) and 5-7 s (tabular rows) for HF's path on 2 cores: the full run in about
+# 10 minutes with all three paths, --quick in 2-3.
+CASES = {
+    "packed": Case("tokens", "tokens", 200_000, 20_000, (8, 16, 64), 1_500_000, 700_000),
+    "tabular": Case("tabular", "rows", 500_000, 50_000, (256, 4096), 150_000, 60_000),
+}
+NAMES = {
+    "packed": {
+        "HF": "DataCollatorWithFlattening",
+        "swapped": "collate swapped: assemble.using(contract)",
+        "Arrays": "Arrays.from_hf + assemble.using(contract)",
+    },
+    "tabular": {
+        "HF": 'with_format("torch") + default collate',
+        "swapped": "collate swapped: assemble",
+        "Arrays": "Arrays.from_hf + assemble",
+    },
+}
+
+
+class BatchMismatch(AssertionError):
+    """A path's batch differs from HF's on the same indices: its rate would not measure the same work."""
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+def build_dataset(name: str, rows: int, seed: int):
+    """The dataset in memory, made with pyarrow (a Python list per row would take longer than the
+    benchmark): ``tokens`` or ``tabular``, as the module docstring describes."""
+    import datasets
+    import pyarrow as pa
+    from datasets import Features, List, Sequence, Value
+    from datasets.table import InMemoryTable
+
+    rng = np.random.default_rng(seed)
+    if name == "tokens":
+        lengths = rng.integers(16, 513, rows)
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = rng.integers(0, 32_000, int(offsets[-1]), dtype=np.int32)
+        table = pa.table({"input_ids": pa.LargeListArray.from_arrays(offsets, values)})
+        features = Features({"input_ids": List(Value("int32"))})
+    else:
+        features_64 = rng.standard_normal((rows, 64), dtype=np.float32)
+        table = pa.table({
+            "features": pa.FixedSizeListArray.from_arrays(features_64.ravel(), 64),
+            "label": rng.integers(0, 10, rows, dtype=np.int64),
+        })
+        features = Features({"features": Sequence(Value("float32"), length=64), "label": Value("int64")})
+    # datasets' own types (list<int32>, fixed_size_list<float32>[64] with its field names), as a
+    # tokenizer's map or a load_dataset would have written them.
+    table = InMemoryTable(table.cast(features.arrow_schema))
+    return datasets.Dataset(table, info=datasets.DatasetInfo(features=features))
+
+
+def saved_and_loaded(name: str, rows: int, seed: int, folder: Path):
+    """The dataset as users have it: written with ``save_to_disk`` in SHARDS files (datasets' default
+    writer batch size: 1000-row record batches), read back with ``load_from_disk`` (memory-mapped). A
+    folder already there from an earlier run with the same rows and seed is read as it is."""
+    import datasets
+
+    path = folder / f"{name}-{rows}-seed{seed}-{SHARDS}shards"
+    if not (path / "state.json").exists():
+        build_dataset(name, rows, seed).save_to_disk(str(path), num_shards=SHARDS)
+    return datasets.load_from_disk(str(path))
+
+
+def describe_dataset(ds) -> dict[str, Any]:
+    table = ds.data
+    first = table.column(table.column_names[0])
+    return {
+        "rows": len(ds),
+        "features": str(ds.features),
+        "files": [f["filename"] for f in ds.cache_files],
+        "record_batches": first.num_chunks,
+        "bytes": table.nbytes,
+    }
+
+
+# ------------------------------------------------------------------------------------------- the paths
+
+
+def emulated_from_hf(ds, columns: Mapping[str, str] | None = None, id_key: str | None = "id") -> Arrays:
+    """Stands in for ``Arrays.from_hf`` where this fastcollate does not have it yet; delete it once every
+    tree this script runs from has ``Arrays.from_hf``.
+
+    Not the same memory: each column is copied out of the mapped Arrow files into one array
+    (``combine_chunks``), where ``from_hf`` reads the files themselves; the report names which ran.
+    ``columns`` maps each Arrays column to the dataset column it reads (default: every column, its own
+    name); a list column becomes a Ragged column, a fixed-size list rows of its size.
+    """
+    import pyarrow as pa
+
+    columns = columns or {name: name for name in ds.column_names}
+    read: dict[str, Any] = {}
+    made: dict[str, Any] = {}
+    for name, source in columns.items():
+        if source not in made:
+            array = ds.data.column(source).combine_chunks()
+            if pa.types.is_fixed_size_list(array.type):
+                values = array.flatten().to_numpy(zero_copy_only=False)
+                made[source] = values.reshape(len(array), array.type.list_size)
+            elif pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+                offsets = array.offsets.to_numpy().astype(np.int64)
+                values = array.flatten().to_numpy(zero_copy_only=False)  # flatten: from offsets[0] on
+                made[source] = fastcollate.Ragged(values, offsets - offsets[0])
+            else:
+                made[source] = array.to_numpy(zero_copy_only=False)
+        read[name] = made[source]
+    return Arrays(read, id_key=id_key)
+
+
+def packed_contract(copy_labels: bool) -> Contract:
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s batch: int64 input_ids and labels
+    packed into one row, -100 at each sequence's first label; position_ids, cu_seq_lens_q/k (int32) and
+    max_length_q/k beside. ``copy_labels``: the samples hold only input_ids (the dataset's rows, as
+    Python lists), labels a copy of them; else the samples hold labels (Arrays' second column)."""
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,))
+    labels = dict(tokens, separator=-100)
+    if copy_labels:
+        labels["copy_of"] = "input_ids"
+    return Contract({"input_ids": Field(**tokens), "labels": Field(**labels)}, id=None,
+                    packing=fastcollate.Packing())
+
+
+@dataclasses.dataclass
+class Contender:
+    """One path: its dataset and what makes its collate (None: the DataLoader's default one), or why it
+    could not be made. Each loader gets a collate of its own: an Assembler's shared slots are sized for
+    one loader's workers, and two loaders' batches in flight at once would overflow them."""
+
+    dataset: Any = None
+    make_collate: Callable[[], Callable] | None = None
+    failed: str | None = None
+
+
+def failed(error: BaseException) -> str:
+    return f"failed: {type(error).__name__}: {error}"
+
+
+def make_paths(case: str, ds) -> tuple[dict[str, Contender], str]:
+    """The case's three paths over ``ds``, and which ``from_hf`` made the Arrays."""
+    paths: dict[str, Contender] = {}
+    if case == "packed":
+        from transformers import DataCollatorWithFlattening
+
+        paths["HF"] = Contender(ds, lambda: DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+        try:
+            copied = packed_contract(copy_labels=True)
+            paths["swapped"] = Contender(ds, lambda: fastcollate.assemble.using(copied))
+        except Exception as error:  # a contract this fastcollate cannot state yet: reported, not fatal
+            paths["swapped"] = Contender(failed=failed(error))
+        columns = {"input_ids": "input_ids", "labels": "input_ids"}
+        packed = packed_contract(copy_labels=False)
+        paths["Arrays"], source = arrays_path(ds, lambda: fastcollate.assemble.using(packed), columns=columns,
+                                              id_key=None)
+    else:
+        formatted = ds.with_format("torch")
+        paths["HF"] = Contender(formatted, None)
+        # fastcollate.assemble is an Assembler() made once: one of its own for each loader.
+        paths["swapped"] = Contender(formatted, fastcollate.Assembler)
+        paths["Arrays"], source = arrays_path(ds, fastcollate.Assembler)
+    return paths, source
+
+
+def arrays_path(ds, make_collate: Callable, **from_hf: Any) -> tuple[Contender, str]:
+    """Arrays over ``ds`` by ``Arrays.from_hf(ds, **from_hf)`` (or its stand-in, where this fastcollate
+    has none) with the collate ``make_collate`` makes; and which of the two made it."""
+    have = hasattr(Arrays, "from_hf")
+    try:
+        arrays = Arrays.from_hf(ds, **from_hf) if have else emulated_from_hf(ds, **from_hf)
+    except Exception as error:
+        return Contender(failed=failed(error)), "Arrays.from_hf" if have else EMULATED
+    return Contender(arrays, make_collate), "Arrays.from_hf" if have else EMULATED
+
+
+def one_batch(path: Contender, indices: list[int]) -> Any:
+    """The batch a DataLoader makes of ``indices``: its fetcher calls ``__getitems__``, then the
+    collate (torch's default one where the path names none)."""
+    from torch.utils.data import default_collate
+
+    collate = path.make_collate() if path.make_collate else default_collate
+    return collate(path.dataset.__getitems__(indices))
+
+
+def batch_differences(reference: Mapping[str, Any], batch: Any, ignore: tuple[str, ...] = ()) -> list[str]:
+    """How ``batch`` differs from ``reference``: keys, then each value's type, dtype, shape and
+    contents (tensors compared exactly). Keys in ``ignore`` may be in ``batch`` beyond the reference's:
+    an Arrays' id column, its sample indices, which HF's batch has no counterpart of."""
+    if not isinstance(batch, Mapping):
+        return [f"a {type(batch).__name__}, not a mapping"]
+    problems = []
+    missing, extra = set(reference) - set(batch), set(batch) - set(reference) - set(ignore)
+    if missing or extra:
+        problems.append(f"keys: missing {sorted(missing)}, extra {sorted(extra)}")
+    for key in reference.keys() & batch.keys():
+        want, got = reference[key], batch[key]
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor):
+                problems.append(f"{key}: a {type(got).__name__}, not a tensor")
+            elif (got.dtype, got.shape) != (want.dtype, want.shape):
+                problems.append(f"{key}: {got.dtype} {tuple(got.shape)}, not {want.dtype} "
+                                f"{tuple(want.shape)}")
+            elif not torch.equal(got, want):
+                where = tuple((got != want).nonzero()[0].tolist())
+                problems.append(f"{key}: differs first at {list(where)}: {got[where]} != {want[where]}")
+        elif type(got) is not type(want) or got != want:
+            problems.append(f"{key}: {got!r} ({type(got).__name__}), not {want!r} ({type(want).__name__})")
+    return problems
+
+
+def check_same_batch(name: str, reference: Mapping[str, Any], batch: Any,
+                     ignore: tuple[str, ...] = ()) -> None:
+    """Raises BatchMismatch, naming every difference, unless ``batch`` equals HF's ``reference``."""
+    problems = batch_differences(reference, batch, ignore)
+    if problems:
+        raise BatchMismatch(f"{name}: its batch is not HF's on the same indices, so its rate would not "
+                            "measure the same work:\n  " + "\n  ".join(problems))
+
+
+def check_paths(paths: dict[str, Contender], indices: list[int]) -> None:
+    """Every path that runs makes HF's batch of ``indices`` (BatchMismatch otherwise); a path that
+    raises is marked failed and left out of the timing."""
+    reference = one_batch(paths["HF"], indices)
+    for name, path in paths.items():
+        if name == "HF" or path.failed:
+            continue
+        try:
+            batch = one_batch(path, indices)
+        except Exception as error:
+            path.failed = failed(error)
+            continue
+        ignore = (path.dataset.id_key,) if isinstance(path.dataset, Arrays) and path.dataset.id_key else ()
+        check_same_batch(name, reference, batch, ignore)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def units_of(case: str, batch: Mapping[str, Any]) -> int:
+    return batch["input_ids"].numel() if case == "packed" else len(batch["label"])
+
+
+def time_rounds(case: str, epochs: dict[str, Callable], batches: int, rounds: int, seed: int,
+                failures: dict[str, str]) -> list[dict]:
+    """Round 0 (the warm-up) and ``rounds`` more; each drains ``batches`` batches from every live path in
+    a shuffled order. A path that raises is recorded in ``failures`` and drops out."""
+    order = random.Random(seed)
+    runs = []
+    for round_index in range(rounds + 1):
+        names = [name for name in epochs if name not in failures]
+        order.shuffle(names)
+        for name in names:
+            units = 0
+            start = time.perf_counter()
+            try:
+                for batch in epochs[name](batches):
+                    units += units_of(case, batch)
+                    del batch
+            except Exception as error:
+                failures[name] = failed(error)
+                continue
+            seconds = time.perf_counter() - start
+            runs.append({"round": round_index, "warmup": round_index == 0, "path": name, "seconds": seconds,
+                         "batches": batches, "units": units, "units_per_s": units / seconds})
+    return runs
+
+
+def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
+    """HF's median rate (min-max over rounds), and each other path's ratio of medians to it, with the
+    min-max of its per-round ratios; or the path's failure. And the rounds in which the paths drained
+    different numbers of tokens or rows: their loaders' shuffles went apart, so they met other batches."""
+    rates: dict[str, dict[int, float]] = {}
+    units: dict[int, set[int]] = {}
+    for run in runs:
+        units.setdefault(run["round"], set()).add(run["units"])
+        if not run["warmup"] and run["path"] not in failures:
+            rates.setdefault(run["path"], {})[run["round"]] = run["units_per_s"]
+    out: dict[str, Any] = {"failures": dict(failures),
+                           "rounds_of_unequal_work": [k for k, seen in units.items() if len(seen) > 1]}
+    if "HF" not in rates:
+        return out
+    hf = rates["HF"]
+    out["HF"] = {"median": statistics.median(hf.values()), "min": min(hf.values()), "max": max(hf.values())}
+    for name, rate in rates.items():
+        if name == "HF":
+            continue
+        paired = [rate[k] / hf[k] for k in rate if k in hf]
+        out[name] = {"median": statistics.median(rate.values()),
+                     "ratio": statistics.median(rate.values()) / out["HF"]["median"],
+                     "ratio_min": min(paired), "ratio_max": max(paired)}
+    return out
+
+
+def loader(path: Contender, batch: int, workers: int, seed: int, malloc: str) -> DataLoader:
+    """HF's loader, the same for every path: shuffled (seeded alike, so every path meets the same
+    batches), persistent workers, the platform's start method."""
+    return DataLoader(
+        path.dataset,
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=path.make_collate() if path.make_collate else None,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=samples_on_the_heap if workers and malloc == "fixed" else None,
+    )
+
+
+def run_group(case: str, paths: dict[str, Contender], batch: int, workers: int, args, batches: int) -> dict:
+    failures = {name: path.failed for name, path in paths.items() if path.failed}
+    epochs = {name: loader_epoch(loader(path, batch, workers, args.seed, args.malloc))
+              for name, path in paths.items() if not path.failed}
+    runs = time_rounds(case, epochs, batches, args.rounds, args.seed, failures)
+    del epochs  # the persistent workers go with their iterators
+    gc.collect()
+    return {"batch_size": batch, "workers": workers, "batches_per_round": batches, "runs": runs,
+            **summarize(runs, failures)}
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def rate(value: float) -> str:
+    return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k"
+
+
+def group_lines(case: str, group: dict) -> list[str]:
+    unit = CASES[case].unit
+    head = f"  batch {group['batch_size']:>5}, workers {group['workers']}:"
+    if "HF" not in group:
+        return [f"{head} HF {group['failures'].get('HF', 'no rounds')}"]
+    hf = group["HF"]
+    lines = [f"{head} HF {rate(hf['median'])} {unit}/s ({rate(hf['min'])}-{rate(hf['max'])})"]
+    for name in PATHS[1:]:
+        if name in group:
+            r = group[name]
+            lines.append(f"      {NAMES[case][name]:<44} {r['ratio']:5.2f}x ({r['ratio_min']:.2f}-"
+                         f"{r['ratio_max']:.2f})")
+        else:
+            lines.append(f"      {NAMES[case][name]:<44} {group['failures'].get(name, 'no rounds')}")
+    if group["rounds_of_unequal_work"]:
+        lines.append(f"      NOT THE SAME BATCHES: the paths drained different {unit} in rounds "
+                     f"{group['rounds_of_unequal_work']}")
+    return lines
+
+
+def versions() -> dict[str, str | None]:
+    out = {}
+    for name in ("datasets", "pyarrow", "transformers", "numpy"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--quick", action="store_true",
+                        help="a tenth of the rows, 3 rounds, shorter rounds: a couple of minutes")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--rounds", type=int, help="timed rounds after the warm-up (default 5, --quick 3)")
+    parser.add_argument("--rows", type=int, help="rows of every dataset (default: the case's own)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="instead of each case's own")
+    parser.add_argument("--batches", type=int, help="batches a path drains a round (default: by its size)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="keep the saved datasets here and reuse them (default: a temporary folder)")
+    parser.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+                        help="glibc's mmap threshold fixed at 64 MiB everywhere, or glibc's defaults")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 5
+    return args
+
+
+def batches_per_round(case: Case, batch: int, workers: int, args: argparse.Namespace) -> int:
+    """The case's units a round (tokens at their mean length); with workers, in at least
+    ``min_batches`` batches: a loader's workers prefetch 2 batches each while the other loaders run,
+    which its round then gets for free; in 40 batches or more, those are a tenth of the round at most."""
+    if args.batches is not None:
+        return args.batches
+    units = case.quick_units_per_round if args.quick else case.units_per_round
+    per_batch = batch * (264 if case.unit == "tokens" else 1)  # 264: the mean of 16..512 tokens
+    return max(case.min_batches if workers else 1, round(units / per_batch))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import datasets
+
+    datasets.disable_progress_bars()  # save_to_disk's bars would bury the figures
+    torch.set_num_threads(1)
+    if args.malloc == "fixed":
+        samples_on_the_heap()
+    header = report_header()
+    report: dict[str, Any] = {
+        **header,
+        "versions": versions(),
+        "start_method": multiprocessing.get_start_method(),
+        # Checkouts may share one environment, whose install is another checkout's: say which ran.
+        "fastcollate_path": str(Path(fastcollate.__file__).parent),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "datasets": {},
+        "cases": {},
+    }
+    print(header_line(header))
+    print(", ".join(f"{k} {v}" for k, v in report["versions"].items())
+          + f"; workers started by {report['start_method']}; one torch thread; {args.rounds} rounds after a "
+          f"warm-up; medians (min-max)\nfastcollate from {report['fastcollate_path']}", flush=True)
+    temporary = None if args.data_dir else tempfile.TemporaryDirectory(prefix="fastcollate-hf-")
+    folder = args.data_dir or Path(temporary.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        for case_name in args.cases:
+            case = CASES[case_name]
+            rows = args.rows or (case.quick_rows if args.quick else case.rows)
+            ds = saved_and_loaded(case.dataset, rows, args.seed, folder)
+            report["datasets"][case.dataset] = describe_dataset(ds)
+            paths, source = make_paths(case_name, ds)
+            print(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; {case.unit}/s of "
+                  f"HF's path ({NAMES[case_name]['HF']}), the others' ratios to it\n"
+                  f"  Arrays made by {source}", flush=True)
+            result: dict[str, Any] = {"arrays_from": source, "groups": []}
+            report["cases"][case_name] = result
+            for batch in args.batch_sizes or case.batch_sizes:
+                indices = random.Random(args.seed).sample(range(len(ds)), batch)
+                check_paths(paths, indices)  # raises BatchMismatch: never time unequal work
+                for workers in args.workers:
+                    batches = batches_per_round(case, batch, workers, args)
+                    group = run_group(case_name, paths, batch, workers, args, batches)
+                    result["groups"].append(group)
+                    print("\n".join(group_lines(case_name, group)), flush=True)
+                    if args.json:
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        args.json.write_text(json.dumps(report, indent=1, default=str))
+            del paths, ds
+            gc.collect()
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

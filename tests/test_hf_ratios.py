@@ -1,0 +1,97 @@
+"""benchmarks/hf_ratios.py: its smallest configuration runs in-process and writes every part of its
+report; a path whose batch is not HF's stops the run (its ratio would compare unequal work), and a path
+that raises is reported as failed while the others still run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("datasets", reason="datasets is not installed")
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_ratios.py"
+_spec = importlib.util.spec_from_file_location("hf_ratios", SCRIPT)
+hf_ratios = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = hf_ratios  # its dataclasses look their module up there
+_spec.loader.exec_module(hf_ratios)
+
+
+def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
+    out = tmp_path / "hf.json"
+    code = hf_ratios.main(["--rows", "600", "--batch-sizes", "8", "--workers", "0", "--rounds", "1",
+                           "--batches", "2", "--data-dir", str(tmp_path / "data"), "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    header = {"date", "command", "torch", "machine", "malloc", "versions", "start_method", "fastcollate_path"}
+    assert header <= set(report)
+    assert report["malloc"].startswith("mmap threshold 64 MiB")
+    assert report["versions"]["datasets"] and report["versions"]["pyarrow"]
+    for name in ("tokens", "tabular"):
+        described = report["datasets"][name]
+        assert described["rows"] == 600 and len(described["files"]) == hf_ratios.SHARDS
+        assert described["record_batches"] >= hf_ratios.SHARDS  # one at least per file: mapped, not merged
+    for case in ("packed", "tabular"):
+        (group,) = report["cases"][case]["groups"]
+        assert (group["batch_size"], group["workers"], group["batches_per_round"]) == (8, 0, 2)
+        assert 0 < group["HF"]["min"] <= group["HF"]["median"] <= group["HF"]["max"]
+        for name in ("swapped", "Arrays"):
+            if name in group["failures"]:  # a fastcollate without the path's features: said, not fatal
+                assert group["failures"][name].startswith("failed: ") and name not in group
+            else:
+                assert group[name]["ratio_min"] <= group[name]["ratio"] * 1.0001
+                assert group[name]["ratio"] <= group[name]["ratio_max"] * 1.0001
+        timed = {name for name in hf_ratios.PATHS if name not in group["failures"]}
+        # Every round of every path that ran, the warm-up (round 0) included.
+        assert {(r["path"], r["round"]) for r in group["runs"]} == {(n, k) for n in timed for k in (0, 1)}
+        assert all(r["units"] > 0 and r["batches"] == 2 for r in group["runs"])
+        assert group["rounds_of_unequal_work"] == []  # the same seeded shuffle: the same batches
+    assert report["cases"]["tabular"]["groups"][0]["failures"] == {}  # no new feature needed there
+
+
+def test_a_batch_unlike_hf_names_each_difference():
+    reference = {"input_ids": torch.arange(6)[None], "cu_seq_lens_q": torch.tensor([0, 6], dtype=torch.int32),
+                 "max_length_q": 6}
+    hf_ratios.check_same_batch("same", reference, {k: v for k, v in reference.items()})
+    wrong = dict(reference, input_ids=torch.tensor([[0, 1, 99, 3, 4, 5]]))
+    with pytest.raises(hf_ratios.BatchMismatch, match=r"input_ids: differs first at \[0, 2\]"):
+        hf_ratios.check_same_batch("wrong", reference, wrong)
+    wider = dict(reference, cu_seq_lens_q=reference["cu_seq_lens_q"].long())
+    with pytest.raises(hf_ratios.BatchMismatch, match="cu_seq_lens_q: torch.int64"):
+        hf_ratios.check_same_batch("wider", reference, wider)
+    as_tensor = dict(reference, max_length_q=torch.tensor(6))
+    with pytest.raises(hf_ratios.BatchMismatch, match=r"max_length_q: tensor\(6\) \(Tensor\), not 6 \(int\)"):
+        hf_ratios.check_same_batch("as a tensor", reference, as_tensor)
+    with pytest.raises(hf_ratios.BatchMismatch, match=r"missing \['max_length_q'\], extra \['id'\]"):
+        hf_ratios.check_same_batch("keys", reference, {"id": 0, "input_ids": reference["input_ids"],
+                                                       "cu_seq_lens_q": reference["cu_seq_lens_q"]})
+
+
+def test_a_path_that_makes_another_batch_stops_the_run_and_one_that_raises_is_reported_failed():
+    ds = hf_ratios.build_dataset("tokens", 40, seed=0)
+    paths, _ = hf_ratios.make_paths("packed", ds)
+    paths["swapped"] = hf_ratios.Contender(failed="failed: left out, this test feeds the Arrays path")
+    arrays = paths["Arrays"]
+    right = arrays.make_collate()
+
+    def off_by_one(samples):
+        batch = right(samples)
+        batch["labels"][0, 1] += 1
+        return batch
+
+    def raising(samples):
+        raise RuntimeError("no such contract option")
+
+    arrays.make_collate = lambda: off_by_one
+    with pytest.raises(hf_ratios.BatchMismatch, match=r"Arrays: .*\n  labels: differs first at \[0, 1\]"):
+        hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])
+    arrays.make_collate = lambda: raising
+    hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])
+    assert arrays.failed == "failed: RuntimeError: no such contract option"
+    arrays.failed, arrays.make_collate = None, lambda: right
+    hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])  # the right collate passes

@@ -69,7 +69,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from array_ratios import loader_epoch  # noqa: E402  (a sibling script, not a package)
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
 
-EMULATED = "emulated_from_hf (no Arrays.from_hf here: the columns copied into memory)"
 SHARDS = 4  # Arrow files a dataset is saved in: a user's dataset is rarely one file
 PATHS = ("HF", "swapped", "Arrays")
 
@@ -173,36 +172,6 @@ def describe_dataset(ds) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the paths
 
 
-def emulated_from_hf(ds, columns: Mapping[str, str] | None = None, id_key: str | None = "id") -> Arrays:
-    """Stands in for ``Arrays.from_hf`` where this fastcollate does not have it yet; delete it once every
-    tree this script runs from has ``Arrays.from_hf``.
-
-    Not the same memory: each column is copied out of the mapped Arrow files into one array
-    (``combine_chunks``), where ``from_hf`` reads the files themselves; the report names which ran.
-    ``columns`` maps each Arrays column to the dataset column it reads (default: every column, its own
-    name); a list column becomes a Ragged column, a fixed-size list rows of its size.
-    """
-    import pyarrow as pa
-
-    columns = columns or {name: name for name in ds.column_names}
-    read: dict[str, Any] = {}
-    made: dict[str, Any] = {}
-    for name, source in columns.items():
-        if source not in made:
-            array = ds.data.column(source).combine_chunks()
-            if pa.types.is_fixed_size_list(array.type):
-                values = array.flatten().to_numpy(zero_copy_only=False)
-                made[source] = values.reshape(len(array), array.type.list_size)
-            elif pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-                offsets = array.offsets.to_numpy().astype(np.int64)
-                values = array.flatten().to_numpy(zero_copy_only=False)  # flatten: from offsets[0] on
-                made[source] = fastcollate.Ragged(values, offsets - offsets[0])
-            else:
-                made[source] = array.to_numpy(zero_copy_only=False)
-        read[name] = made[source]
-    return Arrays(read, id_key=id_key)
-
-
 def packed_contract(copy_labels: bool) -> Contract:
     """DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s batch: int64 input_ids and labels
     packed into one row, -100 at each sequence's first label; position_ids, cu_seq_lens_q/k (int32) and
@@ -231,8 +200,8 @@ def failed(error: BaseException) -> str:
     return f"failed: {type(error).__name__}: {error}"
 
 
-def make_paths(case: str, ds) -> tuple[dict[str, Contender], str]:
-    """The case's three paths over ``ds``, and which ``from_hf`` made the Arrays."""
+def make_paths(case: str, ds) -> dict[str, Contender]:
+    """The case's three paths over ``ds``."""
     paths: dict[str, Contender] = {}
     if case == "packed":
         from transformers import DataCollatorWithFlattening
@@ -245,26 +214,22 @@ def make_paths(case: str, ds) -> tuple[dict[str, Contender], str]:
             paths["swapped"] = Contender(failed=failed(error))
         columns = {"input_ids": "input_ids", "labels": "input_ids"}
         packed = packed_contract(copy_labels=False)
-        paths["Arrays"], source = arrays_path(ds, lambda: fastcollate.assemble.using(packed), columns=columns,
-                                              id_key=None)
+        paths["Arrays"] = arrays_path(ds, lambda: fastcollate.assemble.using(packed), columns=columns)
     else:
         formatted = ds.with_format("torch")
         paths["HF"] = Contender(formatted, None)
         # fastcollate.assemble is an Assembler() made once: one of its own for each loader.
         paths["swapped"] = Contender(formatted, fastcollate.Assembler)
-        paths["Arrays"], source = arrays_path(ds, fastcollate.Assembler)
-    return paths, source
+        paths["Arrays"] = arrays_path(ds, fastcollate.Assembler)
+    return paths
 
 
-def arrays_path(ds, make_collate: Callable, **from_hf: Any) -> tuple[Contender, str]:
-    """Arrays over ``ds`` by ``Arrays.from_hf(ds, **from_hf)`` (or its stand-in, where this fastcollate
-    has none) with the collate ``make_collate`` makes; and which of the two made it."""
-    have = hasattr(Arrays, "from_hf")
+def arrays_path(ds, make_collate: Callable, **from_hf: Any) -> Contender:
+    """``Arrays.from_hf(ds, **from_hf)`` with the collate ``make_collate`` makes."""
     try:
-        arrays = Arrays.from_hf(ds, **from_hf) if have else emulated_from_hf(ds, **from_hf)
+        return Contender(Arrays.from_hf(ds, **from_hf), make_collate)
     except Exception as error:
-        return Contender(failed=failed(error)), "Arrays.from_hf" if have else EMULATED
-    return Contender(arrays, make_collate), "Arrays.from_hf" if have else EMULATED
+        return Contender(failed=failed(error))
 
 
 def one_batch(path: Contender, indices: list[int]) -> Any:
@@ -513,11 +478,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = args.rows or (case.quick_rows if args.quick else case.rows)
             ds = saved_and_loaded(case.dataset, rows, args.seed, folder)
             report["datasets"][case.dataset] = describe_dataset(ds)
-            paths, source = make_paths(case_name, ds)
+            paths = make_paths(case_name, ds)
             print(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; {case.unit}/s of "
-                  f"HF's path ({NAMES[case_name]['HF']}), the others' ratios to it\n"
-                  f"  Arrays made by {source}", flush=True)
-            result: dict[str, Any] = {"arrays_from": source, "groups": []}
+                  f"HF's path ({NAMES[case_name]['HF']}), the others' ratios to it", flush=True)
+            result: dict[str, Any] = {"groups": []}
             report["cases"][case_name] = result
             for batch in args.batch_sizes or case.batch_sizes:
                 indices = random.Random(args.seed).sample(range(len(ds)), batch)

@@ -74,7 +74,7 @@ def test_a_batch_unlike_hf_names_each_difference():
 
 def test_a_path_that_makes_another_batch_stops_the_run_and_one_that_raises_is_reported_failed():
     ds = hf_ratios.build_dataset("tokens", 40, seed=0)
-    paths, _ = hf_ratios.make_paths("packed", ds)
+    paths = hf_ratios.make_paths("packed", ds)
     paths["swapped"] = hf_ratios.Contender(failed="failed: left out, this test feeds the Arrays path")
     arrays = paths["Arrays"]
     right = arrays.make_collate()

@@ -43,6 +43,8 @@ import gc
 import importlib.metadata
 import json
 import multiprocessing
+import os
+import pickle
 import random
 import statistics
 import sys
@@ -222,6 +224,44 @@ def make_paths(case: str, ds) -> dict[str, Contender]:
         paths["swapped"] = Contender(formatted, fastcollate.Assembler)
         paths["Arrays"] = arrays_path(ds, fastcollate.Assembler)
     return paths
+
+
+def from_hf_cost(ds, columns: dict[str, str] | None, builds: int = 7) -> dict[str, Any]:
+    """What ``Arrays.from_hf`` itself costs over ``ds``: the time to build it (median of ``builds``), the
+    memory it takes beside the mapped files (RSS and pyarrow's allocated bytes, over the first build:
+    the offsets it copies), against the bytes of the values it reads, and its pickled size."""
+    import pyarrow as pa
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    gc.collect()
+    rss, allocated = resident(), pa.total_allocated_bytes()
+    kept = Arrays.from_hf(ds, columns)
+    grown = {"rss_bytes": resident() - rss, "pyarrow_allocated_bytes": pa.total_allocated_bytes() - allocated}
+    times = []
+    for _ in range(builds):
+        started = time.perf_counter()
+        Arrays.from_hf(ds, columns)
+        times.append(time.perf_counter() - started)
+    read = {name: ds.data.table.column(name) for name in set((columns or {}).values()) or ds.column_names}
+    values = sum(sum(chunk.nbytes for chunk in column.chunks) for column in read.values())
+    return {
+        "rows": len(ds), "chunks": max(column.num_chunks for column in read.values()),
+        "build_seconds": statistics.median(times), "build_seconds_all": times, **grown,
+        "column_bytes": values, "pickled_bytes": len(pickle.dumps(kept)),
+    }
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    mib = {key: cost[key] / 2**20 for key in ("rss_bytes", "pyarrow_allocated_bytes", "column_bytes")}
+    share = max(mib["rss_bytes"], mib["pyarrow_allocated_bytes"]) / mib["column_bytes"]
+    return (
+        f"  Arrays.from_hf over {cost['rows']:,} rows in {cost['chunks']} chunks: built in "
+        f"{cost['build_seconds'] * 1e3:.1f} ms (median); RSS +{mib['rss_bytes']:.1f} MiB, pyarrow "
+        f"+{mib['pyarrow_allocated_bytes']:.1f} MiB ({share:.1%} of the {mib['column_bytes']:.0f} MiB read); "
+        f"pickled {cost['pickled_bytes']:,} bytes"
+    )
 
 
 def arrays_path(ds, make_collate: Callable, **from_hf: Any) -> Contender:
@@ -481,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             paths = make_paths(case_name, ds)
             print(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; {case.unit}/s of "
                   f"HF's path ({NAMES[case_name]['HF']}), the others' ratios to it", flush=True)
-            result: dict[str, Any] = {"groups": []}
+            columns = {"input_ids": "input_ids", "labels": "input_ids"} if case_name == "packed" else None
+            result: dict[str, Any] = {"from_hf": from_hf_cost(ds, columns), "groups": []}
+            print(cost_line(result["from_hf"]), flush=True)
             report["cases"][case_name] = result
             for batch in args.batch_sizes or case.batch_sizes:
                 indices = random.Random(args.seed).sample(range(len(ds)), batch)

@@ -37,6 +37,9 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
         assert described["rows"] == 600 and len(described["files"]) == hf_ratios.SHARDS
         assert described["record_batches"] >= hf_ratios.SHARDS  # one at least per file: mapped, not merged
     for case in ("packed", "tabular"):
+        cost = report["cases"][case]["from_hf"]
+        assert cost["rows"] == 600 and cost["pyarrow_allocated_bytes"] == 0  # the values are not copied
+        assert 0 < cost["build_seconds"] and 0 < cost["pickled_bytes"] < 64 << 10 and cost["column_bytes"] > 0
         (group,) = report["cases"][case]["groups"]
         assert (group["batch_size"], group["workers"], group["batches_per_round"]) == (8, 0, 2)
         assert 0 < group["HF"]["min"] <= group["HF"]["median"] <= group["HF"]["max"]

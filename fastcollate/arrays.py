@@ -344,7 +344,11 @@ class Arrays(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
         self.check_files()
-        return self._sample(index)
+        return self._handed_out(self._sample(index))
+
+    def _handed_out(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """A sample as ``ds[i]`` hands it out (views of the columns here)."""
+        return sample
 
     def _sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (in range), its files already checked."""
@@ -441,6 +445,7 @@ class ArrayBatch(Sequence):
                 f"of {len(dataset)} samples"
             )
         self.dataset = dataset
+        self._samples: list[dict[str, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -451,9 +456,11 @@ class ArrayBatch(Sequence):
         return [self.dataset._sample(int(i)) for i in self.indices]
 
     def __getitem__(self, position: int) -> Any:
-        if isinstance(position, slice):
-            return [self.dataset[int(i)] for i in self.indices[position]]
-        return self.dataset[int(self.indices[position])]
+        # Made all at once on the first sample asked for, with the files checked once: a collate
+        # function reads each sample once per key.
+        if self._samples is None:
+            self._samples = [self.dataset._handed_out(sample) for sample in self.rows()]
+        return self._samples[position]
 
 
 class TokenWindows(Arrays):

@@ -20,8 +20,10 @@ that shrinks under a mapping is named before a read, and a read that faults anyw
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -29,30 +31,44 @@ import torch
 
 from ._ext import _C
 from .arrays import Arrays, Chunked, Column, ColumnChoice, Ragged
-from .mapped_files import WatchedFile
+from .mapped_files import MappedFileError, WatchedFile
 
 __all__ = ["from_arrow", "from_hf"]
 
 
 class ArrowArrays(Arrays):
-    """Arrays made from Arrow columns, pickled as where they came from (see the module's docstring)."""
+    """Arrays made from Arrow columns, pickled as where they came from (see the module's docstring).
+    ``ds[i]`` hands out copies of the rows, as Hugging Face's rows are: a view of a mapped file would kill
+    the process when read after the file shrank. Batches are gathered from the files themselves."""
 
-    _source: tuple  # (the function that made it, its source, columns, id_key)
+    _source: tuple  # (the function that made it, its source, {key: column}, id_key)
+    _refusal: str | None = None  # why this copy cannot read its files (see _rebuilt)
 
     def __reduce__(self) -> tuple:
         build, source, columns, id_key = self._source
-        if _by_value(source):
+        by_value = _by_value(source)
+        if by_value:
             warnings.warn(
-                f"fastcollate.Arrays over {_what(source)} is pickled by value (each worker started by "
-                "spawn receives a copy of its columns): save it to a file (Dataset.save_to_disk, or an "
-                "Arrow IPC file given to from_arrow by path) to have workers map it instead",
+                f"fastcollate.Arrays over {by_value} is pickled by value: each worker started by spawn "
+                "receives a copy. Save the dataset to a file (Dataset.save_to_disk, flatten_indices, or an "
+                "Arrow IPC file given to from_arrow by its path) to have workers map it instead",
                 stacklevel=2,
             )
-        identities = {watched.path: watched.identity for watched in self._watched()}
-        return (_rebuilt, (build, source, columns, id_key, identities))
+        identities = [watched.identity for watched in self._watched()]
+        # The source pickled apart, unpickled inside _rebuilt: a dataset whose files are gone must not
+        # fail where it is unpickled (a worker that cannot start), but on its first read, by name.
+        return (_rebuilt, (build, pickle.dumps(source), columns, id_key, identities, len(self)))
 
     def _watched(self) -> list[WatchedFile]:
         return list({id(w): w for c in self.columns.values() for w in c.watched}.values())
+
+    def _handed_out(self, sample: dict[str, Any]) -> dict[str, Any]:
+        return {key: _copy(value) for key, value in sample.items()}
+
+    def check_files(self) -> None:
+        if self._refusal is not None:
+            raise MappedFileError(self._refusal)
+        super().check_files()
 
 
 def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
@@ -73,7 +89,9 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"Arrays.from_hf: expected a datasets.Dataset, got {type(dataset).__name__}")
     table = dataset.data.table
-    shown = dataset.format.get("columns") or dataset.column_names
+    shown = dataset.format.get("columns")
+    if not shown or dataset.format.get("output_all_columns"):
+        shown = dataset.column_names
     chosen = _chosen(columns, shown, dataset.column_names, "Arrays.from_hf")
     arrays = _arrays(table, chosen, id_key, "Arrays.from_hf")
     if dataset._indices is not None:  # select, shuffle, shard, train_test_split: rows through a map
@@ -85,7 +103,7 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
                 f"Arrays.from_hf: sample {outside} maps to row {int(rows[outside])} of a table of "
                 f"{table.num_rows} rows: the dataset's index map does not fit its table"
             )
-    arrays._source = (from_hf, dataset, columns, id_key)
+    arrays._source = (from_hf, dataset, chosen, id_key)  # as chosen now: the dataset's format may change
     return arrays
 
 
@@ -94,7 +112,8 @@ def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = N
     import pyarrow as pa
 
     if isinstance(source, (str, os.PathLike)):
-        table = _read_ipc(os.fspath(source))
+        source = os.path.abspath(source)  # read again by another process, from another directory maybe
+        table = _read_ipc(source)
     elif isinstance(source, pa.RecordBatch):
         table = pa.Table.from_batches([source])
     elif isinstance(source, pa.Table):
@@ -106,12 +125,7 @@ def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = N
         )
     chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
     arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow")
-    arrays._source = (
-        from_arrow,
-        os.fspath(source) if isinstance(source, os.PathLike) else source,
-        columns,
-        id_key,
-    )
+    arrays._source = (from_arrow, source, chosen, id_key)
     return arrays
 
 
@@ -141,6 +155,8 @@ def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str)
     else:
         chosen = {name: name for name in columns}
     for key, name in chosen.items():
+        if not isinstance(key, str) or not isinstance(name, str):
+            raise TypeError(f"{who}: columns names keys and columns by str, got {key!r}: {name!r}")
         if name not in every:
             raise KeyError(
                 f"{who}: column {name!r} (for key {key!r}) does not exist; the columns are {every}"
@@ -186,10 +202,16 @@ def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
     chunk's own buffers."""
     import pyarrow as pa
 
-    shape = getattr(array.type, "shape", None)  # Hugging Face's Array2D..Array5D: each row's dims
-    if isinstance(array, pa.ExtensionArray):
-        array = array.storage
     where = f"{who}: column {key!r}"
+    shape = None
+    if isinstance(array, pa.ExtensionArray):
+        if not type(array.type).__module__.startswith("datasets."):
+            raise TypeError(
+                f"{where} has the extension type {array.type}, whose layout Arrays does not know: cast it to "
+                "its storage or to a list type first"
+            )
+        shape = array.type.shape  # Hugging Face's Array2D..Array5D: each row's dims (the first may be None)
+        array = array.storage
     levels: list[tuple[np.ndarray | None, int | None]] = []  # each list level: (offsets, fixed length)
     node = array
     while (
@@ -215,12 +237,11 @@ def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
         within = leaf[offsets[0] : offsets[-1]]
         if fixed is None and depth == 0:
             return Ragged(within, offsets.astype(np.int64) - offsets[0])
-        steps = np.diff(offsets)
-        if fixed is None or (steps != fixed).any():
+        if fixed is None or (np.diff(offsets) != fixed).any():
             raise TypeError(
-                f"{where} ({array.type}) holds lists within lists whose lengths vary: only a row's first dim "
-                "may vary (ragged). Declare the inner lengths with a feature (Sequence(length=k), "
-                "Array2D(shape=(None, k))) or flatten the column"
+                f"{where} ({array.type}) holds lists within lists whose lengths are not declared: only a "
+                "row's first dim may vary (ragged). Declare the inner lengths with a feature "
+                "(Sequence(length=k), Array2D(shape=(None, k))) or flatten the column"
             )
         leaf = within.reshape(-1, fixed, *leaf.shape[1:])
     return leaf
@@ -262,24 +283,52 @@ def _no_nulls(where: str, node: Any) -> None:
         )
 
 
-def _by_value(source: Any) -> bool:
-    """Whether pickling ``source`` copies its data (rather than naming its files)."""
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# An index map this large goes to each spawned worker by value: worth saying.
+_LARGE_INDEX_MAP = 64 << 10
+
+
+def _by_value(source: Any) -> str | None:
+    """What of ``source`` pickling copies (rather than naming its files), or None."""
     if isinstance(source, str):
-        return False
-    return not getattr(source, "cache_files", None)
-
-
-def _what(source: Any) -> str:
-    if hasattr(source, "cache_files"):
+        return None
+    if not hasattr(source, "cache_files"):
+        return f"a {type(source).__name__}"
+    if not source.cache_files:
         return "an in-memory Hugging Face dataset (no cache file)"
-    return f"a {type(source).__name__}"
+    from datasets.table import MemoryMappedTable
+
+    indices = source._indices
+    in_memory = indices is not None and not isinstance(indices, MemoryMappedTable)
+    if in_memory and indices.nbytes > _LARGE_INDEX_MAP:
+        return f"a Hugging Face dataset whose index map (select, shard) is in memory, {indices.nbytes:,} B"
+    return None
 
 
-def _rebuilt(build: Any, source: Any, columns: ColumnChoice, id_key: str | None, identities: dict) -> Arrays:
-    """``build(source, ...)`` again in this process, refusing files that are not the ones it was made
-    from (see WatchedFile.expect)."""
-    arrays = build(source, columns, id_key)
+def _rebuilt(
+    build: Any, source: bytes, columns: dict[str, str], id_key: str | None, identities: list, length: int
+) -> Arrays:
+    """``build(source, ...)`` again in this process, refusing files that are none of the files it was made
+    from as they were then (see WatchedFile.expect); a dataset that cannot be made again refuses every
+    read, naming its columns, rather than failing where it is unpickled (a worker that cannot start)."""
+    try:
+        source = pickle.loads(source)
+        arrays = build(source, columns, id_key)
+    except Exception as error:
+        arrays = ArrowArrays.__new__(ArrowArrays)
+        arrays.id_key, arrays.columns, arrays.rows_of = id_key, MappingProxyType({}), None
+        arrays._length = length
+        arrays._source = (build, None, columns, id_key)
+        arrays._refusal = (
+            f"Arrays: columns {', '.join(map(repr, columns))}: the dataset cannot be made again in this "
+            "process (a spawned or forkserver worker, or an unpickled copy), which opens its files by path: "
+            f"{type(error).__name__}: {error}. Keep a dataset's files in place while it is read, or start "
+            "workers by fork"
+        )
+        return arrays
     for watched in arrays._watched():
-        if watched.path in identities:
-            watched.expect(identities[watched.path])
+        watched.expect(identities)
     return arrays

@@ -18,7 +18,6 @@ import fcntl
 import mmap
 import os
 import struct
-import weakref
 from typing import Any
 
 import numpy as np
@@ -317,21 +316,27 @@ def _region_at(address: int) -> tuple[int, int, int, int, str] | None:
 
 class WatchedFile:
     """A file another library mapped (pyarrow maps Arrow files, and Hugging Face datasets through it),
-    whose bytes a column reads through that mapping. It is watched through a descriptor of its own, as a
-    MappedFile is: a file that shrank is named before a read, and a read that faults anyway is named
-    after it.
+    whose bytes a column reads through that mapping. No descriptor is kept (a dataset may span thousands
+    of files): each check stats the mapping's own file through /proc/self/map_files, or, where that is
+    not permitted, the path while it still names that file. A file that shrank, or was written since
+    (its offsets, read when the column was made, would no longer fit its values), is named before a
+    read; a read that faults anyway is named after it.
 
     ``of(addresses)`` finds the files mapped at those addresses (one ``/proc/self/maps`` read), one object
-    a file. ``expect(identity)`` refuses, on every check, a file that is not the one ``identity`` was
-    taken from (a process that mapped its path again, when the path now holds another file).
+    a file. ``expect(identities)`` refuses, on every check, a file that is none of the files
+    ``identities`` describe (a process that opened a dataset's files again by path, which now name
+    others).
     """
 
-    def __init__(self, path: str, descriptor: int) -> None:
-        self.path = path
-        self.identity = FileIdentity.of(descriptor)
-        self._descriptor = descriptor
+    def __init__(self, region: tuple[int, int, int, int, str]) -> None:
+        start, end, _, _, path = region
+        self.path = path.removesuffix(" (deleted)")
+        self._mapping = f"/proc/self/map_files/{start:x}-{end:x}"
         self._refusal: str | None = None
-        weakref.finalize(self, os.close, descriptor)
+        status = self._stat()
+        if status is None:
+            raise FileNotFoundError(self.path)
+        self.identity = FileIdentity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
 
     @classmethod
     def of(cls, addresses: list[int]) -> dict[int, WatchedFile]:
@@ -344,35 +349,63 @@ class WatchedFile:
             at = bisect.bisect_right(starts, address) - 1
             if at < 0 or address >= regions[at][1]:
                 continue
-            region = regions[at]
-            start, end, device, inode, path = region
+            device, inode = regions[at][2:4]
             if (device, inode) not in found:
                 try:
-                    descriptor = _open(path.removesuffix(" (deleted)"), os.O_RDONLY, region)
+                    found[device, inode] = cls(regions[at])
                 except OSError:
-                    continue  # not ours to open: reads are still guarded, and a fault still named
-                found[device, inode] = cls(path, descriptor)
+                    continue  # neither its mapping nor its path can be read: reads are still guarded
             watched[address] = found[device, inode]
         return watched
 
-    def expect(self, identity: FileIdentity) -> None:
-        if not identity.same_file(self.identity):
+    def _stat(self) -> os.stat_result | None:
+        """The mapped file's status; None when neither its mapping nor its path shows that file."""
+        try:
+            return os.stat(self._mapping)
+        except OSError:
+            pass
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return None
+        known = getattr(self, "identity", None)
+        if known is not None and (status.st_dev, status.st_ino) != (known.device, known.inode):
+            return None  # the path names another file now; the mapping still reads the one it mapped
+        return status
+
+    def _unchanged(self, identity: FileIdentity) -> bool:
+        mine = self.identity
+        return (mine.device, mine.inode, mine.size, mine.mtime_ns) == (
+            identity.device, identity.inode, identity.size, identity.mtime_ns,
+        )
+
+    def expect(self, identities: list[FileIdentity]) -> None:
+        if not any(self._unchanged(identity) for identity in identities):
             self._refusal = (
-                f"its file {self.path} is not the one the dataset was made from (then {identity}; now "
-                f"{self.identity}): it was replaced, and this process (a spawned or forkserver worker, or an "
-                "unpickled copy) opened it by path. Make the dataset again after replacing a file, or start "
-                "workers by fork"
+                f"its file {self.path} ({self.identity}) is not one the dataset was made from, as it was "
+                "then: it was replaced or written since, and this process (a spawned or forkserver worker, "
+                "or an unpickled copy) opened it again by path. Make the dataset again after changing its "
+                "files, or start workers by fork"
             )
 
     def unreadable(self) -> str | None:
         if self._refusal is not None:
             return self._refusal
-        size = os.fstat(self._descriptor).st_size
-        if size < self.identity.size:
+        status = self._stat()
+        if status is None:
+            return None
+        if status.st_size < self.identity.size:
             return (
-                f"its file {self.path} shrank to {size} bytes from {self.identity.size}: it was truncated or "
-                "rewritten in place while mapped (reading past its end would kill the process). Keep a "
-                "dataset's files as they are while it is read, or load the dataset again"
+                f"its file {self.path} shrank to {status.st_size} bytes from {self.identity.size}: it was "
+                "truncated or rewritten in place while mapped (reading past its end would kill the "
+                "process). Keep a dataset's files as they are while it is read, or load the dataset again"
+            )
+        if (status.st_size, status.st_mtime_ns) != (self.identity.size, self.identity.mtime_ns):
+            return (
+                f"its file {self.path} was written since the dataset was made (then {self.identity}; now "
+                f"{status.st_size} bytes, modified at {status.st_mtime_ns} ns): its rows may no longer be "
+                "where the dataset found them. Keep a dataset's files as they are while it is read, or load "
+                "the dataset again"
             )
         return None
 

@@ -224,13 +224,75 @@ def test_a_file_replaced_under_its_path_is_refused_where_the_dataset_is_unpickle
     os.replace(replacement, path)  # the same bytes, another file
     again = pickle.loads(pickled)
     with pytest.raises(
-        MappedFileError, match="column 'label': its file .* is not the one the dataset was made"
+        MappedFileError, match="column 'label': its file .* is not one the dataset was made from"
     ):
         again[0]
 
 
-VARYING = r"column 'x' .* lists within lists whose lengths vary"
+VARYING = r"column 'x' .* lists within lists whose lengths are not declared"
 NULLS = r"column 'x' has 1 missing values \(nulls\)"
+
+
+def test_a_file_written_in_place_is_refused_though_its_size_is_the_same(tmp_path):
+    dataset = _loaded(tmp_path / "d")
+    arrays = Arrays.from_hf(dataset, ["input_ids"])
+    path = dataset.cache_files[0]["filename"]
+    stat = os.stat(path)
+    with open(path, "r+b") as file:  # the same bytes written back: the offsets read then may not fit now
+        data = file.read()
+        file.seek(0)
+        file.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    written = "column 'input_ids': its file .* was written since the dataset"
+    with pytest.raises(MappedFileError, match=written):
+        arrays[0]
+
+
+def test_a_dataset_that_cannot_be_made_again_refuses_every_read_naming_its_columns(tmp_path):
+    dataset = _loaded(tmp_path / "d")
+    pickled = pickle.dumps(Arrays.from_hf(dataset, ["label"]))
+    os.rename(dataset.cache_files[0]["filename"], tmp_path / "moved.arrow")
+    again = pickle.loads(pickled)  # as a spawned worker does: it must start, and say why on its first read
+    assert len(again) == len(dataset)
+    refused = "columns 'label': the dataset cannot be made again in this process"
+    with pytest.raises(MappedFileError, match=refused):
+        assemble(again.__getitems__([0, 1]))
+
+
+def test_what_it_reads_is_fixed_when_it_is_made_and_it_holds_no_descriptor(tmp_path):
+    dataset = _loaded(tmp_path / "d")
+    columns = {"label": "label"}
+    descriptors = len(os.listdir("/proc/self/fd"))
+    arrays = Arrays.from_hf(dataset, columns)
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert arrays.columns["label"].watched, "its file is watched all the same"
+    columns["label"] = "input_ids"  # the caller's dict, changed after
+    dataset.set_format("numpy", columns=["input_ids"])  # the dataset's format, changed after
+    again = pickle.loads(pickle.dumps(arrays))
+    assert list(again.columns) == ["label"] and again[5]["label"].item() == 5
+
+
+def test_a_sample_is_a_copy_and_a_batch_is_gathered_from_the_file(saved):
+    arrays = Arrays.from_hf(saved, ["grid"])
+    mapped = arrays.columns["grid"].chunks[0].rows
+    assert arrays[0]["grid"].data_ptr() != mapped.data_ptr(), "ds[i] outlives a file that shrinks"
+    assert torch.equal(arrays[0]["grid"], mapped[0])
+
+
+def test_a_relative_ipc_path_is_read_again_from_where_it_was_made(tmp_path, monkeypatch):
+    table = pa.table({"x": pa.array([1, 2, 3], type=pa.int64())})
+    with pa.OSFile(str(tmp_path / "data.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    monkeypatch.chdir(tmp_path)
+    pickled = pickle.dumps(Arrays.from_arrow("data.arrow"))
+    monkeypatch.chdir("/")
+    assert pickle.loads(pickled)[2]["x"].item() == 3
+
+
+def test_a_large_index_map_in_memory_is_said_to_go_by_value(saved):
+    picked = saved.select(list(range(599, -1, -1)) * 20)  # an index map of 96,000 bytes
+    with pytest.warns(UserWarning, match="index map .* is in memory, 96,000 B"):
+        pickle.dumps(Arrays.from_hf(picked, ["label"]))
 
 
 @pytest.mark.parametrize(
@@ -253,7 +315,7 @@ NULLS = r"column 'x' has 1 missing values \(nulls\)"
             {"x": [[[1], [2, 3]], [[4]]]},
             None,
             TypeError,
-            r"column 'x' .* lists within lists whose lengths vary",
+            r"column 'x' .* lists within lists whose lengths are not declared",
         ),
         ({"x": [[[[1]]], [[[2]]]]}, None, TypeError, VARYING),
         ({"x": [1, None, 3]}, None, ValueError, NULLS),
@@ -312,6 +374,12 @@ def test_an_ipc_file_a_memory_mapped_table_and_parquet_read_the_same(tmp_path):
         assert len(pickle.dumps(by_path)) < 4096
     with pytest.warns(UserWarning, match="a Table is pickled by value"):
         pickle.dumps(Arrays.from_arrow(mapped))
+
+
+def test_an_extension_type_of_unknown_layout_is_refused():
+    tensors = pa.FixedShapeTensorArray.from_numpy_ndarray(np.zeros((2, 2, 3), dtype=np.float32))
+    with pytest.raises(TypeError, match="column 't' has the extension type .* whose layout Arrays does not"):
+        Arrays.from_arrow(pa.table({"t": tensors}))
 
 
 def test_random_chunkings_of_an_arrow_column_give_the_batch_of_one_chunk():

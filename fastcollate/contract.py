@@ -66,6 +66,11 @@ class Field:
         separator: only with ``pack``: the value written at each sample's first token (Hugging Face's
             ``DataCollatorWithFlattening`` writes -100 there in ``labels``, so no token predicts the
             first token of the next sample).
+
+    A tensor field that declares its dtype and shape also takes, per sample, a list of Python numbers
+    (lists of lists for more dims), as tokenizers and ``datasets`` hand out token ids: read in C++ into
+    the declared dtype, with the rules of number fields (an int for an integer dtype, not a bool; a bool
+    for bool; an int or a float for a floating-point dtype; a value the dtype holds).
     """
 
     kind: Literal["tensor", "number", "text"] = "tensor"

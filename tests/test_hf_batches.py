@@ -98,3 +98,31 @@ def test_a_tiny_bert_gives_the_same_loss_and_logits_on_both_batches(tokenizer):
     assert torch.isfinite(got.loss)
     assert torch.equal(got.logits, expected.logits)
     assert torch.equal(got.loss, expected.loss)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows straight from a datasets.Dataset: token ids as Python lists
+
+
+def dataset_rows(tokenizer, count=12, seed=0, **tokenize):
+    """``datasets.Dataset.from_dict(tokenizer(texts))[i]``: each row a dict of Python lists."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(1, 20))) for _ in range(count)]
+    columns = dict(tokenizer(texts, **tokenize))
+    columns["labels"] = [rng.randrange(2) for _ in range(count)]
+    dataset = datasets.Dataset.from_dict(columns)
+    rows = [dataset[i] for i in range(count)]
+    assert isinstance(rows[0]["input_ids"], list) and isinstance(rows[0]["input_ids"][0], int)
+    return rows
+
+
+def test_dataset_rows_of_lists_give_data_collator_with_padding_s_batch(tokenizer):
+    rows = dataset_rows(tokenizer, return_attention_mask=False, return_token_type_ids=False)
+    expected = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(rows)
+    got = assemble.using(hf_contract(tokenizer))(rows)
+    assert set(expected) == {"input_ids", "attention_mask", "labels"}
+    assert_same_batch(expected, got)
+    tensors = [{**row, "input_ids": torch.tensor(row["input_ids"])} for row in rows]
+    assert_same_batch(assemble.using(hf_contract(tokenizer))(tensors), got)
+

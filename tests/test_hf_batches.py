@@ -126,3 +126,23 @@ def test_dataset_rows_of_lists_give_data_collator_with_padding_s_batch(tokenizer
     tensors = [{**row, "input_ids": torch.tensor(row["input_ids"])} for row in rows]
     assert_same_batch(assemble.using(hf_contract(tokenizer))(tensors), got)
 
+
+def test_dataset_rows_of_lists_give_data_collator_with_flattening_s_batch(tokenizer):
+    """Rows as the tokenizer makes them for a causal LM: input_ids and an attention_mask, no labels. The
+    collator makes labels from input_ids and leaves the mask out; so does the contract."""
+    rows = dataset_rows(tokenizer, return_token_type_ids=False)
+    rows = [{k: v for k, v in row.items() if k != "labels"} for row in rows]
+    assert set(rows[0]) == {"input_ids", "attention_mask"}
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True)
+    contract = Contract(
+        {"input_ids": Field(**tokens), "labels": Field(**tokens, separator=-100, copy_of="input_ids")},
+        id=None,
+    )
+    expected = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(rows)
+    got = assemble.using(contract)(rows)
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert type(got[key]) is type(value) and got[key] == value, key

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from fastcollate import Contract, DeviceLoader, Field, Packing, assemble, jagged
+from fastcollate import Arrays, Contract, DeviceLoader, Field, Packing, Ragged, assemble, gather, jagged
 from fastcollate._ext import _C
 from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.errors import ContractKeyError, ContractSizeError, ContractTypeError, ContractValueError
@@ -400,6 +401,29 @@ def test_a_copy_in_a_nested_mapping_reads_its_sibling_and_nests_with_the_other_p
     assert "attention_mask" not in batch["text"]
     for sample, labels in zip(samples, batch["text"]["labels"].unbind(), strict=True):
         assert labels.tolist() == [-100, *sample["text"]["input_ids"][1:].tolist()]
+
+
+def test_an_arrays_batch_under_a_copy_is_walked_and_a_labels_column_is_refused_as_in_samples():
+    values = torch.arange(1, 10)
+    offsets = np.array([0, 2, 7, 9])
+    columns = {"input_ids": Ragged(values, offsets)}
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "input_ids": tokens(pack=True),
+            "labels": tokens(pack=True, separator=-100, copy_of="input_ids"),
+        }
+    )
+    dataset = Arrays(columns)
+    assert gather.gatherer(dataset, contract, "id") is None  # the walk reads the copy from its source
+    batch = assemble.using(contract)(dataset.__getitems__([2, 0]))
+    assert batch["input_ids"].tolist() == [[8, 9, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 9, -100, 2]]
+    labelled = Arrays({**columns, "labels": Ragged(values.clone(), offsets)})
+    assert gather.gatherer(labelled, contract, "id") is None
+    with pytest.raises(ContractKeyError) as raised:
+        assemble.using(contract)(labelled.__getitems__([0, 1]))
+    assert (raised.value.sample_id, raised.value.field) == (0, "labels")
 
 
 @pytest.mark.parametrize(

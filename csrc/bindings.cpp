@@ -242,7 +242,9 @@ void bind_field_spec(py::module_& m) {
       .def_readwrite("cu_seq_lens_names", &FieldSpec::cu_seq_lens_names)
       .def_readwrite("max_length_names", &FieldSpec::max_length_names)
       .def_readwrite("seq_idx_name", &FieldSpec::seq_idx_name)
-      .def_readwrite("max_tokens", &FieldSpec::max_tokens);
+      .def_readwrite("max_tokens", &FieldSpec::max_tokens)
+      .def_readwrite("drop_names", &FieldSpec::drop_names)
+      .def_readwrite("copy_of", &FieldSpec::copy_of);
 }
 
 void bind_contract_rules(py::module_& m) {

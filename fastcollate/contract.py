@@ -66,6 +66,17 @@ class Field:
         separator: only with ``pack``: the value written at each sample's first token (Hugging Face's
             ``DataCollatorWithFlattening`` writes -100 there in ``labels``, so no token predicts the
             first token of the next sample).
+        copy_of: only with ``pack``: the key of another packed field of the same mapping whose samples
+            this field takes; the samples hold no value of their own for it.
+            ``"labels": Field(dtype=torch.int64, shape=("T",), pack=True, separator=-100,
+            copy_of="input_ids")`` is the ``labels`` row ``DataCollatorWithFlattening`` makes for samples
+            without labels: input_ids' row, -100 at each sample's first token. The copy is checked as a
+            field of its own (its dtype, range and cast_from); a copy of a copy is refused.
+
+    A tensor field that declares its dtype and shape also takes, per sample, a list of Python numbers
+    (lists of lists for more dims), as tokenizers and ``datasets`` hand out token ids: read in C++ into
+    the declared dtype, with the rules of number fields (an int for an integer dtype, not a bool; a bool
+    for bool; an int or a float for a floating-point dtype; a value the dtype holds).
     """
 
     kind: Literal["tensor", "number", "text"] = "tensor"
@@ -80,6 +91,7 @@ class Field:
     cast_from: tuple[torch.dtype, ...] = ()
     pack: bool = False
     separator: float | int | None = None
+    copy_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("tensor", "number", "text"):
@@ -119,6 +131,12 @@ class Field:
             self._check_separator()
         elif self.separator is not None:
             raise ValueError("separator only applies to packed fields: set pack=True")
+        elif self.copy_of is not None:
+            raise ValueError("copy_of only applies to packed fields: set pack=True")
+        if self.copy_of is not None and (not isinstance(self.copy_of, str) or not self.copy_of
+                                         or "." in self.copy_of):
+            raise ValueError(f"copy_of is the key of a packed field of the same mapping (no dots), "
+                             f"got {self.copy_of!r}")
 
     def _check_separator(self) -> None:
         """At declaration, not at the first batch: the separator crosses to C++ as a double, so an integer
@@ -212,7 +230,9 @@ class Field:
         if self.cast_from:
             parts.append("casts from " + ", ".join(str(d) for d in self.cast_from))
         if self.pack:
-            parts.append("packed" if self.separator is None else f"packed, separator {self.separator!r}")
+            parts.append("packed" if self.copy_of is None else f"packed, a copy of {self.copy_of!r}")
+            if self.separator is not None:
+                parts[-1] += f", separator {self.separator!r}"
         return " ".join(parts)
 
 
@@ -234,6 +254,12 @@ class Packing:
             (shape ``[batch, j, ...]``), a view over the same memory; needs ``cu_seq_lens``.
         max_tokens: a batch of more tokens is refused (a ``ContractSizeError`` naming the sample that
             passes it); None for no budget. Every batch must stay under 2^31 tokens (int32 offsets).
+        drop: keys of the packed fields' mapping that the samples carry and the batch leaves out, as
+            ``DataCollatorWithFlattening`` leaves them out. By default the tokenizer's
+            ``attention_mask``: a packed batch has no padding, and a mask passed to a model with the
+            batch (``model(**batch)``) switches off transformers' packed-sequence detection from
+            ``position_ids``, so that samples attend across their boundaries. A field declared under
+            one of these keys is refused, and ``attention_mask`` is never a packed field.
     """
 
     position_ids: str | None = "position_ids"
@@ -243,6 +269,7 @@ class Packing:
     seq_idx: str | None = None
     max_tokens: int | None = None
     nested: bool = False
+    drop: tuple[str, ...] = ("attention_mask",)
 
     def __post_init__(self) -> None:
         if self.nested and self.cu_seq_lens is None:
@@ -255,6 +282,12 @@ class Packing:
                 object.__setattr__(self, name, tuple(value))
                 if len(value) != 2 or not all(isinstance(k, str) and k for k in value):
                     raise ValueError(f"Packing.{name} is two keys (q, k) or None, got {value!r}")
+        if isinstance(self.drop, str):
+            raise ValueError(f"Packing.drop is a tuple of keys, got the string {self.drop!r}")
+        object.__setattr__(self, "drop", tuple(self.drop))
+        if not all(isinstance(k, str) and k and "." not in k for k in self.drop):
+            raise ValueError(f"Packing.drop holds keys of the packed fields' mapping (no dots), "
+                             f"got {self.drop!r}")
         if not isinstance(self.position_ids_start, int) or isinstance(self.position_ids_start, bool):
             raise ValueError(f"Packing.position_ids_start must be an int, got {self.position_ids_start!r}")
         # int64 positions, up to 2**31 tokens a sample: a start beyond this would wrap.
@@ -325,11 +358,56 @@ class Contract:
                 raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
                                  f"name the same first dim ({dim!r}): they are packed into one row")
         object.__setattr__(self, "_packed", (parent, [p.rpartition(".")[2] for p in packed]))
+        for path in packed:
+            self._check_copy(path)
+        self._check_dropped(parent, packed, keys)
         for key in self.packing.keys():
             full = f"{parent}.{key}" if parent else key
             if full in keys or full in added:
                 raise ValueError(f"the packed fields would add {full!r}, which is already a field: give "
                                  "Packing another key for it, or None")
+
+    def _check_copy(self, path: str) -> None:
+        """A copy reads its source's value in the walk: the source is a packed field of the same mapping
+        (the row's starts are the source's) whose samples hold it, not a copy itself."""
+        copy_of = self.fields[path].copy_of
+        if copy_of is None:
+            return
+        parent = path.rpartition(".")[0]
+        source = f"{parent}.{copy_of}" if parent else copy_of
+        if source == path:
+            raise ValueError(f"field {path!r} is declared a copy of itself: copy_of names another "
+                             "packed field")
+        field = self.fields.get(source)
+        if field is None:
+            raise ValueError(f"field {path!r} is a copy of {source!r}, which the contract does not declare: "
+                             f"declare {source!r} as a packed field (Field(pack=True))")
+        if not field.pack:
+            raise ValueError(f"field {path!r} is a copy of {source!r}, which is not packed: copy_of names a "
+                             "packed field of the same mapping")
+        if field.copy_of is not None:
+            raise ValueError(f"field {path!r} is a copy of {source!r}, itself a copy of {field.copy_of!r}: "
+                             f"copies do not chain, name {field.copy_of!r}")
+        if field.shape != self.fields[path].shape:
+            raise ValueError(f"field {path!r} is a copy of {source!r}, so it has its shape {field.shape}, "
+                             f"not {self.fields[path].shape}")
+
+    def _check_dropped(self, parent: str, packed: list[str], keys: set[str]) -> None:
+        """Packing.drop's keys are left out of the batch, so no field may be declared under one; and an
+        attention_mask is never packed, whatever Packing.drop says."""
+        for path in packed:
+            if path.rpartition(".")[2] == "attention_mask":
+                raise ValueError(
+                    f"{path!r} cannot be a packed field: a packed batch has no padding, and an "
+                    "attention_mask passed to a model with the batch (model(**batch)) switches off "
+                    "transformers' detection of packed sequences, so that samples attend across their "
+                    "boundaries. Leave it out of the contract: Packing.drop leaves it out of the batch"
+                )
+        for key in self.packing.drop:
+            full = f"{parent}.{key}" if parent else key
+            if full in keys:
+                raise ValueError(f"{full!r} is declared a field, but Packing.drop leaves it out of packed "
+                                 f"batches: remove the field, or leave {key!r} out of Packing(drop=...)")
 
     def _check_shared_key(self, key: str, first: tuple[str, str], second: tuple[str, str]) -> None:
         """Two padded fields may put their masks under one key only when the masks are equal by
@@ -375,6 +453,8 @@ class Contract:
             lines.append(f"  {path.ljust(width)}  {field.describe()}")
         if self.packing is not None:
             lines.append(f"  packed beside: {', '.join(self.packing.keys())}")
+            if self.packing.drop:
+                lines.append(f"  left out of packed batches: {', '.join(self.packing.drop)}")
         return "\n".join(lines)
 
     def diff(self, other: Contract) -> list[str]:
@@ -441,6 +521,10 @@ class Contract:
         spec.max_length_names = list(packing.max_length or ())
         spec.seq_idx_name = packing.seq_idx or ""
         spec.max_tokens = packing.max_tokens or 0
+        spec.drop_names = list(packing.drop)
+        if field.copy_of is not None:
+            parent = spec.path.rpartition(".")[0]
+            spec.copy_of = f"{parent}.{field.copy_of}" if parent else field.copy_of
 
 
 def _named_dims(field: Field) -> tuple[str, ...]:

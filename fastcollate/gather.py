@@ -45,6 +45,8 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
         # A missing or extra key (the id included), or a padded dim another field names too: the
         # per-sample path names the sample and the key, or checks the dim sample by sample.
         return None
+    if any(field.copy_of is not None for field in fields.values()):
+        return None  # a field that takes another's samples (Field.copy_of): the walk reads it from its source
     if not _packs_by_column(dataset, contract):
         return None
     specs = {spec.path: spec for spec in contract.native_specs()} if contract is not None else {}

@@ -566,7 +566,8 @@ def _break(maker, value, how, i):
         value.view(-1)[0] = float("nan")
         return value
     if how == "type":
-        return value.tolist()
+        # Not value.tolist(): a tensor field that declares its dtype and shape takes a list of numbers.
+        return f"{value.shape} as text"
     return value
 
 

@@ -98,3 +98,51 @@ def test_a_tiny_bert_gives_the_same_loss_and_logits_on_both_batches(tokenizer):
     assert torch.isfinite(got.loss)
     assert torch.equal(got.logits, expected.logits)
     assert torch.equal(got.loss, expected.loss)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows straight from a datasets.Dataset: token ids as Python lists
+
+
+def dataset_rows(tokenizer, count=12, seed=0, **tokenize):
+    """``datasets.Dataset.from_dict(tokenizer(texts))[i]``: each row a dict of Python lists."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(1, 20))) for _ in range(count)]
+    columns = dict(tokenizer(texts, **tokenize))
+    columns["labels"] = [rng.randrange(2) for _ in range(count)]
+    dataset = datasets.Dataset.from_dict(columns)
+    rows = [dataset[i] for i in range(count)]
+    assert isinstance(rows[0]["input_ids"], list) and isinstance(rows[0]["input_ids"][0], int)
+    return rows
+
+
+def test_dataset_rows_of_lists_give_data_collator_with_padding_s_batch(tokenizer):
+    rows = dataset_rows(tokenizer, return_attention_mask=False, return_token_type_ids=False)
+    expected = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(rows)
+    got = assemble.using(hf_contract(tokenizer))(rows)
+    assert set(expected) == {"input_ids", "attention_mask", "labels"}
+    assert_same_batch(expected, got)
+    tensors = [{**row, "input_ids": torch.tensor(row["input_ids"])} for row in rows]
+    assert_same_batch(assemble.using(hf_contract(tokenizer))(tensors), got)
+
+
+def test_dataset_rows_of_lists_give_data_collator_with_flattening_s_batch(tokenizer):
+    """Rows as the tokenizer makes them for a causal LM: input_ids and an attention_mask, no labels. The
+    collator makes labels from input_ids and leaves the mask out; so does the contract."""
+    rows = dataset_rows(tokenizer, return_token_type_ids=False)
+    rows = [{k: v for k, v in row.items() if k != "labels"} for row in rows]
+    assert set(rows[0]) == {"input_ids", "attention_mask"}
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True)
+    contract = Contract(
+        {"input_ids": Field(**tokens), "labels": Field(**tokens, separator=-100, copy_of="input_ids")},
+        id=None,
+    )
+    expected = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(rows)
+    got = assemble.using(contract)(rows)
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert type(got[key]) is type(value) and got[key] == value, key

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from fastcollate import Contract, DeviceLoader, Field, Packing, assemble, jagged
+from fastcollate import Arrays, Contract, DeviceLoader, Field, Packing, Ragged, assemble, gather, jagged
 from fastcollate._ext import _C
 from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.errors import ContractKeyError, ContractSizeError, ContractTypeError, ContractValueError
@@ -315,6 +316,192 @@ def test_the_contract_describes_its_packing():
     text = str(contract)
     assert "packed, separator -100" in text and "seq_idx" in text
     assert contract.diff(packed_contract()) == [f"packing: {contract.packing} != {packed_contract().packing}"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face's conventions: labels as a copy of input_ids, the tokenizer's attention_mask left out
+
+
+def copying_contract(separator=-100, labels_dtype=torch.int64, **packing):
+    """input_ids packed, labels made from them as DataCollatorWithFlattening makes them without labels."""
+    return Contract(
+        {
+            "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True),
+            "labels": Field(
+                dtype=labels_dtype, shape=("T",), pack=True, separator=separator, copy_of="input_ids"
+            ),
+        },
+        id=None,
+        packing=Packing(**packing),
+    )
+
+
+def tokenizer_samples(count=10, seed=0, as_lists=True):
+    """What a tokenizer gives a causal LM: input_ids and an attention_mask of ones, no labels."""
+    samples = []
+    for sample in token_samples(count=count, seed=seed):
+        ids = sample["input_ids"].tolist() if as_lists else sample["input_ids"]
+        mask = [1] * len(ids) if as_lists else torch.ones_like(ids)
+        samples.append({"input_ids": ids, "attention_mask": mask})
+    return samples
+
+
+@pytest.mark.parametrize("as_lists", [True, False], ids=["lists", "tensors"])
+@pytest.mark.parametrize("seq_idx", [False, True])
+def test_labels_copied_from_input_ids_equal_the_collator_s_for_samples_without_labels(as_lists, seq_idx):
+    samples = tokenizer_samples(as_lists=as_lists)
+    ours = assemble.using(copying_contract(seq_idx="seq_idx" if seq_idx else None))(samples)
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=seq_idx)
+    theirs = collator(samples)
+    assert "labels" not in samples[0] and "attention_mask" not in theirs
+    assert list(ours) == list(theirs)  # the collator's keys, in its order: no attention_mask
+    assert_same_as_flattening(ours, theirs)
+    assert (ours["labels"] == -100).sum() == len(samples)
+
+
+def test_a_copy_without_a_separator_is_the_source_s_row_in_its_own_dtype():
+    samples = tokenizer_samples(count=4)
+    batch = assemble.using(copying_contract(separator=None, labels_dtype=torch.int32))(samples)
+    assert batch["labels"].dtype == torch.int32
+    assert torch.equal(batch["labels"], batch["input_ids"].to(torch.int32))
+    assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()
+
+
+def test_a_copy_is_checked_under_its_own_dtype_naming_the_copy():
+    samples = tokenizer_samples(count=3)
+    samples[1]["input_ids"][0] = 40000  # an int64 token id, but not an int16 one
+    with pytest.raises(ContractValueError) as raised:
+        assemble.using(copying_contract(labels_dtype=torch.int16))(samples)
+    assert (raised.value.position, raised.value.field) == (1, "labels")
+    assert "torch.int16 can hold" in raised.value.expected
+
+
+def test_samples_that_hold_the_copy_themselves_are_refused_naming_it():
+    samples = tokenizer_samples(count=3)
+    for sample in samples:
+        sample["labels"] = list(sample["input_ids"])
+    with pytest.raises(ContractKeyError) as raised:
+        assemble.using(copying_contract())(samples)
+    assert (raised.value.position, raised.value.field) == (0, "labels")
+    assert "a copy of input_ids" in raised.value.expected and "copy_of" in raised.value.hint
+
+
+def test_a_copy_in_a_nested_mapping_reads_its_sibling_and_nests_with_the_other_packed_fields():
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True)
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "text.input_ids": Field(**tokens),
+            "text.labels": Field(**tokens, separator=-100, copy_of="input_ids"),
+        },
+        packing=Packing(nested=True),
+    )
+    samples = [{"id": i, "text": s} for i, s in enumerate(tokenizer_samples(count=4, as_lists=False))]
+    batch = assemble.using(contract)(samples)
+    assert "attention_mask" not in batch["text"]
+    for sample, labels in zip(samples, batch["text"]["labels"].unbind(), strict=True):
+        assert labels.tolist() == [-100, *sample["text"]["input_ids"][1:].tolist()]
+
+
+def test_an_arrays_batch_under_a_copy_is_walked_and_a_labels_column_is_refused_as_in_samples():
+    values = torch.arange(1, 10)
+    offsets = np.array([0, 2, 7, 9])
+    columns = {"input_ids": Ragged(values, offsets)}
+    contract = Contract(
+        {
+            "id": Field(kind="number"),
+            "input_ids": tokens(pack=True),
+            "labels": tokens(pack=True, separator=-100, copy_of="input_ids"),
+        }
+    )
+    dataset = Arrays(columns)
+    assert gather.gatherer(dataset, contract, "id") is None  # the walk reads the copy from its source
+    batch = assemble.using(contract)(dataset.__getitems__([2, 0]))
+    assert batch["input_ids"].tolist() == [[8, 9, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 9, -100, 2]]
+    labelled = Arrays({**columns, "labels": Ragged(values.clone(), offsets)})
+    assert gather.gatherer(labelled, contract, "id") is None
+    with pytest.raises(ContractKeyError) as raised:
+        assemble.using(contract)(labelled.__getitems__([0, 1]))
+    assert (raised.value.sample_id, raised.value.field) == (0, "labels")
+
+
+@pytest.mark.parametrize(
+    ("declare", "message"),
+    [
+        (lambda: tokens(copy_of="input_ids"), "copy_of only applies to packed fields"),
+        (lambda: tokens(pack=True, copy_of="text.input_ids"), "no dots"),
+        (lambda: Contract({"labels": tokens(pack=True, copy_of="input_ids")}), "does not declare"),
+        (
+            lambda: Contract({"input_ids": tokens(pad=0), "labels": tokens(pack=True, copy_of="input_ids")}),
+            "which is not packed",
+        ),
+        (
+            lambda: Contract({"x": tokens(pack=True), "y": tokens(pack=True, copy_of="x"),
+                              "z": tokens(pack=True, copy_of="y")}),
+            "copies do not chain, name 'x'",
+        ),
+        (lambda: Contract({"x": tokens(pack=True, copy_of="x")}), "a copy of itself"),
+        (
+            lambda: Contract({"x": tokens(("T", 2), pack=True), "y": tokens(pack=True, copy_of="x")}),
+            "so it has its shape",
+        ),
+        (
+            lambda: Field(dtype=torch.uint8, shape=("T",), pack=True, separator=-100, copy_of="input_ids"),
+            "separator -100 does not fit the field's dtype torch.uint8",
+        ),
+    ],
+)
+def test_copies_that_cannot_be_made_are_refused_when_declared(declare, message):
+    with pytest.raises(ValueError, match=message):
+        declare()
+
+
+def test_the_attention_mask_is_left_out_of_a_packed_batch_and_a_packing_without_the_drop_names_it():
+    samples = tokenizer_samples(count=3, as_lists=False)
+    labelled = [{**s, "id": i, "labels": s["input_ids"]} for i, s in enumerate(samples)]
+    batch = assemble.using(packed_contract())(labelled)
+    assert "attention_mask" not in batch
+    kept = Contract({"input_ids": tokens(pack=True)}, id=None, packing=Packing(drop=()))
+    with pytest.raises(ContractKeyError) as raised:
+        assemble.using(kept)(samples)
+    assert raised.value.field == "attention_mask"
+
+
+@pytest.mark.parametrize("drop", [("attention_mask",), ()])
+def test_an_attention_mask_declared_packed_is_refused_with_the_reason(drop):
+    with pytest.raises(ValueError) as raised:
+        Contract(
+            {"input_ids": tokens(pack=True), "attention_mask": tokens(pack=True)}, packing=Packing(drop=drop)
+        )
+    message = str(raised.value)
+    assert "'attention_mask' cannot be a packed field" in message
+    assert "switches off transformers' detection of packed sequences" in message
+    assert "attend across their boundaries" in message
+
+
+def test_a_field_under_a_dropped_key_is_refused_and_the_drop_is_declared_as_keys():
+    with pytest.raises(ValueError, match="Packing.drop leaves it out"):
+        Contract({"input_ids": tokens(pack=True), "attention_mask": tokens(pad=0)})
+    with pytest.raises(ValueError, match="Packing.drop leaves it out"):
+        Contract(
+            {"input_ids": tokens(pack=True), "extra": Field(kind="number")}, packing=Packing(drop=("extra",))
+        )
+    with pytest.raises(ValueError, match="a tuple of keys"):
+        Packing(drop="attention_mask")
+    with pytest.raises(ValueError, match="no dots"):
+        Packing(drop=("a.b",))
+    # Padded contracts drop nothing: there the mask is the field's own (Field(mask="attention_mask")).
+    padded = Contract({"input_ids": tokens(pad=0, mask="attention_mask", lengths=None)}, id=None)
+    with pytest.raises(ContractKeyError):
+        assemble.using(padded)([{"input_ids": [1, 2], "attention_mask": [1, 1]}])
+
+
+def test_the_contract_describes_its_copies_and_the_keys_it_leaves_out():
+    text = str(copying_contract())
+    assert "packed, a copy of 'input_ids', separator -100" in text
+    assert "left out of packed batches: attention_mask" in text
+    assert copying_contract().diff(copying_contract(separator=None))
 
 
 # ---------------------------------------------------------------------------------------------------

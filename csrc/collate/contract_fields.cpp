@@ -41,6 +41,39 @@ ContractFields::ContractFields(std::string id_key, std::vector<FieldSpec> fields
       container_paths_[field.path.substr(0, dot)] = true;
     }
   }
+  // Copies and dropped keys, as contract.py checks them first (with the reasons).
+  for (size_t i = 0; i < fields_.size(); ++i) {
+    const auto& field = fields_[i];
+    for (const auto& name : field.drop_names) {
+      const std::string dropped = child_path(parent_path(field.path), name);
+      TORCH_CHECK(field.packed && by_path_.count(dropped) == 0, "Contract: '", dropped,
+                  "' is a field, but the packing leaves it out of the batch");
+      dropped_.insert(dropped);
+    }
+    if (field.copy_of.empty()) {
+      continue;
+    }
+    const FieldSpec* source = this->field(field.copy_of);
+    TORCH_CHECK(field.packed && source != nullptr && source->packed && source->copy_of.empty() &&
+                    parent_path(field.copy_of) == parent_path(field.path),
+                "Contract: field '", field.path, "' copies '", field.copy_of,
+                "', which is no packed field of the same mapping, or is a copy itself");
+    copies_[field.copy_of].push_back(i);
+  }
+}
+
+std::vector<const FieldSpec*> ContractFields::copies_of(const std::string& path) const {
+  std::vector<const FieldSpec*> copies;
+  if (copies_.empty()) {
+    return copies;
+  }
+  auto found = copies_.find(path);
+  if (found != copies_.end()) {
+    for (size_t i : found->second) {
+      copies.push_back(&fields_[i]);
+    }
+  }
+  return copies;
 }
 
 const FieldSpec* ContractFields::field(const std::string& path) const {

@@ -4,6 +4,7 @@
 
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "collate/field_spec.h"
@@ -19,12 +20,18 @@ class ContractFields {
   const FieldSpec* field(const std::string& path) const;
   bool is_container_path(const std::string& path) const;
   const std::vector<FieldSpec>& fields() const { return fields_; }
+  // The fields that take the samples of the packed field at `path` (FieldSpec::copy_of); none for most.
+  std::vector<const FieldSpec*> copies_of(const std::string& path) const;
+  // Whether the key at `path` is left out of the batch (a key of packed fields' parent, Packing.drop).
+  bool is_dropped(const std::string& path) const { return !dropped_.empty() && dropped_.count(path) != 0; }
 
  private:
   std::string id_key_;
   std::vector<FieldSpec> fields_;
   std::unordered_map<std::string, size_t> by_path_;
   std::unordered_map<std::string, bool> container_paths_;
+  std::unordered_map<std::string, std::vector<size_t>> copies_;  // source path -> its copies' indices
+  std::unordered_set<std::string> dropped_;
   bool has_contract_;
 };
 

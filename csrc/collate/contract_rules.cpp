@@ -77,6 +77,30 @@ bool value_fits(double value, at::ScalarType dtype) {
   return holds && (!c10::isIntegralType(dtype, /*includeBool=*/false) || std::trunc(value) == value);
 }
 
+bool takes_python_number(PyObject* item, at::ScalarType dtype) {
+  const bool is_bool = PyBool_Check(item);
+  const bool is_int = PyLong_Check(item) && !is_bool;
+  if (dtype == at::kBool) {
+    return is_bool;
+  }
+  return at::isFloatingType(dtype) ? (is_int || PyFloat_Check(item)) : is_int;
+}
+
+std::string python_number_for(at::ScalarType dtype) {
+  const char* python_type = dtype == at::kBool ? "bool" : at::isFloatingType(dtype) ? "float or int" : "int";
+  return "a Python " + std::string(python_type) + " (declared " + dtype_string(dtype) + ")";
+}
+
+bool takes_python_numbers(at::ScalarType dtype) {
+  return at::isIntegralType(dtype, /*includeBool=*/true) ||
+         (at::isFloatingType(dtype) && dtype != at::kFloat4_e2m1fn_x2);
+}
+
+Violation python_value_misfit(at::ScalarType dtype, const std::string& where) {
+  return Violation{"value", "a value " + dtype_string(dtype) + " can hold (the declared dtype)",
+                   "a value outside its range" + where, "declare a wider dtype, or fix the value"};
+}
+
 std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint) {
   if (value_fits(value, dtype)) {
     return std::nullopt;

@@ -40,6 +40,19 @@ Violation named_dim_misfit(const std::string& name, int64_t known, const std::st
 // Whether `value` is one of `dtype`'s: not 1e10 as float16 (inf), 300 as int8 (44) or 2.5 as int64 (2).
 bool value_fits(double value, at::ScalarType dtype);
 
+// Python numbers (number fields, and the elements of lists in tensor fields) are taken by the kind of the
+// declared dtype: a bool only as bool, an int (not a bool) as an integer or floating-point dtype, a float
+// only as a floating-point one. No silent bool-to-int or float-to-int conversion.
+bool takes_python_number(PyObject* item, at::ScalarType dtype);
+// What takes_python_number accepts for `dtype`, in words: "a Python int (declared torch.int8)".
+std::string python_number_for(at::ScalarType dtype);
+// Whether lists of Python numbers are read into `dtype`: bool, integer and floating-point dtypes of at
+// most 8 bytes, not complex, quantized or packed sub-byte ones.
+bool takes_python_numbers(at::ScalarType dtype);
+// A Python number the declared dtype cannot hold (300 as int8, -1 as uint8, 1e6 as float16); `where`
+// places it in the sample ("" for a number field).
+Violation python_value_misfit(at::ScalarType dtype, const std::string& where);
+
 // The bytes of `value` as `dtype` for a fill, when it fits; `what` (pad, separator) names the declared value.
 std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint);
 

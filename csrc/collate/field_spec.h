@@ -51,6 +51,11 @@ struct FieldSpec {
   std::vector<std::string> max_length_names;   // q and k, or none
   std::string seq_idx_name;
   int64_t max_tokens = 0;  // a batch of more tokens is refused; 0 for no budget (still under 2^31)
+  // Keys of the packed fields' parent that the batch leaves out (Packing.drop).
+  std::vector<std::string> drop_names;
+  // Packed: the path of the packed field whose samples this one takes (contract.Field.copy_of); "" for
+  // none. The samples hold no value of their own for it.
+  std::string copy_of;
 
   bool padded() const { return pad_value.has_value(); }
   bool has_named_dims() const {

@@ -354,6 +354,7 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
       plan.root.reset();
       plan.keepalive.clear();
       plan.held.clear();
+      plan.converted.clear();
       plan.batch = py::none();
     }
   } release{*this};

@@ -9,6 +9,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -64,6 +65,9 @@ class BatchPlan {
   std::vector<py::object> keepalive;          // tensors made from numpy arrays, read during execute()
   std::vector<std::vector<py::object>> held;  // the values of the samples' dicts, one block per mapping
   py::object batch;                           // the samples: their tensors must outlive execute()
+  // Tensors the walk read from samples' lists of numbers (walk_lists.cpp), where node inputs point: a
+  // deque, so that those pointers stay put as it grows. They hold no Python object.
+  std::deque<at::Tensor> converted;
   // An Arrays batch's columns, gathered into the views once the copy jobs have run (column_gather.h).
   std::function<void()> fill_gathered;
   // The output key whose gather raised, so that the error can name its column; "" for none.

@@ -196,9 +196,20 @@ std::unique_ptr<Node> Walk::mapping(const Items& items, const std::string& path,
   const size_t count = items.size();
   std::vector<py::object> in_order = values_in_key_order(items, node->keys);
   std::vector<PyObject*> values(count);
+  std::vector<py::object> kept;  // the batch's keys: the samples' but those dropped, and the copies
   for (size_t k = 0; k < node->keys.size(); ++k) {
     const py::object& key = node->keys[k];
     const std::string key_path = child_path(path, py::str(key));
+    if (contract_.is_dropped(key_path)) {
+      continue;
+    }
+    const FieldSpec* declared = contract_.field(key_path);
+    if (declared != nullptr && !declared->copy_of.empty()) {
+      // The samples hold every key sample 0 holds (check_same_keys): sample 0 is the first to hold it.
+      fail("key", 0, key_path,
+           "no such key in the samples (the contract makes the field a copy of " + declared->copy_of + ")", "a value",
+           "drop the key from the samples, or declare the field without copy_of");
+    }
     for (size_t i = 0; i < count; ++i) {
       py::object& value = in_order[k * count + i];
       if (!value) {
@@ -211,7 +222,15 @@ std::unique_ptr<Node> Walk::mapping(const Items& items, const std::string& path,
       values[i] = value.ptr();
     }
     node->children.push_back(this->node(values, key_path));
+    kept.push_back(key);
+    // A copy reads the same samples under its own declaration (dtype, separator), right after its source.
+    for (const FieldSpec* copy : contract_.copies_of(key_path)) {
+      seen_fields_.push_back(copy->path);
+      node->children.push_back(tensors(values, copy->path, copy));
+      kept.push_back(py::str(copy->path.substr(copy->path.rfind('.') + 1)));
+    }
   }
+  node->keys = std::move(kept);
   plan_.held.push_back(std::move(in_order));
   return node;
 }

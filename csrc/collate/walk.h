@@ -60,6 +60,8 @@ class Walk {
   void lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& row_shape, Node& node);
   uint64_t value_pattern(double value, at::ScalarType dtype, const std::string& path, const char* what,
                          const char* hint) const;
+  // Lists of numbers (walk_lists.cpp): sample `index`'s list as a tensor of the field's dtype, held by the plan.
+  const at::Tensor& tensor_from_list(PyObject* item, size_t index, const FieldSpec& spec);
   // Packing (walk_packing.cpp).
   void lay_out_packing(const FieldSpec& spec, Node& node);
   void lay_out_beside_packing(const FieldSpec& spec, Node& node);

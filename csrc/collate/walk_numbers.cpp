@@ -1,11 +1,9 @@
 // Number fields: Python ints, floats and bools, written straight into the batch buffer; mixed numbers
 // are left to torch.tensor's inference, as default_collate leaves them.
-#include <ATen/Dispatch_v2.h>
-#include <c10/util/overflows.h>
-
 #include <cmath>
 #include <sstream>
 
+#include "collate/contract_rules.h"
 #include "collate/messages.h"
 #include "collate/plan.h"
 #include "collate/walk.h"
@@ -20,21 +18,6 @@ bool is_number(PyObject* value) {
           is_instance(value, refs.numpy_number) || is_instance(value, refs.numpy_bool) ||
           is_instance(value, refs.ndarray)) &&
          !PyUnicode_Check(value) && !PyBytes_Check(value);
-}
-
-// Whether `item` is read natively as a number of `dtype`'s family.
-bool taken_as(PyObject* item, at::ScalarType dtype) {
-  const bool is_bool = PyBool_Check(item);
-  const bool is_int = PyLong_Check(item) && !is_bool;
-  if (dtype == at::kBool) {
-    return is_bool;
-  }
-  return at::isFloatingType(dtype) ? (is_int || PyFloat_Check(item)) : is_int;
-}
-
-std::string declared_number(at::ScalarType dtype) {
-  const char* python_type = dtype == at::kBool ? "bool" : at::isFloatingType(dtype) ? "float or int" : "int";
-  return "a Python " + std::string(python_type) + " (declared " + dtype_string(dtype) + ")";
 }
 
 }  // namespace
@@ -61,13 +44,13 @@ std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path,
   const bool floating = at::isFloatingType(node->dtype);
   for (size_t i = 0; i < items.size(); ++i) {
     PyObject* item = items[i];
-    if (!taken_as(item, node->dtype)) {
+    if (!takes_python_number(item, node->dtype)) {
       // Mixed numbers (int and float, bool and int, Python and numpy scalars, one-element tensors):
       // torch.tensor's inference decides, as it does for default_collate. Anything else is no number.
       if (spec == nullptr && is_number(item)) {
         return numbers_by_torch(items, i, path, floating);
       }
-      fail("type", i, path, spec ? declared_number(node->dtype) : "a number (like sample 0)", type_name(item),
+      fail("type", i, path, spec ? python_number_for(node->dtype) : "a number (like sample 0)", type_name(item),
            "return a number for this field in every sample");
     }
     if (!read_number(item, i, path, spec, *node)) {
@@ -123,7 +106,6 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
   const bool narrow =
       spec != nullptr && node.dtype != at::kLong && node.dtype != at::kDouble && node.dtype != at::kBool;
   double as_double = 0;
-  bool out_of_dtype = false;
   if (at::isFloatingType(node.dtype)) {
     as_double = PyFloat_AsDouble(item);  // an int too large for a double fails here
     if (as_double == -1.0 && PyErr_Occurred()) {
@@ -131,11 +113,6 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
       fail("value", index, path, "a number that fits in float64", "an integer too large for float64");
     }
     node.floats.push_back(as_double);
-    if (narrow) {
-      AT_DISPATCH_V2(node.dtype, "numbers",
-                     AT_WRAP([&] { out_of_dtype = c10::overflows<scalar_t, double>(as_double); }),
-                     AT_EXPAND(AT_FLOATING_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_FLOAT8_TYPES));
-    }
   } else {
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
@@ -147,17 +124,10 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
     }
     as_double = static_cast<double>(value);
     node.ints.push_back(value);
-    if (narrow) {
-      AT_DISPATCH_V2(node.dtype, "numbers", AT_WRAP([&] {
-                       out_of_dtype = c10::overflows<scalar_t, int64_t>(static_cast<int64_t>(value),
-                                                                        /*strict_unsigned=*/true);
-                     }),
-                     AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
-    }
   }
-  if (out_of_dtype) {
-    fail("value", index, path, "a value " + dtype_string(node.dtype) + " can hold (the declared dtype)",
-         "a value outside its range", "declare a wider dtype, or fix the value");
+  // Exact for the narrow integer dtypes (at most 32 bits) and uint64's sign, the only ones checked.
+  if (narrow && !value_fits(as_double, node.dtype)) {
+    fail(python_value_misfit(node.dtype, ""), index, path);
   }
   if (spec != nullptr && spec->range && !(as_double >= spec->range->low && as_double < spec->range->high)) {
     std::ostringstream expected;

@@ -172,8 +172,9 @@ bool Walk::stack_plain_tensors(const Items& items, const FieldSpec* spec, Node& 
 }
 
 // Every sample's tensor into node.inputs: tensors as they are, numpy arrays (and, after sample 0's numpy
-// array, anything) through torch.as_tensor, as default_collate converts them. Returns true when a
-// sample is a tensor subclass: drop-in mode leaves those to default_collate (they keep their semantics).
+// array, anything) through torch.as_tensor, as default_collate converts them, and under a contract lists
+// of numbers read into the declared dtype (walk_lists.cpp). Returns true when a sample is a tensor
+// subclass: drop-in mode leaves those to default_collate (they keep their semantics).
 bool Walk::gather_tensors(const Items& items, const std::string& path, const FieldSpec* spec, Node& node) {
   const PythonRefs& refs = python_refs();
   const size_t count = items.size();
@@ -190,6 +191,10 @@ bool Walk::gather_tensors(const Items& items, const std::string& path, const Fie
       subclass |= !THPVariable_CheckExact(item);
       continue;
     }
+    if (spec != nullptr && (PyList_Check(item) || PyTuple_Check(item))) {
+      node.inputs.push_back(tensor_from_list(item, i, *spec));
+      continue;
+    }
     const bool array = is_instance(item, refs.ndarray);
     if (spec == nullptr && first_is_tensor) {
       // default_collate stacks sample 0's tensors with torch.stack, which takes nothing but tensors.
@@ -197,7 +202,7 @@ bool Walk::gather_tensors(const Items& items, const std::string& path, const Fie
            "every sample must give the same type for a field");
     }
     if (spec != nullptr && !array) {
-      fail("type", i, path, "a tensor or numpy array", type_name(item));
+      fail("type", i, path, "a tensor, numpy array or list of numbers", type_name(item));
     }
     if (array) {
       const char kind = py::str(py::handle(item).attr("dtype").attr("kind")).cast<std::string>()[0];

@@ -271,6 +271,8 @@ void bind_batch_plan(py::module_& m) {
 }
 
 void bind_column_gather(py::module_& m) {
+  m.def("indices_of_list", &indices_of_list, py::arg("list"),
+        "A list of Python ints as an int64 tensor, or None when an element is not an int within int64.");
   m.def("first_index_outside", &first_index_outside, py::arg("indices"), py::arg("length"),
         "The batch position of the first index outside [0, length), or -1.");
   py::enum_<GatheredColumn::Kind>(m, "GatheredKind")

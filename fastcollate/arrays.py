@@ -407,6 +407,11 @@ class ArrayBatch(Sequence):
     columns instead. ``indices`` is an int64 array, checked against the dataset's length here."""
 
     def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        if type(indices) is list:  # a DataLoader sampler's batch: read in one native pass, a copy of its own
+            read = _C.indices_of_list(indices)
+            if read is not None:
+                self._take_indices(dataset, read.numpy())
+                return
         if isinstance(indices, torch.Tensor):
             indices = indices.numpy()
         if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
@@ -435,7 +440,10 @@ class ArrayBatch(Sequence):
         # The batch's own copy: the caller's array changed after this check must not move a read. One
         # native pass checks it, no numpy reductions: a batch costs microseconds, and numpy's machinery
         # run between two gathers costs more than its work.
-        indices = np.array(indices, dtype=np.int64, order="C", copy=True)
+        self._take_indices(dataset, np.array(indices, dtype=np.int64, order="C", copy=True))
+
+    def _take_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
+        """Takes ``indices`` (int64, contiguous, the batch's own) after checking them against ``dataset``."""
         self.indices = indices
         self.index_tensor = torch.from_numpy(indices)
         first = _C.first_index_outside(self.index_tensor, len(dataset))

@@ -571,3 +571,20 @@ def test_a_refused_batch_in_a_full_ring_still_warns_and_its_kept_error_holds_no_
     before = ring.stats().overflow_allocations
     collate(dataset.__getitems__([0, 1]))
     assert ring.stats().overflow_allocations == before and len(errors) == 3
+
+
+@pytest.mark.parametrize("given", [[4, 0, 2], [np.int64(4), 0, 2], [4, 0, True], [4.0, 0, 2], [2**64, 0, 2]])
+def test_a_list_of_indices_is_read_as_the_same_batch_whatever_its_elements(given):
+    dataset = Arrays(x=np.arange(10) * 10)
+    if any(isinstance(i, float) for i in given):
+        with pytest.raises(TypeError, match="a batch of indices must be a 1-D sequence of ints"):
+            dataset.__getitems__(given)
+        return
+    if given[0] == 2**64:
+        with pytest.raises(IndexError, match=f"index {2**64} is out of range"):
+            dataset.__getitems__(given)
+        return
+    batch = dataset.__getitems__(given)
+    given[0] = 9  # the caller's list, changed after: the batch keeps its own indices
+    assert batch.indices.dtype == np.int64
+    assert fastcollate.assemble(batch)["x"].tolist() == [40, 0, int(given[2]) * 10]

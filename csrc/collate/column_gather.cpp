@@ -56,23 +56,28 @@ RowSpans spans_of(const GatheredColumn& column, const int64_t* index, int64_t si
     spans.lengths.resize(static_cast<size_t>(size));
   }
   const std::string where = "Arrays: column '" + column.key + "'";
+  const std::vector<int64_t>& starts = column.starts;
+  const size_t last = column.views.size() - 1;
   for (int64_t b = 0; b < size; ++b) {
-    const size_t chunk = column.starts.size() == 2
-                             ? 0
-                             : static_cast<size_t>(std::upper_bound(column.starts.begin(), column.starts.end(), index[b]) -
-                                                   column.starts.begin() - 1);
-    const int64_t row = index[b] - column.starts[chunk];
+    // Even chunks (as Arrow writes them): the row's chunk is a division; else, or when the guess is off
+    // (an uneven or empty chunk before it), the last chunk that starts at or before it.
+    size_t chunk = column.chunk_rows > 0 ? std::min(static_cast<size_t>(index[b] / column.chunk_rows), last) : 0;
+    if (!(starts[chunk] <= index[b] && index[b] < starts[chunk + 1])) {
+      chunk = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), index[b]) - starts.begin() - 1);
+    }
+    const GatheredColumn::ChunkView& view = column.views[chunk];
+    const int64_t row = index[b] - starts[chunk];
     if (column.kind == Kind::Rows) {
-      const at::Tensor& rows = column.rows[chunk];
-      spans.data[b] = static_cast<const unsigned char*>(rows.const_data_ptr()) + row * rows.stride(0) * rows.element_size();
+      spans.data[b] = view.base + row * view.step_bytes;
       continue;
     }
-    const at::Tensor& values = column.values[chunk];
-    const int64_t* offset = column.offsets[chunk].const_data_ptr<int64_t>();
-    check_row_span(offset[row], offset[row + 1], values.size(0), where.c_str(), index[b], b);
-    spans.data[b] =
-        static_cast<const unsigned char*>(values.const_data_ptr()) + offset[row] * values.stride(0) * values.element_size();
-    spans.lengths[b] = offset[row + 1] - offset[row];
+    const int64_t start = view.offsets[row];
+    const int64_t stop = view.offsets[row + 1];
+    if (!(0 <= start && start <= stop && stop <= view.positions)) {
+      check_row_span(start, stop, view.positions, where.c_str(), index[b], b);
+    }
+    spans.data[b] = view.base + start * view.step_bytes;
+    spans.lengths[b] = stop - start;
   }
   return spans;
 }
@@ -213,14 +218,15 @@ ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, 
     TORCH_CHECK(!chunks.empty() && (column.kind == Kind::Rows || column.offsets.size() == chunks.size()),
                 "ColumnGather: column '", column.key, "' needs at least one chunk, and offsets for each");
     column.starts.assign(1, 0);
+    column.views.clear();
     for (size_t c = 0; c < chunks.size(); ++c) {
       const at::Tensor& chunk = chunks[c];
       TORCH_CHECK(chunk.device().is_cpu() && chunk.dim() >= 1 && chunk.scalar_type() == chunks[0].scalar_type() &&
                       chunk.sizes().slice(1) == chunks[0].sizes().slice(1) && !chunk.is_conj() && !chunk.is_neg(),
                   "ColumnGather: column '", column.key, "': chunk ", c, " (", chunk.scalar_type(), " of shape ",
                   chunk.sizes(), ") is not a CPU tensor of the first chunk's dtype and inner dims");
-      TORCH_CHECK(column.kind == Kind::Rows ? rows_are_contiguous(chunk) : chunk.is_contiguous(), "ColumnGather: column '",
-                  column.key, "': the rows of chunk ", c, " are not contiguous");
+      TORCH_CHECK(column.kind == Kind::Rows ? rows_are_contiguous(chunk) : chunk.is_contiguous(),
+                  "ColumnGather: column '", column.key, "': the rows of chunk ", c, " are not contiguous");
       int64_t rows = chunk.size(0);
       if (column.kind != Kind::Rows) {
         const at::Tensor& offsets = column.offsets[c];
@@ -231,7 +237,12 @@ ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, 
         rows = offsets.numel() - 1;
       }
       column.starts.push_back(column.starts.back() + rows);
+      column.views.push_back({static_cast<const unsigned char*>(chunk.const_data_ptr()),
+                              chunk.stride(0) * static_cast<int64_t>(chunk.element_size()),
+                              column.kind == Kind::Rows ? nullptr : column.offsets[c].const_data_ptr<int64_t>(),
+                              chunk.size(0)});
     }
+    column.chunk_rows = column.starts[1];
     if (shared->rows < 0) {
       shared->rows = column.starts.back();
     }
@@ -437,6 +448,25 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     }
   };
   return py::cast(std::static_pointer_cast<BatchPlan>(plan));
+}
+
+py::object indices_of_list(const py::list& list) {
+  const Py_ssize_t size = PyList_GET_SIZE(list.ptr());
+  at::Tensor indices = at::detail::empty_cpu({static_cast<int64_t>(size)}, at::kLong);
+  int64_t* out = indices.mutable_data_ptr<int64_t>();
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    PyObject* item = PyList_GET_ITEM(list.ptr(), i);
+    if (!PyLong_CheckExact(item)) {
+      return py::none();  // a bool, a float, a numpy integer, anything else: the caller's checks name it
+    }
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0) {
+      return py::none();
+    }
+    out[i] = value;
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(indices)));
 }
 
 int64_t first_index_outside(const at::Tensor& indices, int64_t length) {

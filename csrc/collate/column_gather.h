@@ -39,6 +39,16 @@ struct GatheredColumn {
   std::optional<FieldSpec> field;     // none without a contract
   // Each chunk's first row, then the column's rows (set by ColumnGather).
   std::vector<int64_t> starts;
+  // What finding a row reads of each chunk, taken once from its tensors (set by ColumnGather): a batch
+  // finds thousands of rows in hundreds of chunks.
+  struct ChunkView {
+    const unsigned char* base;  // rows' or values' first byte
+    int64_t step_bytes;         // from one row (Rows) or one position of values (Ragged, Packed) to the next
+    const int64_t* offsets;     // Ragged, Packed
+    int64_t positions;          // Ragged, Packed: values' dim 0
+  };
+  std::vector<ChunkView> views;
+  int64_t chunk_rows = 0;  // the first chunk's rows: the others' too when the chunks are even, as Arrow's are
 
   // The first chunk, which stands for all in dtype and inner dims.
   const at::Tensor& source() const { return kind == Kind::Rows ? rows.front() : values.front(); }
@@ -62,6 +72,10 @@ class ColumnGather {
   struct Shared;
   std::shared_ptr<const Shared> shared_;
 };
+
+// A list of Python ints as an int64 tensor of its own, or None when an element is anything else (a bool,
+// a numpy integer) or outside int64: the batches DataLoader's samplers hand out, read with no numpy call.
+py::object indices_of_list(const py::list& list);
 
 // The batch position of the first index outside [0, length), or -1 (an ArrayBatch's check, in one pass).
 int64_t first_index_outside(const at::Tensor& indices, int64_t length);

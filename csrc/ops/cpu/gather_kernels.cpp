@@ -145,8 +145,7 @@ void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType s
   }
   const int64_t row_elements = out.numel() / batch;
   const bool narrowing_integers = at::isIntegralType(source, /*includeBool=*/false) &&
-                                  at::isIntegralType(out.scalar_type(), false) &&
-                                  out.element_size() < source_element;
+                                  at::isIntegralType(out.scalar_type(), false) && out.element_size() < source_element;
   if (!narrowing_integers && gather_casting(rows, source, out, row_elements)) {
     return;
   }
@@ -170,7 +169,6 @@ void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType s
     }
   });
 }
-
 
 // What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
 // range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
@@ -217,8 +215,7 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   at::assert_no_overlap(out, values);
   at::assert_no_overlap(out, mask);
   at::assert_no_overlap(out, lengths);
-  gather_ragged_spans_into_cpu(ragged_spans(values, offsets, indices), values.scalar_type(), value, out, mask,
-                               lengths);
+  gather_ragged_spans_into_cpu(ragged_spans(values, offsets, indices), values.scalar_type(), value, out, mask, lengths);
 }
 
 RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices) {
@@ -242,8 +239,8 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   const int64_t batch = static_cast<int64_t>(spans.data.size());
   const int64_t longest = out.size(1);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(spans.lengths[b] <= longest, "gather_ragged_into: batch position ", b, " has length ",
-                spans.lengths[b], ", longer than out's ", longest);
+    TORCH_CHECK(spans.lengths[b] <= longest, "gather_ragged_into: batch position ", b, " has length ", spans.lengths[b],
+                ", longer than out's ", longest);
   }
   // A cast goes through a gather in the source's dtype first (ATen then casts the whole block).
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
@@ -268,8 +265,8 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
     if (length > 0) {
       jobs.add_memcpy(spans.data[b], row, length * step_bytes);
     }
-    jobs.fills.push_back({row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
-                          source_element, pad});
+    jobs.fills.push_back(
+        {row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements, source_element, pad});
     unsigned char* mask_row = mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element;
     jobs.fills.push_back({mask_row, length, mask_element, one});
     jobs.fills.push_back({mask_row + length * mask_element, static_cast<size_t>(longest) - length, mask_element, 0});
@@ -343,7 +340,8 @@ void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
     return;
   }
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
-  const size_t step_bytes = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(1))) * c10::elementSize(source);
+  const size_t step_bytes =
+      static_cast<size_t>(c10::multiply_integers(out.sizes().slice(1))) * c10::elementSize(source);
   auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
   CopyJobs jobs;
   for (size_t b = 0; b < spans.data.size(); ++b) {

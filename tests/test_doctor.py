@@ -297,6 +297,21 @@ def test_a_factory_in_a_file_is_loaded_by_path(capsys, tmp_path):
     assert "Records (map-style, 6 samples)" in capsys.readouterr().out
 
 
+def test_the_data_set_is_named_by_dataset_as_bench_and_profile_take_it(capsys, tmp_path):
+    spec = "tests.helpers.audit_datasets:no_such_factory"
+    assert doctor.main(["--dataset", spec]) == 2
+    assert "doctor: --dataset: cannot load" in capsys.readouterr().err
+    (tmp_path / "my_data.py").write_text(
+        "from tests.helpers.audit_datasets import Records\n\ndef make():\n    return Records(6)\n"
+    )
+    given = f"{tmp_path / 'my_data.py'}:make"
+    assert doctor.main(["--dataset", given, "--batch-size", "2", "--workers", "1"]) == 0
+    assert doctor.main([]) == 2
+    assert "doctor: --dataset: required" in capsys.readouterr().err
+    assert doctor.main(["--dataset", given, "other:make"]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
 def test_the_command_runs_from_python_dash_m(tmp_path):
     path = tmp_path / "report.json"
     result = subprocess.run(

@@ -51,8 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         "1 data lost/duplicated/changed or a stage failed, 2 could not verify.",
     )
     parser.add_argument(
-        "factory", help="module:factory, a callable returning a map-style or iterable Dataset"
+        "--dataset",
+        metavar="MODULE:FACTORY",
+        help="module:factory (or file.py:factory), a callable returning a map-style or iterable Dataset, "
+        "as bench and profile take it",
     )
+    parser.add_argument("factory", nargs="?", help="the same, given without --dataset")
     parser.add_argument("--batch-size", type=int, default=8, help="batch size of every setting (default 8)")
     parser.add_argument("--workers", type=int, default=2, help="the 'few workers' setting (default 2)")
     parser.add_argument(
@@ -98,8 +102,14 @@ def run_command(args: argparse.Namespace) -> int:
     at_least("--timeout", args.timeout, 0, " (0: no limit)")
     if args.json:  # said now, not after the checklist has run for minutes
         _check_json_path(args.json)
-    with loading("factory", args.factory):
-        dataset = load_dataset(args.factory)
+    if args.dataset and args.factory and args.dataset != args.factory:
+        raise UsageError("--dataset", f"given twice, as {args.dataset} and as {args.factory}: give one")
+    spec = args.dataset or args.factory
+    if not spec:
+        raise UsageError("--dataset", "required: the data set to check, as module:factory")
+    argument = "--dataset" if args.dataset else "factory"
+    with loading(argument, spec):
+        dataset = load_dataset(spec)
     report = run_doctor(
         dataset,
         batch_size=args.batch_size,
@@ -110,7 +120,7 @@ def run_command(args: argparse.Namespace) -> int:
         persistent_workers=args.persistent_workers,
         show_errors=args.show_errors,
     )
-    report["factory"] = args.factory
+    report["factory"] = spec
     if args.json:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=2, default=str)

@@ -1,4 +1,4 @@
-"""The GPU benchmark behind the README's GPU figures: DeviceLoader against the default path, in one run.
+"""The GPU benchmark behind docs/results' GPU figures: DeviceLoader against the default path, in one run.
 
     python benchmarks/gpu_bench.py --out DIR [--quick]
 

@@ -733,22 +733,18 @@ def test_device_loader_moves_a_nested_batch_in_its_one_copy_and_makes_the_view_o
         assert [r.tolist() for r in nested.unbind()] == [s["input_ids"].tolist() for s in part]
 
 
-def test_the_readme_s_packed_example_runs_and_gives_the_collator_s_batch():
+def test_the_usage_s_packed_example_runs_as_written_and_gives_the_collator_s_batches():
     import re
     from pathlib import Path
 
-    import fastcollate
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", readme.split("## Packed sequences", 1)[1], re.S).group(1)
-    samples = token_samples(count=32, seed=11)
-    names = dict(torch=torch, fastcollate=fastcollate, Contract=Contract, Field=Field, Packing=Packing,
-                 DataLoader=DataLoader, TokenBudgetBatches=fastcollate.TokenBudgetBatches,
-                 ds=Tokens(samples), lengths=[len(s["input_ids"]) for s in samples])
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    section = usage.split("## Packed sequences", 1)[1]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "TokenBudgetBatches" in c)
+    names: dict = {}
     exec(code, names)
     delivered = []
     for batch in names["loader"]:
-        part = [samples[i] for i in batch["id"].tolist()]
+        part = [names["ds"][i] for i in batch["id"].tolist()]
         assert_same_as_flattening(batch, flattening(part, seq_idx=True))
         delivered += batch["id"].tolist()
-    assert sorted(delivered) == list(range(32))
+    assert sorted(delivered) == list(range(len(names["ds"])))

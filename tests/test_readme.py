@@ -1,5 +1,5 @@
-"""The README's Usage runs as written, as do the thread-pipeline examples (the README's and
-docs/integrations'), and every docs/ page the README links to exists."""
+"""The README's Usage runs as written, as do the thread-pipeline examples of docs/integrations, and
+every docs/ page the README links to exists."""
 
 from __future__ import annotations
 
@@ -49,11 +49,9 @@ def test_every_linked_page_exists():
 
 
 def test_the_thread_pipeline_examples_run_as_written():
-    section = README.split("## With thread pipelines", 1)[1].split("\n## ", 1)[0]
     integrations = (ROOT / "docs" / "integrations.md").read_text()
     pipelines = integrations.split("## Thread pipelines: SPDL and torchdata.nodes", 1)[1].split("\n## ", 1)[0]
-    code_blocks = re.compile(r"```python\n(.*?)```", re.S)
-    blocks = [code for text in (pipelines, section) for code in code_blocks.findall(text)]
+    blocks = re.findall(r"```python\n(.*?)```", pipelines, re.S)
     assert len(blocks) == 2 and "spdl" in blocks[0] and "torchdata" in blocks[1]
     for code in blocks:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -62,3 +60,20 @@ def test_the_thread_pipeline_examples_run_as_written():
         lines = done.stdout.splitlines()
         assert len(lines) == 4, lines
         assert all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
+
+
+def test_the_results_table_is_the_committed_run_s():
+    """Each row of the README's table is the JSON's figure, rounded as printed: a rerun replaces both."""
+    import json
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "hf_ratios-cpu.json").read_text())
+    row = r"^\| (packed|tabular), (\d+) [a-z ]+\| ([\d.]+)(M|k) \w+/s \| ([\d.]+)x \| ([\d.]+)x \|$"
+    rows = re.findall(row, README, re.M)
+    assert len(rows) == 4
+    for case, size, rate, unit, swapped, arrays in rows:
+        groups = run["cases"][case]["groups"]
+        (group,) = [g for g in groups if g["batch_size"] == int(size) and g["workers"] == 0]
+        scale = 1e6 if unit == "M" else 1e3
+        assert f"{group['HF']['median'] / scale:.{len(rate.partition('.')[2])}f}" == rate
+        for shown, path in ((swapped, "swapped"), (arrays, "Arrays")):
+            assert f"{group[path]['ratio']:.{len(shown.partition('.')[2])}f}" == shown, (case, size, path)

@@ -73,9 +73,7 @@ RowSpans spans_of(const GatheredColumn& column, const int64_t* index, int64_t si
     }
     const int64_t start = view.offsets[row];
     const int64_t stop = view.offsets[row + 1];
-    if (!(0 <= start && start <= stop && stop <= view.positions)) {
-      check_row_span(start, stop, view.positions, where.c_str(), index[b], b);
-    }
+    check_row_span(start, stop, view.positions, where.c_str(), index[b], b);
     spans.data[b] = view.base + start * view.step_bytes;
     spans.lengths[b] = stop - start;
   }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -82,6 +83,30 @@ bool gather_casting(const std::vector<const void*>& rows, at::ScalarType in, con
       AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), at::kFloat, at::kDouble, at::kHalf,
       at::kBFloat16);
   return true;
+}
+
+// The length of row index[b] of a ragged column.
+int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
+  return offset[index[b] + 1] - offset[index[b]];
+}
+
+// What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
+// range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
+// they may have been changed since, and the ops may be called directly).
+void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op) {
+  TORCH_CHECK(
+      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
+      op, ": values must be a contiguous CPU tensor with a leading dim");
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1,
+              op, ": offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
+  check_indices(indices, offsets.numel() - 1, op);
+  const int64_t* index = indices.const_data_ptr<int64_t>();
+  const int64_t* offset = offsets.const_data_ptr<int64_t>();
+  const int64_t total = values.size(0);
+  for (int64_t b = 0; b < indices.numel(); ++b) {
+    check_row_span(offset[index[b]], offset[index[b] + 1], total, op, index[b], b);
+  }
 }
 
 }  // namespace
@@ -170,29 +195,10 @@ void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType s
   });
 }
 
-// What both ragged gathers check first: values and offsets as a Ragged column holds them, every index in
-// range, and every gathered row's span inside values (a Ragged column checks its offsets when made, but
-// they may have been changed since, and the ops may be called directly).
-void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op) {
-  TORCH_CHECK(
-      values.device().is_cpu() && values.dim() >= 1 && values.is_contiguous() && !values.is_conj() && !values.is_neg(),
-      op, ": values must be a contiguous CPU tensor with a leading dim");
-  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && offsets.numel() >= 1,
-              op, ": offsets must be a contiguous 1-D int64 CPU tensor of rows + 1 entries");
-  check_indices(indices, offsets.numel() - 1, op);
-  const int64_t* index = indices.const_data_ptr<int64_t>();
-  const int64_t* offset = offsets.const_data_ptr<int64_t>();
-  const int64_t total = values.size(0);
-  for (int64_t b = 0; b < indices.numel(); ++b) {
-    check_row_span(offset[index[b]], offset[index[b] + 1], total, op, index[b], b);
-  }
-}
-
-void check_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position) {
-  TORCH_CHECK_INDEX(0 <= start && start <= stop && stop <= total, op, ": row ", row, " (batch position ", position,
-                    ") spans offsets ", start, "..", stop, ", outside the ", total,
-                    " values (offsets must be non-decreasing, from 0 to len(values))");
+void fail_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position) {
+  TORCH_CHECK_INDEX(false, op, ": row ", row, " (batch position ", position, ") spans offsets ", start, "..", stop,
+                    ", outside the ", total, " values (offsets must be non-decreasing, from 0 to len(values))");
+  throw std::logic_error("unreachable");  // TORCH_CHECK_INDEX(false, ...) throws
 }
 
 // Rows of a ragged column: row i is values[offsets[i]:offsets[i + 1]]. Gathered rows are padded on the
@@ -323,7 +329,7 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
               "] (cu_seq_lens' total first), got ", out.sizes());
   const RowSpans spans = ragged_spans(values, offsets, indices);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(spans.lengths[b] == cu[b + 1] - cu[b], "gather_packed_into: row ", indices[b].item<int64_t>(),
+    TORCH_CHECK(spans.lengths[b] == cu[b + 1] - cu[b], "gather_packed_into: row ", indices.const_data_ptr<int64_t>()[b],
                 " (batch position ", b, ") has length ", spans.lengths[b], " but cu_seq_lens gives it ",
                 cu[b + 1] - cu[b]);
   }

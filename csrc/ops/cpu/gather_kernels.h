@@ -24,18 +24,17 @@ void gather_into_cpu(const at::Tensor& source, const at::Tensor& indices, const 
 // The same from rows already found: out[b] is the row at rows[b], of `source`'s dtype.
 void gather_rows_into_cpu(const std::vector<const void*>& rows, at::ScalarType source, const at::Tensor& out);
 
-// The length of row index[b] of a ragged column.
-inline int64_t row_length(const int64_t* offset, const int64_t* index, int64_t b) {
-  return offset[index[b] + 1] - offset[index[b]];
-}
-
 // Raises the IndexError of a ragged row (`row`, at batch position `position`) whose span start..stop is not
 // within the `total` values, led by `op`.
-void check_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position);
+[[noreturn]] void fail_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row,
+                                int64_t position);
 
-// What the ragged gathers check first, their errors led by `op`: values and offsets as a Ragged column
-// holds them, every index in range, and every gathered row's span inside values.
-void check_ragged_rows(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices, const char* op);
+// Checks a ragged row's span: inline, as it runs once for every row of every batch.
+inline void check_row_span(int64_t start, int64_t stop, int64_t total, const char* op, int64_t row, int64_t position) {
+  if (C10_UNLIKELY(!(0 <= start && start <= stop && stop <= total))) {
+    fail_row_span(start, stop, total, op, row, position);
+  }
+}
 
 // Rows values[offsets[i]:offsets[i + 1]], padded on the right with `value` to out's length; mask is 1 at
 // real positions; lengths gets each row's length.
@@ -43,7 +42,7 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
                             const at::Scalar& value, const at::Tensor& out, const at::Tensor& mask,
                             const at::Tensor& lengths);
 
-// The spans of rows indices of a ragged column (check_ragged_rows first).
+// The spans of rows indices of a ragged column, whose spans have been checked.
 RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices);
 
 // The same from spans already found, of `source`'s dtype; out, mask and lengths shaped as above.

@@ -22,6 +22,8 @@ import fastcollate  # noqa: E402
 from fastcollate import Arrays, Contract, Field, Packing, assemble  # noqa: E402
 from fastcollate.mapped_files import MappedFileError  # noqa: E402
 
+from .helpers.batches import assert_same_batch  # noqa: E402
+
 FEATURES = Features(
     {
         "input_ids": Sequence(Value("int32")),
@@ -164,13 +166,7 @@ def test_a_packed_batch_equals_hugging_face_s_flattening_collator(saved):
     theirs = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     indices = list(range(0, 64, 3))
     ours = assemble.using(contract)(arrays.__getitems__(indices))
-    expected = theirs([{"input_ids": dataset[i]["input_ids"]} for i in indices])
-    assert list(ours) == list(expected)
-    for key, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
-        else:
-            assert ours[key] == value, key
+    assert_same_batch(ours, theirs([{"input_ids": dataset[i]["input_ids"]} for i in indices]))
 
 
 def test_pickled_it_names_its_files_and_a_spawned_worker_delivers_every_sample_once(saved):
@@ -394,9 +390,7 @@ def test_random_chunkings_of_an_arrow_column_give_the_batch_of_one_chunk():
         pieces = [whole.slice(a, b - a) for a, b in zip([0, *cuts], [*cuts, 200], strict=True)]
         chunked = pa.chunked_array([c for p in pieces for c in p.chunks], type=whole.type)
         ours = assemble.using(contract)(Arrays.from_arrow(pa.table({"t": chunked})).__getitems__(indices))
-        assert list(ours) == list(expected)
-        for key in expected:
-            assert torch.equal(ours[key], expected[key]), key
+        assert_same_batch(ours, expected)
 
 
 def test_fastcollate_imports_neither_datasets_nor_pyarrow_until_asked():

@@ -18,6 +18,7 @@ from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, 
 from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.errors import ContractSizeError, ContractTypeError, ContractValueError
 
+from .helpers.batches import assert_same_batch
 from .helpers.chunks import chunked, cuts
 
 
@@ -55,23 +56,6 @@ def gathered(dataset, indices, contract):
     batch = dataset.__getitems__(indices)
     assert gather.layout(batch, contract, "id") is not None, "gathered, not walked"
     return assemble.using(contract)(batch)
-
-
-def assert_same_batch(ours, expected):
-    assert list(ours) == list(expected), "the same keys in the same order"
-    for key, value in expected.items():
-        got = ours[key]
-        if isinstance(value, torch.Tensor):
-            if value.is_nested:
-                assert got.is_nested and torch.equal(got.values(), value.values()), key
-                assert torch.equal(got.offsets(), value.offsets()), key
-                continue
-            assert got.dtype == value.dtype and got.shape == value.shape, key
-            assert torch.equal(got, value), key
-        else:
-            assert type(got) is type(value) and got == value, key
-    if "cu_seq_lens_q" in ours:
-        assert ours["cu_seq_lens_q"] is ours["cu_seq_lens_k"], "one tensor under both keys, as the walk gives"
 
 
 @pytest.mark.parametrize("token_type_ids", [False, True], ids=["llama-style", "bert-style"])

@@ -331,7 +331,7 @@ class Contract:
             for role, extra in (("mask", self.mask_key(path)), ("lengths", self.lengths_key(path))):
                 if extra is None:
                     continue
-                full = f"{parent}.{extra}" if parent else extra
+                full = _in_mapping(parent, extra)
                 if full in keys:
                     raise ValueError(f"padded field {path!r} would add {full!r}, which is already a field")
                 if full in added:
@@ -362,7 +362,7 @@ class Contract:
             self._check_copy(path)
         self._check_dropped(parent, packed, keys)
         for key in self.packing.keys():
-            full = f"{parent}.{key}" if parent else key
+            full = _in_mapping(parent, key)
             if full in keys or full in added:
                 raise ValueError(f"the packed fields would add {full!r}, which is already a field: give "
                                  "Packing another key for it, or None")
@@ -374,7 +374,7 @@ class Contract:
         if copy_of is None:
             return
         parent = path.rpartition(".")[0]
-        source = f"{parent}.{copy_of}" if parent else copy_of
+        source = _in_mapping(parent, copy_of)
         if source == path:
             raise ValueError(f"field {path!r} is declared a copy of itself: copy_of names another "
                              "packed field")
@@ -404,7 +404,7 @@ class Contract:
                     "boundaries. Leave it out of the contract: Packing.drop leaves it out of the batch"
                 )
         for key in self.packing.drop:
-            full = f"{parent}.{key}" if parent else key
+            full = _in_mapping(parent, key)
             if full in keys:
                 raise ValueError(f"{full!r} is declared a field, but Packing.drop leaves it out of packed "
                                  f"batches: remove the field, or leave {key!r} out of Packing(drop=...)")
@@ -524,7 +524,12 @@ class Contract:
         spec.drop_names = list(packing.drop)
         if field.copy_of is not None:
             parent = spec.path.rpartition(".")[0]
-            spec.copy_of = f"{parent}.{field.copy_of}" if parent else field.copy_of
+            spec.copy_of = _in_mapping(parent, field.copy_of)
+
+
+def _in_mapping(parent: str, key: str) -> str:
+    """The path of ``key`` in the mapping at ``parent`` ("" for the sample itself)."""
+    return f"{parent}.{key}" if parent else key
 
 
 def _named_dims(field: Field) -> tuple[str, ...]:

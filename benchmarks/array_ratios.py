@@ -9,7 +9,8 @@ Method: every contender of a case makes the same batches (checked equal once, un
 round runs each contender once over --batches batches, in a freshly shuffled order (seeded), and each
 batch is dropped at once. The first round is a warm-up (kept in the JSON, out of the medians).
 Contenders that go through a DataLoader use workers=0 (the ``workers`` case compares 0 and 2 workers).
-Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios. glibc's
+A ratio is the median of the per-round paired ratios, their min-max beside, ``~`` unless the runs are
+apart (``fastcollate.bench.ratios``). glibc's
 mmap threshold is fixed at 64 MiB for every contender (``samples_on_the_heap``): fresh outputs of the
 idiom are then reused heap memory, not fresh mappings.
 """
@@ -38,10 +39,10 @@ except ImportError:  # run from a checkout without an install
 
 from fastcollate import Arrays, Contract, Field, TokenWindows
 from fastcollate.bench.malloc import samples_on_the_heap
+from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
-from worker_ratios import quartiles  # noqa: E402  (the spread of paired ratios, as that script reports it)
 
 Epoch = Callable[[int], Iterator]  # batches -> an iterator over that many batches
 
@@ -369,9 +370,10 @@ def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[
         order.shuffle(names)
         for name in names:
             start = time.perf_counter()
-            count = 0
+            count = drained = 0
             for batch in contenders[name](batches):
                 count += len(batch["id"]) if "id" in batch else len(batch["cu_seq_lens_q"]) - 1  # packed
+                drained += 1
                 del batch
             seconds = time.perf_counter() - start
             runs.append(
@@ -380,6 +382,7 @@ def time_rounds(contenders: dict, batches: int, rounds: int, seed: int) -> list[
                     "warmup": round_index == 0,
                     "contender": name,
                     "seconds": seconds,
+                    "batches": drained,
                     "samples": count,
                     "samples_per_s": count / seconds,
                 }
@@ -398,15 +401,14 @@ def summarize(
     lines = [f"{case}: {CASE_NOTES[case]}", f"  samples/s, median of {len(next(iter(by.values())))} rounds:"]
     lines += [f"  {name:<38}{median[name]:>14,.0f}" for name in by]
     ratios = {}
+    too_small = too_small_to_time(r["batches"] for r in kept)
+    if too_small:
+        lines.append(f"  {NOT_DIFFERENT} on every ratio: {too_small}")
     for subject, baseline, target in pairs:
-        paired = [by[subject][k] / by[baseline][k] for k in by[subject] if k in by[baseline]]
-        low, high = quartiles(paired)
-        ratio = median[subject] / median[baseline]
-        ratios[f"{subject} / {baseline}"] = {"ratio": ratio, "p25": low, "p75": high, "target": target}
-        lines.append(
-            f"  {subject} / {baseline}: {ratio:.2f}x ({low:.2f}-{high:.2f})"
-            + (f"; target {target}" if targets else "")
-        )
+        ratio = paired_ratio(by[subject], by[baseline], too_small)
+        ratios[f"{subject} / {baseline}"] = {"ratio": ratio.median, "min": ratio.low, "max": ratio.high,
+                                             "clears_noise": ratio.clears_noise, "target": target}
+        lines.append(f"  {subject} / {baseline}: {ratio.text()}" + (f"; target {target}" if targets else ""))
     return lines, {"medians": median, "ratios": ratios}
 
 
@@ -447,9 +449,8 @@ def main() -> int:
     print(header_line(header))
     print(
         f"glibc mmap threshold fixed at 64 MiB; one torch thread unless stated; {args.rounds} rounds of\n"
-        f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); medians, spread = p25-p75 "
-        "of the\n"
-        "per-round ratios",
+        f"{args.batches} batches after a warm-up (tokens: {10 * args.batches}); ratios: median (min-max)\n"
+        "of the per-round ratios, ~ where the runs overlap",
         flush=True,
     )
     report = {

@@ -30,7 +30,8 @@ not timed; the same seeded shuffle in each, so every path meets the same batches
 round drains a fixed number of batches from each loader, in a freshly shuffled order (seeded), dropping
 each batch at once, the loader's iterator kept across rounds. The first round is a warm-up (it also
 starts the workers): kept in the JSON, out of the medians. Rates are medians over the rounds (min-max
-beside); a ratio is of medians, its min-max over the per-round paired ratios. One torch thread in every
+beside); a ratio is the median of the per-round paired ratios, their min-max beside, ``~`` unless the
+runs are apart (``fastcollate.bench.ratios``). One torch thread in every
 process; glibc's mmap threshold fixed at 64 MiB in the main process and every worker (``--malloc fixed``,
 as array_ratios.py runs) or left as glibc sets it (``--malloc default``): the header says which ran.
 """
@@ -66,6 +67,7 @@ except ImportError:  # run from a checkout without an install
 
 from fastcollate import Arrays, Contract, Field
 from fastcollate.bench.malloc import samples_on_the_heap
+from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from array_ratios import loader_epoch  # noqa: E402  (a sibling script, not a package)
@@ -362,11 +364,13 @@ def time_rounds(case: str, epochs: dict[str, Callable], batches: int, rounds: in
 
 
 def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
-    """HF's median rate (min-max over rounds), and each other path's ratio of medians to it, with the
-    min-max of its per-round ratios; or the path's failure. And the rounds in which the paths drained
-    different numbers of tokens or rows: their loaders' shuffles went apart, so they met other batches."""
+    """HF's median rate (min-max over rounds), and each other path's paired ratio to it (the median of
+    the per-round ratios, their min-max, and whether it clears the noise); or the path's failure. And the
+    rounds in which the paths drained different numbers of tokens or rows: their loaders' shuffles went
+    apart, so they met other batches."""
     rates: dict[str, dict[int, float]] = {}
     units: dict[int, set[int]] = {}
+    timed = [run for run in runs if not run["warmup"]]
     for run in runs:
         units.setdefault(run["round"], set()).add(run["units"])
         if not run["warmup"] and run["path"] not in failures:
@@ -377,13 +381,14 @@ def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
         return out
     hf = rates["HF"]
     out["HF"] = {"median": statistics.median(hf.values()), "min": min(hf.values()), "max": max(hf.values())}
+    too_small = too_small_to_time(run["batches"] for run in timed)
     for name, rate in rates.items():
         if name == "HF":
             continue
-        paired = [rate[k] / hf[k] for k in rate if k in hf]
-        out[name] = {"median": statistics.median(rate.values()),
-                     "ratio": statistics.median(rate.values()) / out["HF"]["median"],
-                     "ratio_min": min(paired), "ratio_max": max(paired)}
+        ratio = paired_ratio(rate, hf, too_small)
+        out[name] = {"median": statistics.median(rate.values()), "ratio": ratio.median,
+                     "ratio_min": ratio.low, "ratio_max": ratio.high, "clears_noise": ratio.clears_noise,
+                     "too_small": too_small}
     return out
 
 
@@ -430,8 +435,9 @@ def group_lines(case: str, group: dict) -> list[str]:
     for name in PATHS[1:]:
         if name in group:
             r = group[name]
+            mark = "" if r["clears_noise"] else f" {NOT_DIFFERENT}"
             lines.append(f"      {NAMES[case][name]:<44} {r['ratio']:5.2f}x ({r['ratio_min']:.2f}-"
-                         f"{r['ratio_max']:.2f})")
+                         f"{r['ratio_max']:.2f}){mark}")
         else:
             lines.append(f"      {NAMES[case][name]:<44} {group['failures'].get(name, 'no rounds')}")
     if group["rounds_of_unequal_work"]:

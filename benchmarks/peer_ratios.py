@@ -12,8 +12,9 @@ batch size and a prefetch depth of 2 batches: DataLoader's ``prefetch_factor=2``
 whole batch and collates it (what a DataLoader worker does), so the collate runs on both threads at
 once. One torch thread in every thread and process. A round runs one epoch on every contender in a
 freshly shuffled order, dropping each batch at once; the first round is a warm-up (kept in the JSON, left
-out of the medians). Ratios are of medians; the spread is the 25th-75th percentile of the per-round
-paired ratios. A peer that is not installed is skipped, and the output says so.
+out of the medians). A ratio is the median of the per-round paired ratios, their min-max beside, ``~``
+unless the runs are apart (``fastcollate.bench.ratios``). A peer that is not installed is skipped, and
+the output says so.
 
 glibc's malloc settings move these figures by up to 2x (a 150 KB sample clone, or a 38 MB
 default_collate output, is a fresh mmap or recycled heap depending on what ran before), so both are run,
@@ -50,10 +51,10 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 import fastcollate
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.malloc import samples_on_the_heap
+from fastcollate.bench.ratios import PairedRatio, paired_ratio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
-from worker_ratios import quartiles  # noqa: E402  (a sibling script, not a package)
 
 THREADS = 2
 PREFETCH = 2
@@ -304,10 +305,8 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
     median = {key: statistics.median(rounds.values()) for key, rounds in by.items()}
     result["medians"] = {f"{loader}, {collate}": value for (loader, collate), value in median.items()}
 
-    def ratio(a, b) -> tuple[float, float, float]:
-        per_round = [by[a][k] / by[b][k] for k in by[a] if k in by[b]]
-        low, high = quartiles(per_round)
-        return median[a] / median[b], low, high
+    def ratio(a, b) -> PairedRatio:
+        return paired_ratio(by[a], by[b])
 
     def spread(key) -> str:
         values = sorted(by[key].values())
@@ -327,23 +326,20 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
         )
         gain = ""
         if (loader, "assemble") in median and (loader, "default_collate") in median:
-            value, low, high = ratio((loader, "assemble"), (loader, "default_collate"))
-            gain = f"{value:.2f}x ({low:.2f}-{high:.2f})"
+            gain = ratio((loader, "assemble"), (loader, "default_collate")).text()
         lines.append(f"  {loader:<30}{cells}{gain:>22}")
     best = {c: max((key for key in median if key[1] == c), key=median.get) for c in COLLATES}
-    value, low, high = ratio(best["assemble"], best["default_collate"])
     lines.append(
         f"  best assemble: {best['assemble'][0]} ({median[best['assemble']] / 1e3:.1f}k); best "
         f"default_collate: {best['default_collate'][0]} ({median[best['default_collate']] / 1e3:.1f}k)"
     )
-    lines.append(f"  best assemble / best default_collate: {value:.2f}x ({low:.2f}-{high:.2f})")
+    best_ratio = ratio(best["assemble"], best["default_collate"]).text()
+    lines.append(f"  best assemble / best default_collate: {best_ratio}")
     main = (LOADERS[0], "assemble")
     for loader in LOADERS[2:]:
         if (loader, "assemble") in median:
-            value, low, high = ratio((loader, "assemble"), main)
-            lines.append(
-                f"  {loader}, assemble / main process, assemble: {value:.2f}x ({low:.2f}-{high:.2f})"
-            )
+            over_main = ratio((loader, "assemble"), main).text()
+            lines.append(f"  {loader}, assemble / main process, assemble: {over_main}")
     for name, p in result["phases"].items():
         lines.append(
             f"  per batch in {name}: fetch {p['fetch_wall_ms']:.2f} ms (ran {p['fetch_cpu_ms']:.2f}), "
@@ -373,17 +369,17 @@ def judge_targets(preset: str, median: dict, ratio) -> list[str]:
         if (loader, "assemble") in median:
             verdict(
                 f"{loader}: assemble / its default_collate",
-                ratio((loader, "assemble"), (loader, "default_collate"))[0],
+                ratio((loader, "assemble"), (loader, "default_collate")).median,
                 2.0,
             )
             verdict(
                 f"{loader}: assemble / main process (threads add)",
-                ratio((loader, "assemble"), (LOADERS[0], "assemble"))[0],
+                ratio((loader, "assemble"), (LOADERS[0], "assemble")).median,
                 1.3,
             )
     best_a = max((k for k in median if k[1] == "assemble"), key=median.get)
     best_d = max((k for k in median if k[1] == "default_collate"), key=median.get)
-    verdict("best assemble / best default_collate", ratio(best_a, best_d)[0], 3.0)
+    verdict("best assemble / best default_collate", ratio(best_a, best_d).median, 3.0)
     return lines
 
 
@@ -441,9 +437,9 @@ def main() -> int:
     print(
         textwrap.fill(
             f"{THREADS} threads or processes, prefetch depth {PREFETCH}, one torch thread each; "
-            f"{args.rounds} rounds of {args.batches} batches after one warm-up, interleaved; medians, "
-            "spread = p25-p75 of the per-round "
-            "ratios; malloc 'default' is glibc's own, 'fixed' its mmap threshold at 64 MiB",
+            f"{args.rounds} rounds of {args.batches} batches after one warm-up, interleaved; ratios: "
+            "median (min-max) of the per-round ratios, ~ where the runs overlap; "
+            "malloc 'default' is glibc's own, 'fixed' its mmap threshold at 64 MiB",
             100,
         )
     )

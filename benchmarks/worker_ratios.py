@@ -14,7 +14,9 @@ is a fresh mmap depends on what ran before; fixed high, the dataset's clones cos
 and what differs is the loader's path. Per epoch: samples/s (wall clock, from ``iter()`` to the last
 batch) and the main
 process's CPU time per batch (``time.process_time``: with workers, what receiving a batch costs it).
-Ratios are of medians; the spread is the 25th-75th percentile of the per-round paired ratios.
+A ratio is the median of the per-round paired ratios, with their min-max, marked ``~`` unless the two
+cells' runs are apart (``fastcollate.bench.ratios``); a cell is named fastest only when its runs are apart
+from every other cell's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import fastcollate
 from fastcollate._ext import _C
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.malloc import samples_on_the_heap
+from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
@@ -148,10 +151,11 @@ def summarize(result: dict) -> list[str]:
         for key, rounds in by.items()
     }
 
+    too_small = too_small_to_time(r["batches"] for r in runs)
+
     def paired(a: tuple, b: tuple) -> str:
-        ratios = [by[a][k]["samples_per_s"] / by[b][k]["samples_per_s"] for k in by[a] if k in by[b]]
-        low, high = quartiles(ratios)
-        return f"{median[a] / median[b]:.2f}x ({low:.2f}-{high:.2f})"
+        rates = ({k: r["samples_per_s"] for k, r in by[key].items()} for key in (a, b))
+        return paired_ratio(*rates, too_small).text()
 
     lines = [
         f"{result['dataset']}: {result['description']}, batch {result['batch_size']}",
@@ -173,7 +177,10 @@ def summarize(result: dict) -> list[str]:
         lines.append(f"             slots on / slots off {paired((on, w), ('assemble, slots off', w))}")
         if (on, 0) in median:
             lines.append(f"             slots on / assemble at workers=0 {paired((on, w), (on, 0))}")
-    lines.append(fastest(by, median))
+    if too_small:
+        lines.append(f"  {NOT_DIFFERENT} on every ratio: {too_small}")
+    result["verdict"] = fastest(by, median, too_small)
+    lines.append(textwrap.fill(result["verdict"], 100, initial_indent="  ", subsequent_indent="           "))
     for w, stats in sorted(result["slot_stats"].items()):
         if w == 0 or not stats["slots_used"]:
             continue
@@ -187,29 +194,25 @@ def summarize(result: dict) -> list[str]:
     return lines
 
 
-def fastest(by: dict, median: dict) -> str:
-    """The cell with the best median, named as fastest only if it was ahead of every other cell in every
-    round (the rounds are interleaved, so each comparison is paired in time; a tie counts against it).
-    With few rounds two equal cells can still split this way (one in four at 3 rounds): the demo's
-    headline is a 3x lead, far outside that."""
+def fastest(by: dict, median: dict, too_small: str | None = None) -> str:
+    """The cell with the best median, named as fastest only if its runs are apart from (above) every
+    other cell's: its slowest run faster than their fastest."""
     best = max(median, key=median.get)
-    others = [key for key in median if key != best]
-    losses = [
-        key for key in others
-        if any(by[key][r]["samples_per_s"] >= run["samples_per_s"]
-               for r, run in by[best].items() if r in by[key])
-    ]
-    name = f"{best[0]} at workers={best[1]} ({median[best]:,.0f} samples/s"
+    rates = {key: [run["samples_per_s"] for run in rounds.values()] for key, rounds in by.items()}
+    rivals = [key for key in rates if key != best and not runs_apart(rates[best], rates[key])]
+    name = f"{best[0]} at workers={best[1]}"
     baseline = ("default_collate", best[1])
     if baseline != best and baseline in median:
-        name += f", {median[best] / median[baseline]:.2f}x default_collate there"
-    if not losses:
-        verdict = f"fastest: {name}), ahead of every other cell in each of the {len(by[best])} rounds"
-    else:
-        rivals = ", ".join(f"{c} at workers={w}" for c, w in losses)
-        verdict = (f"fastest: none beyond noise: the best median is {name}), but {rivals} matched or beat it "
-                   "in some round")
-    return textwrap.fill(verdict, 100, initial_indent="  ", subsequent_indent="           ")
+        ratio = paired_ratio(*({r: run["samples_per_s"] for r, run in by[key].items()}
+                               for key in (best, baseline)))
+        name += f", {ratio.median:.2f}x default_collate there"
+    rate = f"{median[best]:,.0f} samples/s"
+    if too_small:
+        return f"fastest: cannot tell, too small to time (best median: {name}, {rate})"
+    if not rivals:
+        return f"fastest: {name} ({rate}; its runs apart from every other cell's over {len(by[best])} rounds)"
+    listed = ", ".join(f"{c} at workers={w}" for c, w in rivals)
+    return f"fastest: none beyond noise (the best median, {name}, {rate}, overlaps {listed})"
 
 
 def draw_chart(report: dict, path: Path) -> None:
@@ -294,7 +297,7 @@ def main() -> int:
     print(
         "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork;\n"
         f"one torch thread; {args.rounds} rounds of {args.batches} batches after one warm-up; medians,\n"
-        "spread = p25-p75 of the per-round ratios",
+        "ratios: median (min-max) of the per-round ratios, ~ where the runs overlap",
         flush=True,
     )
     report = {

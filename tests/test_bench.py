@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -126,6 +127,20 @@ def test_tiny_preset_results_json_has_the_machine_versions_and_every_config(tiny
             assert run["samples"] == 3 * 32
             assert len(run["wait_ms"]) == 3
     assert result["config"]["device_transforms_timed"] == {"loader": False, "integrated": False}
+
+
+def test_a_run_too_small_to_time_marks_every_ratio_and_names_no_fastest(tiny_run):
+    # 3 timed batches a round: whatever the spread says, no ratio is a result.
+    _, result, stdout = tiny_run
+    for c in result["configs"]:
+        if c["variant"] != "default":
+            assert c["ratio_to_default"]["too_small"].startswith("too small to time: 3 timed batches")
+            assert c["ratio_to_default"]["clears_noise"] is False
+    for observation, said in result["verdicts"].items():
+        assert said.startswith("fastest correct: cannot tell, too small to time"), (observation, said)
+    ratios = re.findall(r" (\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\))( ~)?", stdout)
+    compared = [c for c in result["configs"] if c["variant"] != "default"]
+    assert len(ratios) == len(compared) and all(mark for _, mark in ratios), stdout
 
 
 def test_table_shows_the_median_not_the_best_run(tiny_run):

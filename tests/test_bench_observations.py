@@ -97,7 +97,7 @@ def test_on_a_gpu_both_observations_keep_the_device_transforms():
     assert without.device_transforms_note() == "device transforms: none"
 
 
-def _entry(variant: str, workers: int, rates: list[float], ranked: bool = True) -> dict:
+def _entry(variant: str, workers: int, rates: list[float], ranked: bool = True, steps: int = 20) -> dict:
     """A summarized configuration as ``report.summarize`` shapes it, from constructed rates."""
     label = next(v.label for v in configs.VARIANTS if v.key == variant)
     median = float(np.median(rates))
@@ -109,7 +109,8 @@ def _entry(variant: str, workers: int, rates: list[float], ranked: bool = True) 
         "startup_s": 0.1, "peak_rss_main_bytes": 1 << 20, "peak_rss_workers_bytes": [], "pss_bytes": 1 << 20,
         "shm_bytes": 0, "pinned_bytes": 0, "ids_match_reference": ranked, "errors": [] if ranked else ["X"],
         "ranked": ranked, "lost": 0, "duplicated": 0, "unexpected": 0, "targets_mismatched": 0,
-        "runs": [{"samples_per_s": r} for r in rates],
+        "runs": [{"round": i, "samples_per_s": r, "measured_steps": steps, "seconds": 1.0}
+                 for i, r in enumerate(rates)],
     }
 
 
@@ -146,8 +147,10 @@ def test_the_table_marks_a_ratio_within_the_spreads_and_leaves_a_real_difference
     assert [e["not_different_from_default"] for e in entries] == [None, True, False]
     lines = report.format_table(setup, entries).splitlines()
     rows = {e["label"]: next(line for line in lines if e["label"] in line) for e in entries}
-    assert " 1.05 ~ " in rows["assemble + pin_memory + .to()"]
-    assert " 3.00  " in rows["assemble + DeviceLoader"] and "~" not in rows["assemble + DeviceLoader"]
+    # The median of the per-round ratios (100/90, 105/100, 110/110), with their min-max
+    assert " 1.05x (1.00-1.11) ~ " in rows["assemble + pin_memory + .to()"]
+    assert " 3.00x (2.82-3.22)  " in rows["assemble + DeviceLoader"]
+    assert "~" not in rows["assemble + DeviceLoader"]
     assert "~" not in rows["default_collate + pin_memory + .to()"]
     table = report.format_table(setup, entries)
     assert "not a real difference on this machine" in table
@@ -211,7 +214,20 @@ def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference
     entries = [_entry("default", 0, [100]), _entry("assemble", 0, [300])]
     report.mark_not_different(entries)
     table = report.format_table(setup, entries)
-    assert "~" not in table and "no difference can be told from noise" in table
+    assert "3.00x (3.00-3.00) ~" in table, table
+    assert "~ on every ratio: one run per configuration, no spread, so no difference can be told" in table
+
+
+def test_runs_too_small_to_time_mark_every_ratio_and_name_no_fastest():
+    setup = _setup_with_counting_transform("loader")
+    entries = [_entry("default", 0, [90, 100, 110], steps=5), _entry("assemble", 0, [290, 300, 310], steps=5)]
+    report.mark_not_different(entries)
+    assert entries[1]["not_different_from_default"] is False, "the runs are apart"
+    assert entries[1]["ratio_to_default"]["clears_noise"] is False, "but too few batches to tell"
+    table = report.format_table(setup, entries)
+    assert "3.00x (2.82-3.22) ~" in table, table
+    assert "~ on every ratio: too small to time: 5 timed batches a round (fewer than 10)" in table, table
+    assert "fastest correct: cannot tell, too small to time (best median: assemble" in table, table
 
 
 def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_transforms(capsys):

@@ -67,13 +67,14 @@ def test_the_results_table_is_the_committed_run_s():
     import json
 
     run = json.loads((ROOT / "benchmarks" / "results" / "hf_ratios-cpu.json").read_text())
-    row = r"^\| (packed|tabular), (\d+) [a-z ]+\| ([\d.]+)(M|k) \w+/s \| ([\d.]+)x \| ([\d.]+)x \|$"
+    row = r"^\| (packed|tabular), (\d+) [a-z ]+\| ([\d.]+)(M|k) \w+/s \| ([\d.]+)x( ~)? \| ([\d.]+)x( ~)? \|$"
     rows = re.findall(row, README, re.M)
     assert len(rows) == 4
-    for case, size, rate, unit, swapped, arrays in rows:
+    for case, size, rate, unit, swapped, swapped_mark, arrays, arrays_mark in rows:
         groups = run["cases"][case]["groups"]
         (group,) = [g for g in groups if g["batch_size"] == int(size) and g["workers"] == 0]
         scale = 1e6 if unit == "M" else 1e3
         assert f"{group['HF']['median'] / scale:.{len(rate.partition('.')[2])}f}" == rate
-        for shown, path in ((swapped, "swapped"), (arrays, "Arrays")):
+        for shown, mark, path in ((swapped, swapped_mark, "swapped"), (arrays, arrays_mark, "Arrays")):
             assert f"{group[path]['ratio']:.{len(shown.partition('.')[2])}f}" == shown, (case, size, path)
+            assert bool(mark) == (not group[path]["clears_noise"]), (case, size, path, "the ~ mark")

@@ -40,6 +40,7 @@ from .report import (
     jsonable,
     mark_not_different,
     summarize,
+    verdict,
 )
 
 __all__ = ["build_parser", "main"]
@@ -191,6 +192,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         "limits": limits,
         "reference": reference_record(reference),
         "configs": entries,
+        "verdicts": {o: verdict([e for e in entries if e["observation"] == o]) for o in setup.observations},
         "elapsed_s": time.perf_counter() - started,
         "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .configs import VARIANTS, Setup, tail_batches
+from .ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, runs_apart, too_small_to_time
 
 if TYPE_CHECKING:  # epoch.py imports this module for jsonable
     from .epoch import EpochRun
@@ -27,10 +28,8 @@ __all__ = [
     "mark_not_different",
     "not_different",
     "summarize",
+    "verdict",
 ]
-
-NOT_DIFFERENT = "~"  # after a ratio: the two configurations' runs overlap (not_different)
-
 
 def jsonable(value: Any) -> Any:
     """``value`` with everything json.dumps refuses turned into what it takes (numbers, or their text)."""
@@ -114,30 +113,41 @@ _PROBLEMS = ("lost", "duplicated", "unexpected", "targets_mismatched")  # a chec
 
 
 def not_different(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
-    """Whether two entries' runs overlap: the slowest run of either is no faster than the fastest run of
-    the other. Then the machine's noise covers the difference, and the table says so. Free of any
-    assumption about the noise's shape: if both are the same path, n interleaved runs each fall apart
-    with chance 2 / C(2n, n), 10% at 3 runs, 0.8% at 5 (the default). None when either has fewer than
-    two runs or no rate: one run has no spread to judge by."""
-    if not (_has_spread(a) and _has_spread(b)):
-        return None
-    low_a, high_a, low_b, high_b = (e[f"samples_per_s_{k}"] for e in (a, b) for k in ("min", "max"))
-    return low_a <= high_b and low_b <= high_a
+    """Whether two entries' runs overlap (:func:`.ratios.runs_apart`, negated): then the machine's noise
+    covers the difference, and the table says so. None when either has fewer than two runs or no rate."""
+    apart = runs_apart(_rates(a), _rates(b)) if a["samples_per_s"] and b["samples_per_s"] else None
+    return None if apart is None else not apart
 
 
-def _has_spread(e: dict[str, Any]) -> bool:
-    return bool(e["samples_per_s"]) and len([r for r in e.get("runs", []) if r.get("samples_per_s")]) >= 2
+def _rates(e: dict[str, Any]) -> list[float]:
+    return [r["samples_per_s"] for r in e.get("runs", []) if r.get("samples_per_s")]
+
+
+def _rates_by_round(e: dict[str, Any]) -> dict[int, float]:
+    return {r.get("round", i): r["samples_per_s"] for i, r in enumerate(e.get("runs", []))
+            if r.get("samples_per_s")}
 
 
 def mark_not_different(entries: list[dict[str, Any]]) -> None:
-    """Sets each ranked entry's ``not_different_from_default``: :func:`not_different` against the
-    default path of the same observation and worker count (None for the default itself, and where
-    either side is unranked or has one run)."""
+    """Sets each ranked entry's ``not_different_from_default`` (:func:`not_different` against the default
+    path of the same observation and worker count) and ``ratio_to_default`` (the paired ratio, as JSON,
+    with the reason the runs were too small to time, if they were: then every ratio is marked). Both None
+    for the default itself, and where either side is unranked; the first also with one run."""
+    too_small = _too_small(entries)
     baselines = {(e["observation"], e["workers"]): e for e in entries if e["variant"] == "default"}
     for e in entries:
         baseline = baselines.get((e["observation"], e["workers"]))
         comparable = baseline is not None and e is not baseline and e["ranked"] and baseline["ranked"]
         e["not_different_from_default"] = not_different(e, baseline) if comparable else None
+        ratio = paired_ratio(_rates_by_round(e), _rates_by_round(baseline), too_small) if comparable else None
+        e["ratio_to_default"] = ratio.to_json() if ratio else None
+
+
+def _too_small(entries: list[dict[str, Any]]) -> str | None:
+    timed = [r for e in entries if e["ranked"] for r in e.get("runs", []) if r.get("seconds")]
+    if not timed:
+        return None
+    return too_small_to_time(r["measured_steps"] for r in timed)
 
 
 def fmt_rate(value: float | None) -> str:
@@ -164,7 +174,7 @@ def fmt_ms(value: float | None) -> str:
 
 # Two tables an observation, so that each fits in 100 columns: speed, then memory (and the transfer
 # columns, on a GPU only: without one they cannot apply, and one line says so).
-_SPEED = ("w", "config", "samples/s", "spread", "{unit}/s", "x dflt", "p50 ms", "p95 ms", "check")
+_SPEED = ("w", "config", "samples/s", "{unit}/s", "x dflt (min-max)", "p50 ms", "p95 ms", "check")
 _MEMORY = ("w", "config", "start-up s", "peak RSS main+workers", "PSS", "shm")
 _TRANSFER = ("h2d ms", "pinned")
 
@@ -199,15 +209,12 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
             continue
         lines.append("")
         lines.append(titles[observation] + _transforms_in_title(setup, observation))
-        baseline = {
-            e["workers"]: e["samples_per_s"] for e in block if e["variant"] == "default" and e["ranked"]
-        }
         order = [v.key for v in VARIANTS]
         ordered = sorted(block, key=lambda e: (e["workers"], order.index(e["variant"])))
         on_gpu = setup.device.type == "cuda"
         memory_header = _MEMORY + (_TRANSFER if on_gpu else ())
         lines += _aligned([[h.format(unit=setup.unit) for h in _SPEED]]
-                          + [_speed_row(setup, e, baseline.get(e["workers"])) for e in ordered])
+                          + [_speed_row(setup, e) for e in ordered])
         lines += _verdicts(block)
         lines.append("")
         lines += _aligned([list(memory_header)] + [_memory_row(setup, e) for e in ordered])
@@ -224,22 +231,22 @@ def _transforms_in_title(setup: Setup, observation: str) -> str:
     return "; device transforms left out (no GPU)"
 
 
-def _speed_row(setup: Setup, e: dict[str, Any], baseline_rate: float | None) -> list[str]:
+def _speed_row(setup: Setup, e: dict[str, Any]) -> list[str]:
     """One configuration's speed cells, in ``_SPEED``'s order (w: DataLoader workers; x dflt: samples/s
-    over default_collate's at the same workers; p50, p95: next(loader)'s wait)."""
-    speedup = "-"
-    if baseline_rate and e["samples_per_s"] and e["ranked"]:
-        speedup = f"{e['samples_per_s'] / baseline_rate:.2f}"
-        # Marked as the block's note says: inside the spreads, the ratio is the machine's noise.
-        speedup += f" {NOT_DIFFERENT}" if e.get("not_different_from_default") else "  "
-    spread = e["samples_per_s_rel_spread"]
+    over default_collate's at the same workers, the median of the per-round ratios and their min-max;
+    p50, p95: next(loader)'s wait)."""
+    ratio = e.get("ratio_to_default")
+    shown = "-"
+    if ratio:
+        fields = {k: v for k, v in ratio.items() if k != "clears_noise"}
+        shown = PairedRatio(**fields).text()
+        shown += "" if shown.endswith(NOT_DIFFERENT) else "  "  # the numbers stay aligned
     return [
         str(e["workers"]),
         e["label"],
         fmt_rate(e["samples_per_s"]),
-        "-" if spread is None else f"±{spread * 50:.0f}%",
         fmt_rate(e.get(f"{setup.unit}_per_s")),
-        speedup,
+        shown,
         fmt_ms(e["wait_ms_p50"]),
         fmt_ms(e["wait_ms_p95"]),
         _check_cell(e),
@@ -302,19 +309,23 @@ def _aligned(rows: list[list[str]]) -> list[str]:
 
 
 def _verdicts(block: list[dict[str, Any]]) -> list[str]:
-    """The fastest correct configuration of a block, then each flagged one with why."""
+    """Why ratios are marked, the fastest correct configuration of a block, then each flagged one with
+    why."""
     lines = []
-    judged = [e["not_different_from_default"] for e in block if e["variant"] != "default" and e["ranked"]]
-    if any(judged):
+    ratios = [e["ratio_to_default"] for e in block if e.get("ratio_to_default")]
+    too_small = next((r["too_small"] for r in ratios if r["too_small"]), None)
+    if too_small:
+        lines.append(f"{NOT_DIFFERENT} on every ratio: {too_small}")
+    elif any(r["apart"] is None for r in ratios):
+        lines.append(f"{NOT_DIFFERENT} on every ratio: one run per configuration, no spread, so no "
+                     "difference can be told from noise")
+    elif any(not r["clears_noise"] for r in ratios):
         lines.append(
             f"{NOT_DIFFERENT} after x dflt: its runs and default_collate's at the same workers overlap: "
             "not a real difference on this machine"
         )
-    elif judged and all(j is None for j in judged) and any(len(e.get("runs", [])) < 2 for e in block):
-        lines.append("one run per configuration: no spread, so no difference can be told from noise")
-    ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
-    if ranked:
-        lines.append(_fastest(ranked))
+    if any(e["ranked"] and e["samples_per_s"] for e in block):
+        lines.append(verdict(block))
     for e in block:
         if e["ranked"]:
             continue
@@ -328,6 +339,18 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
     return lines
+
+
+def verdict(block: list[dict[str, Any]]) -> str:
+    """The line that names the fastest correct configuration of one observation's entries (marked by
+    :func:`mark_not_different`), or says why none can be named."""
+    ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
+    if not ranked:
+        return "fastest correct: none, every configuration was flagged"
+    if any((e.get("ratio_to_default") or {}).get("too_small") for e in block):
+        best = max(ranked, key=lambda e: e["samples_per_s"])
+        return f"fastest correct: cannot tell, too small to time (best median: {_name(best)})"
+    return _fastest(ranked)
 
 
 def _fastest(ranked: list[dict[str, Any]]) -> str:

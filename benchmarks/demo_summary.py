@@ -1,0 +1,87 @@
+"""The last lines of ``make demo``: each part's verdict as that part's own run wrote it, and its files.
+
+    python benchmarks/demo_summary.py WORKERS_DIR LOADER_DIR ARRAYS_DIR HF_DIR
+
+Each folder holds the results.json its part wrote. Nothing is measured or judged here: the verdicts and
+ratios are read as written (``~``: not beyond the noise), so the summary claims only what this run
+measured. A part that wrote nothing is named as missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fastcollate.bench.ratios import NOT_DIFFERENT
+
+WIDTH = 100
+
+
+def workers_line(report: dict) -> str:
+    return _lead(next(r["verdict"] for r in report["results"]))
+
+
+def loader_line(report: dict) -> str:
+    return _lead(report["verdicts"]["loader"])
+
+
+def _lead(verdict: str) -> str:
+    """A verdict without its details in parentheses: what was found, or why nothing was."""
+    return verdict.removeprefix("fastest: ").removeprefix("fastest correct: ").split(" (")[0]
+
+
+def arrays_line(report: dict) -> str:
+    """Each case's first ratio (the one its table leads with), named by its baseline."""
+    parts = []
+    for case, result in report["cases"].items():
+        pair, ratio = next(iter(result["ratios"].items()))
+        mark = "" if ratio["clears_noise"] else f" {NOT_DIFFERENT}"
+        parts.append(f"{case} {ratio['ratio']:.1f}x{mark} {pair.split(' / ')[1]}")
+    return "gathered by index over " + "; ".join(parts)
+
+
+def hf_line(report: dict) -> str:
+    """Each case's Arrays.from_hf path over HF's own, at each batch size without workers."""
+    parts = []
+    for case, result in report["cases"].items():
+        cells = []
+        for group in result["groups"]:
+            arrays = group.get("Arrays")
+            if group["workers"] == 0 and arrays:
+                mark = "" if arrays["clears_noise"] else f" {NOT_DIFFERENT}"
+                cells.append(f"{arrays['ratio']:.1f}x{mark} at {group['batch_size']}")
+        parts.append(f"{case} " + ", ".join(cells))
+    return "from_hf over HF's path: " + "; ".join(parts)
+
+
+PARTS = (
+    ("workers, pre-decoded images", workers_line),
+    ("bench, PIL-bound images", loader_line),
+    ("arrays", arrays_line),
+    ("Hugging Face", hf_line),
+)
+
+
+def summary(folders: list[Path]) -> list[str]:
+    lines = ["summary (~: within noise) of " + " ".join(f"{folder}/" for folder in folders)]
+    for (title, read), folder in zip(PARTS, folders, strict=True):
+        try:
+            said = read(json.loads((folder / "results.json").read_text()))
+        except (OSError, ValueError, KeyError, StopIteration) as error:
+            said = f"no result ({type(error).__name__}: {error})"
+        text = f"  {title}: {said}"
+        lines.append(text if len(text) <= WIDTH else text[: WIDTH - 3] + "...")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != len(PARTS):
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    print("\n".join(summary([Path(a) for a in argv])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""How every benchmark here compares two configurations timed in the same interleaved rounds.
+
+The ratio printed is the median of the per-round ratios (each round times both, close in time, so a slow
+spell of the machine weighs on both sides of one ratio), with their min-max: a ratio of the two medians
+can fall outside that spread, and then the spread does not describe the number shown.
+
+A ratio counts as a difference only when the two configurations' runs are apart: the slowest run of one
+faster than the fastest run of the other. Then every per-round ratio is on one side of 1 as well. The test
+assumes nothing about the noise's shape: if both are one path, n runs each fall apart by chance with
+probability 2 / C(2n, n) (1 in 10 at 3 runs, 1 in 126 at 5). Otherwise the ratio is marked ``~``.
+
+Rounds too small to time mark every ratio ``~`` whatever its spread, with the reason: with few batches
+a round, start-up and the prefetch queue's fill and drain decide the rate, the same way in every round,
+so the spread cannot show it (a 2,048-sample data set gave 1.84x for a pass-through, 0.77x at 8,192). A
+short round alone is no such reason: its noise shows in the spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "MIN_TIMED_BATCHES",
+    "NOT_DIFFERENT",
+    "PairedRatio",
+    "paired_ratio",
+    "runs_apart",
+    "too_small_to_time",
+]
+
+NOT_DIFFERENT = "~"
+MIN_TIMED_BATCHES = 10
+
+
+def runs_apart(a: Sequence[float], b: Sequence[float]) -> bool | None:
+    """Whether the slowest run of either is faster than the fastest of the other. None when either has
+    fewer than two runs: one run has no spread to judge by."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    return min(a) > max(b) or min(b) > max(a)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRatio:
+    """``a`` over ``b``: the median of their per-round ratios, and the lowest and highest of those."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+    apart: bool | None  # runs_apart of the two configurations' rates
+    too_small: str | None = None  # why the run cannot tell any difference, whatever the spread
+
+    @property
+    def clears_noise(self) -> bool:
+        return bool(self.apart) and self.too_small is None
+
+    def text(self, spread: bool = True) -> str:
+        """``1.84x (1.52-2.10)``, then `` ~`` unless it clears the noise."""
+        shown = f"{self.median:.2f}x" + (f" ({self.low:.2f}-{self.high:.2f})" if spread else "")
+        return shown + ("" if self.clears_noise else f" {NOT_DIFFERENT}")
+
+    def to_json(self) -> dict[str, object]:
+        return {**dataclasses.asdict(self), "clears_noise": self.clears_noise}
+
+
+def paired_ratio(
+    a: Mapping[Hashable, float], b: Mapping[Hashable, float], too_small: str | None = None
+) -> PairedRatio | None:
+    """``a`` over ``b``, each a rate keyed by round; rounds only one of them ran are left out. None when
+    they share no round."""
+    rounds = [r for r in a if r in b and a[r] and b[r]]
+    if not rounds:
+        return None
+    ratios = [a[r] / b[r] for r in rounds]
+    return PairedRatio(
+        median=float(statistics.median(ratios)),
+        low=min(ratios),
+        high=max(ratios),
+        rounds=len(rounds),
+        apart=runs_apart([a[r] for r in rounds], [b[r] for r in rounds]),
+        too_small=too_small,
+    )
+
+
+def too_small_to_time(timed_batches: Iterable[int]) -> str | None:
+    """Why rounds of these sizes cannot be compared (one reason, for a line under the table), or None.
+    Judged on the smallest round of any configuration: that one decides its ratios."""
+    batches = min(timed_batches, default=0)
+    if batches < MIN_TIMED_BATCHES:
+        return (
+            f"too small to time: {batches} timed batches a round (fewer than {MIN_TIMED_BATCHES}), so "
+            "start-up and the prefetch queue decide the rate; use more samples or steps"
+        )
+    return None

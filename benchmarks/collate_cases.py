@@ -533,10 +533,9 @@ def hf_padded_case() -> Case:
         build=hf_token_samples,
     )
     case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
-    # Bounds below what was measured on the 2-CPU development VM at one thread, two runs at load ~0.7
-    # (results/collate-hf-padded-cpu.json): 95x and 89x DataCollatorWithPadding (tokenizer.pad turns
-    # every tensor into a Python list and pads those), 5.0x and 4.6x pad_sequence (paired p25 3.6x);
-    # assemble ran at 1.3x the plain copy.
+    # Bounds below what a 2-core machine measured at one thread
+    # (results/collate-hf-padded-tokens-padded-cpu.json): 94x DataCollatorWithPadding (tokenizer.pad
+    # turns every tensor into a Python list and pads those), 4.7x pad_sequence (paired p25 3.7x).
     case.targets = [
         Target(f"HF: >= 3x {HF_PAD_SEQUENCE}", "assemble+contract", HF_PAD_SEQUENCE, "faster", 3.0),
     ]

@@ -94,7 +94,8 @@ profile: .stamp-build
 # Hypothesis's statistics say how many examples each property ran (its event lines are left out).
 fuzz: .stamp-build
 	set -o pipefail; FASTCOLLATE_FUZZ_EXAMPLES=10000 FASTCOLLATE_EPOCHS=20 $(PY) -m pytest tests/test_fuzz.py \
-		tests/test_arrays.py tests/test_lifetimes.py -q --hypothesis-show-statistics | grep -vE '^ +(\* |- Events:)'
+		tests/test_arrays.py tests/test_packed_arrays.py \
+		tests/test_lifetimes.py -q --hypothesis-show-statistics | grep -vE '^ +(\* |- Events:)'
 
 sanitize: $(DEPS)
 	PYTHON=$(PY) bash scripts/sanitize.sh

@@ -209,7 +209,7 @@ for batch, reference in zip(kept, expected):
 
 @asan_reserves_address_space
 def test_under_an_address_space_limit_kept_batches_arrive_as_with_default_collate():
-    # Twelve slots, each kept by the consumer. Measured on the 2-CPU VM: default_collate needs 100-140 MiB
+    # Twelve slots, each kept by the consumer. Measured on a 2-core machine: default_collate needs 100-140 MiB
     # of room here; a worker that kept a mapping of every slot it had written failed at 140, 180 and
     # 220 after 5, 7 and 9 batches, so 180 MiB catches that leak. One malloc arena: glibc's per-thread arenas
     # reserve 64 MiB of address space each, at moments that vary run to run.

@@ -2,7 +2,7 @@
 and changed targets, vectorised, with no Python per sample.
 
 Two ways to the same differences. Ids that fill a range densely (dataset indices: the usual case) go
-through bitmaps over that range: no sort, and few large allocations, which on a small VM cost more
+through bitmaps over that range: no sort, and few large allocations, which on a small machine cost more
 than the arithmetic (faulting in a fresh 80 MB array takes a good fraction of a second). Sparse ids
 (string codes, arbitrary integers) go through a sort.
 """

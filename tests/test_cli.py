@@ -303,6 +303,32 @@ def test_a_good_command_line_still_runs(capsys, tmp_path):
     assert "Verdict: OK: workers=1 delivers the same samples" in out
 
 
+# --- what a good run prints: every line fits a terminal, whichever verb --------------------------------
+
+TERMINAL_WIDTH = 100
+
+
+@pytest.mark.parametrize(
+    ("verb", "options", "status", "closing"),
+    [
+        ("doctor", ["--dataset", "tests.helpers.audit_datasets:clean"], 0, "Verdict: OK"),
+        # a failure adds the missing and duplicated ids, the worker that sent each, a longer verdict
+        ("doctor", ["--dataset", "tests.helpers.audit_datasets:stale_cache"], 1, "Verdict: FAIL"),
+        ("profile", ["--dataset", "tests.helpers.bench_datasets:tiny", "--steps", "2", "--warmup", "1",
+                     "--workers", "0"], 0, "reminder: profiled step times"),
+    ],
+)
+def test_every_line_of_a_run_on_a_users_data_set_fits_a_terminal(capsys, tmp_path, verb, options, status,
+                                                                   closing):
+    """Only a word that cannot be broken (a path longer than the terminal) may stand wider, on its own."""
+    extra = ["--batch-size", "4"] if verb == "doctor" else ["--out", str(tmp_path)]
+    result, out, err = in_process(capsys, verb, *options, *extra)
+    assert result == status, err
+    assert closing in out, out  # the whole run printed, to its last lines
+    too_wide = [line for line in out.splitlines() if len(line) > TERMINAL_WIDTH and len(line.split()) > 1]
+    assert not too_wide, "\n".join(too_wide)
+
+
 # --- the pieces of fastcollate.cli --------------------------------------------------------------------
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+from tests.helpers.charts import assert_legend_clear, kept_figures
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "worker_ratios.py"
 _spec = importlib.util.spec_from_file_location("worker_ratios", SCRIPT)
 worker_ratios = importlib.util.module_from_spec(_spec)
@@ -47,3 +51,17 @@ def test_a_best_median_that_lost_a_round_is_not_called_fastest():
     assert line.startswith(
         "fastest: none beyond noise: the best median is assemble, slots on at workers=2"), line
     assert line.endswith("but assemble, slots off at workers=2 matched or beat it in some round"), line
+
+
+@pytest.mark.parametrize("datasets", [1, 3])
+def test_the_charts_legend_covers_no_bar(tmp_path, monkeypatch, datasets):
+    """The tallest bar first, at workers=0, where a legend inside the panel would sit."""
+    rates = {"default_collate": [30000, 5600, 9000], "assemble, slots off": [0, 5500, 8800],
+             "assemble, slots on": [17000, 17000, 29000]}
+    medians = {f"{contender} @ workers={w}": rate
+               for contender, per_workers in rates.items() for w, rate in enumerate(per_workers) if rate}
+    results = [{"dataset": f"set {n}", "batch_size": 256, "medians": medians} for n in range(datasets)]
+    with kept_figures(monkeypatch) as figures:
+        worker_ratios.draw_chart({"results": results}, tmp_path / "chart.png")
+        [figure] = figures
+        assert_legend_clear(figure)

@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,7 @@ COLORS = {
     "copy": "tab:orange",
     "kernel": "tab:green",
 }
+TITLE_CHARACTERS = 140  # a line of the timeline's title: the figure's width at its font size, less the legend
 PATHS = {
     "default": ("default_collate + pin_memory + .to(non_blocking=True)", "default"),
     "device_loader": ("assemble + DeviceLoader", "device_loader"),
@@ -205,7 +207,9 @@ def draw_timeline(
     title: str,
     steps: Sequence[tuple[int | None, str | None]] | None = None,
 ) -> str | None:
-    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels.
+    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels. The
+    panels share one time axis, as they are there to be set side by side; the legend sits between the
+    title and the panels, over no bar.
 
     ``steps``: per panel, its profiled steps and why they are fewer than asked (None: all ran).
     """
@@ -221,8 +225,10 @@ def draw_timeline(
     fig, axes = plt.subplots(
         len(panels),
         1,
-        figsize=(13, 1.2 + sum(0.8 * h + 0.9 for h in heights)),
+        figsize=(13, 1.6 + sum(0.8 * h + 0.9 for h in heights)),
         squeeze=False,
+        sharex=True,
+        layout="constrained",
         gridspec_kw={"height_ratios": [h + 1 for h in heights]},
     )
     steps = list(steps) if steps is not None else [(None, None)] * len(panels)
@@ -258,16 +264,17 @@ def draw_timeline(
         ax.set_title(panel_title(label, trace, profiled, why), fontsize=9)
         if profiled == 0 and why:
             ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
-        ax.set_xlabel("ms since the first profiled step (each panel has its own scale)", fontsize=8)
-    legend = [Patch(color=COLORS[n], label=n) for n in RANGES]
-    legend += [
-        Patch(color=COLORS["copy"], alpha=0.6, label="GPU memcpy"),
-        Patch(color=COLORS["kernel"], alpha=0.6, label="GPU kernel"),
-    ]
-    fig.legend(handles=legend, loc="upper right", fontsize=8, ncol=5)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
-    fig.text(0.01, 0.005, f"Note: {NOT_THROUGHPUT}.", fontsize=8, ha="left", va="bottom", color="darkred")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+        ax.tick_params(axis="x", labelbottom=True)  # every panel keeps its ticks; the scale is one
+    axes[-1, 0].set_xlabel("ms since each path's first profiled step, one scale for every panel", fontsize=8)
+    legend = [Patch(facecolor=COLORS[n], edgecolor="black", linewidth=0.3, label=n) for n in RANGES]
+    if any(trace["gpu"] for _, trace in panels):
+        legend += [
+            Patch(color=COLORS["copy"], label="GPU memcpy"),
+            Patch(color=COLORS["kernel"], label="GPU kernel"),
+        ]
+    fig.suptitle("\n".join(textwrap.wrap(title, TITLE_CHARACTERS)), fontsize=9, x=0.01, ha="left")
+    fig.legend(handles=legend, loc="outside right upper", fontsize=8)
+    fig.supxlabel(f"Note: {NOT_THROUGHPUT}.", fontsize=8, x=0.01, ha="left", color="darkred")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None

@@ -216,14 +216,17 @@ def fastest(by: dict, median: dict, too_small: str | None = None) -> str:
 
 
 def draw_chart(report: dict, path: Path) -> None:
-    """One panel a dataset: median samples/s of each contender at each worker count."""
+    """One panel a dataset: median samples/s of each contender at each worker count; the legend under
+    the panels, over no bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 3.6), squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(results), figsize=(6 * len(results), 3.9), squeeze=False, layout="constrained"
+    )
     for axis, result in zip(axes[0], results, strict=True):
         workers = sorted({int(key.rsplit("=", 1)[1]) for key in result["medians"]})
         width = 0.8 / len(CONTENDERS)
@@ -233,10 +236,10 @@ def draw_chart(report: dict, path: Path) -> None:
         axis.set_xticks(workers, [f"workers={w}" for w in workers])
         axis.set_ylabel("samples/s (median)")
         axis.set_title(f"{result['dataset']}, batch {result['batch_size']}", fontsize=10)
-    axes[0][0].legend(fontsize=8)
+    figure.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center",
+                  ncol=len(CONTENDERS), fontsize=8)
     figure.suptitle("DataLoader workers: shared slots on and off against default_collate\n"
                     "(at workers=0 the slots play no part: assemble is measured once)", fontsize=10)
-    figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import command, configs
+from fastcollate.bench import chart, command, configs
 from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
 from fastcollate.bench.correctness import Delivered, compare_to_reference
 from fastcollate.bench.datasets import (
@@ -33,6 +33,7 @@ from fastcollate.bench.datasets import (
 from fastcollate.bench.epoch import run_epoch
 from fastcollate.bench.pinned_copy import pinned_copy_gbps
 from fastcollate.ids import IdentifiedSample, guess_target_path
+from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers" / "bench_datasets.py"
@@ -173,6 +174,15 @@ def test_terminal_table_names_configs_and_says_no_gpu(tiny_run):
 def test_chart_is_a_valid_png(tiny_run):
     out, _, _ = tiny_run
     assert_valid_png(out / "chart.png")
+
+
+def test_the_charts_legend_covers_no_panel_and_no_title(tiny_run, tmp_path, monkeypatch):
+    _, result, _ = tiny_run
+    setup = configs.resolve(bench_arguments(workers=[0, 1], steps=3, warmup=1, repeat=2))  # as TINY
+    with kept_figures(monkeypatch) as figures:
+        assert chart.write_chart(setup, result["configs"], tmp_path / "chart.png") is None
+        [figure] = figures
+        assert_legend_clear(figure)
 
 
 def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_path, capsys):

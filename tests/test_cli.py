@@ -303,6 +303,34 @@ def test_a_good_command_line_still_runs(capsys, tmp_path):
     assert "Verdict: OK: workers=1 delivers the same samples" in out
 
 
+# --- what a good run prints: every line fits a terminal, whichever verb --------------------------------
+
+TERMINAL_WIDTH = 100
+
+
+@pytest.mark.parametrize(
+    ("verb", "options", "status", "opening", "closing"),
+    [
+        ("doctor", ["--dataset", "tests.helpers.audit_datasets:clean"], 0, "Records", "Verdict: OK"),
+        # a failure adds the missing and duplicated ids, the worker that sent each, a longer verdict
+        ("doctor", ["--dataset", "tests.helpers.audit_datasets:stale_cache"], 1, "StaleCacheInWorkers",
+         "Verdict: FAIL"),
+        ("profile", ["--dataset", "tests.helpers.bench_datasets:tiny", "--steps", "2", "--warmup", "1",
+                     "--workers", "0"], 0, "tests.helpers.bench_datasets:tiny", "reminder: profiled"),
+    ],
+)
+def test_every_line_of_a_run_on_a_users_data_set_fits_a_terminal(capsys, tmp_path, verb, options, status,
+                                                                   opening, closing):
+    """Only a word that cannot be broken (a path longer than the terminal) may stand wider, on its own."""
+    extra = ["--batch-size", "4"] if verb == "doctor" else ["--out", str(tmp_path)]
+    result, out, err = in_process(capsys, verb, *options, *extra)
+    assert result == status, err
+    assert opening in out.splitlines()[0], out  # the user's data set, as --dataset named it
+    assert closing in out, out  # the whole run printed, to its last lines
+    too_wide = [line for line in out.splitlines() if len(line) > TERMINAL_WIDTH and len(line.split()) > 1]
+    assert not too_wide, "\n".join(too_wide)
+
+
 # --- the pieces of fastcollate.cli --------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fastcollate.bench import profile
+from tests.helpers.charts import assert_legend_clear, kept_figures
 from tests.test_bench import assert_valid_png
 
 TINY = [
@@ -172,6 +173,24 @@ def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
     assert_valid_png(tmp_path / "t.png")
 
 
+def test_the_timeline_sets_its_panels_on_one_scale_under_a_title_the_legend_leaves_whole(
+    tmp_path, monkeypatch
+):
+    trace_path = tmp_path / "trace.json"
+    _synthetic_gpu_trace(trace_path)
+    trace = profile.read_trace(trace_path)  # 30 ms
+    tenth = {kind: {row: [(name, start / 10, length / 10) for name, start, length in items]
+                    for row, items in rows.items()} for kind, rows in trace.items()}  # 3 ms
+    title = "fastcollate profile: fashion, batch 256, " + "a title as long as one that names both paths, " * 3
+    with kept_figures(monkeypatch) as figures:
+        panels = [("default", trace), ("assemble + DeviceLoader", tenth)]
+        assert profile.draw_timeline(panels, tmp_path / "t.png", title) is None
+        [figure] = figures
+        assert_legend_clear(figure)
+        [scale] = {ax.get_xlim() for ax in figure.axes}  # one scale for both
+        assert scale[1] > 29, "the longer path's 30 ms sets it"
+
+
 # --- a data set too small for --warmup + --steps: the title, the JSON and the panels say what ran ---
 
 SMALL = ["--preset", "fields", "--size", "512", "--batch-size", "256", "--steps", "5", "--workers", "0",
@@ -190,7 +209,7 @@ def test_title_and_json_give_the_steps_profiled_and_why_fewer_than_asked(tmp_pat
         assert "512 samples at batch 256 make 2 batches, 1 used by --warmup 1" in ran["fewer_because"]
     title = record["timeline_title"]  # the chart's title as drawn
     assert "1 profiled step (5 asked: the data set ran out)" in title and "5 profiled steps" not in title
-    assert "make 2 batches" in out  # said on the terminal too
+    assert "make 2 batches" in " ".join(out.split())  # said on the terminal too (wrapped to its width)
 
 
 def test_a_path_with_no_profiled_step_says_why_in_its_panel(tmp_path, monkeypatch):

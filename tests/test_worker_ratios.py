@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+from tests.helpers.charts import assert_legend_clear, kept_figures
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "worker_ratios.py"
 _spec = importlib.util.spec_from_file_location("worker_ratios", SCRIPT)
 worker_ratios = importlib.util.module_from_spec(_spec)
@@ -62,3 +66,17 @@ def test_rounds_too_small_to_time_mark_every_ratio_and_name_no_fastest():
     line = _fastest({("default_collate", 2): [150, 160, 140], ("assemble, slots off", 2): [140, 150, 160],
                      ("assemble, slots on", 2): [450, 500, 480]}, batches=4)
     assert line.startswith("fastest: cannot tell, too small to time (best median: assemble, slots on"), line
+
+
+@pytest.mark.parametrize("datasets", [1, 3])
+def test_the_charts_legend_covers_no_bar(tmp_path, monkeypatch, datasets):
+    """The tallest bar first, at workers=0, where a legend inside the panel would sit."""
+    rates = {"default_collate": [30000, 5600, 9000], "assemble, slots off": [0, 5500, 8800],
+             "assemble, slots on": [17000, 17000, 29000]}
+    medians = {f"{contender} @ workers={w}": rate
+               for contender, per_workers in rates.items() for w, rate in enumerate(per_workers) if rate}
+    results = [{"dataset": f"set {n}", "batch_size": 256, "medians": medians} for n in range(datasets)]
+    with kept_figures(monkeypatch) as figures:
+        worker_ratios.draw_chart({"results": results}, tmp_path / "chart.png")
+        [figure] = figures
+        assert_legend_clear(figure)

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .. import tree
 from ..assemble import assemble
+from ..bench.report import TERMINAL_COLUMNS, fit_to_terminal
 from ..contract import Contract
 from ..errors import ContractError, sample_id
 from ..ids import IdentifiedSample, guess_target_path, with_ids
@@ -42,6 +43,7 @@ from .tracing import StepBoard, Stuck, TracedMap, TracedStream, alarm, timed, tr
 __all__ = ["Doctor", "top_level_fields"]
 
 SAMPLES_SETTING = "samples one by one"
+_INDENT = "   "  # a step's lines, under its numbered heading
 
 
 class Doctor:
@@ -108,7 +110,8 @@ class Doctor:
         return self.finish()
 
     def say(self, line: str = "") -> None:
-        self.out(line)
+        """``line`` to ``out``, wrapped to the terminal's width (paths and long words kept whole)."""
+        self.out(fit_to_terminal(line))
 
     def heading(self, title: str) -> None:
         """A step's heading, numbered in the order printed: a failure ends the checklist, and the record
@@ -431,7 +434,7 @@ class Doctor:
             self.rows.append(
                 Row(
                     f"workers={self.workers}",
-                    "same ids and targets as the reference",
+                    "ids, targets as the reference",
                     epoch_time(first),
                     conclusion(reports[0], detail),
                     reports[0].ok,
@@ -471,8 +474,8 @@ class Doctor:
     def finish(self) -> dict:
         text, status = verdict(self.findings, self.workers, self.targets)
         self.heading("Record sheet")
-        for line in table_lines(self.rows):
-            self.say(f"   {line}")
+        for line in table_lines(self.rows, TERMINAL_COLUMNS - len(_INDENT)):
+            self.say(_INDENT + line)
         for note in self.notes:
             self.say(f"   note: {note}")
         self.say(f"\nVerdict: {text}")

@@ -4,6 +4,7 @@ the exit status that follows from what the checklist found."""
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from .epoch import Epoch
 from .failures import Failure
@@ -115,16 +116,36 @@ def _failure_verdict(failure: Failure) -> str:
     return text
 
 
-def table_lines(rows: list[Row]) -> list[str]:
-    """The rows as an aligned table under its header (the conclusion column is left ragged)."""
-    widths = [max(len(getattr(r, f)) for r in rows + [_HEADER]) for f in ("setting", "checked", "time")]
+_MIN_TIME_WIDTH = 20  # the observed time's column, kept readable however wide the settings are
+_SEPARATOR = " | "
+_CONCLUSION_INDENT = "  "
+
+
+def table_lines(rows: list[Row], width: int) -> list[str]:
+    """The rows as a table of setting, checked and observed time, each row's conclusion on the lines
+    under it, so that no line is wider than ``width``: the time wraps within its column, the conclusion
+    across the whole width (at spaces, a word or a path left whole)."""
+    widths = [max(len(getattr(r, f)) for r in rows + [_HEADER]) for f in ("setting", "checked")]
+    time_width = max(width - sum(widths) - 2 * len(_SEPARATOR), _MIN_TIME_WIDTH)
     lines = []
     for row in [_HEADER] + rows:
-        cells = [row.setting.ljust(widths[0]), row.checked.ljust(widths[1]), row.time.ljust(widths[2])]
-        lines.append(" | ".join(cells + [row.conclusion]))
+        times = _wrapped(row.time, time_width, "") or [""]
+        for n, time_text in enumerate(times):
+            cells = (row.setting, row.checked) if n == 0 else ("", "")
+            line = _SEPARATOR.join([c.ljust(w) for c, w in zip(cells, widths, strict=True)] + [time_text])
+            lines.append(line.rstrip())
+        lines += _wrapped(row.conclusion, width, _CONCLUSION_INDENT)
         if row is _HEADER:
-            lines.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * 10)
+            time_used = max(len(t) for r in rows + [_HEADER] for t in _wrapped(r.time, time_width, ""))
+            lines.append("-+-".join("-" * w for w in [*widths, time_used]))
     return lines
+
+
+def _wrapped(text: str, width: int, indent: str) -> list[str]:
+    return textwrap.wrap(
+        text, width, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def duration(seconds: float) -> str:

@@ -3,6 +3,7 @@ matplotlib is imported when a chart is drawn, not before (it is an optional depe
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -11,19 +12,24 @@ from .configs import Setup, Variant
 __all__ = ["write_chart"]
 
 COLORS = {"default": "tab:gray", "assemble": "tab:blue", "device_loader": "tab:green"}
+TITLE_CHARACTERS = 120  # a line of the title: short of the legend at the figure's right
 
 
 def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str | None:
-    """Throughput by workers per configuration, and next(loader) wait; returns why not, if not."""
+    """Throughput by workers per configuration, and next(loader) wait; returns why not, if not. One
+    legend for every panel (a configuration has its colour in each), beside them, over no point."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return "matplotlib is not installed: no chart (pip install matplotlib)"
     observations = [o for o in setup.observations if any(e["observation"] == o for e in entries)]
-    fig, axes = plt.subplots(len(observations), 2, figsize=(12, 4.2 * len(observations)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(observations), 2, figsize=(14, 4.2 * len(observations)), squeeze=False, layout="constrained"
+    )
     for row, observation in enumerate(observations):
         ax_rate, ax_wait = axes[row]
         for variant in setup.variants:
@@ -34,13 +40,19 @@ def write_chart(setup: Setup, entries: list[dict[str, Any]], path: Path) -> str 
             if block:
                 _plot_variant(ax_rate, ax_wait, variant, block)
         _label_axes(ax_rate, ax_wait, observation, setup.workers)
-    fig.suptitle(
+    title = (
         f"fastcollate bench: {setup.name}, batch {setup.batch_size}, {setup.steps} steps x "
         f"{setup.repeat} runs, {setup.warmup} warm-up excluded, device {setup.device.type}"
-        + _transforms_left_out(setup),
-        fontsize=10,
+        + _transforms_left_out(setup)
     )
-    fig.tight_layout()
+    fig.suptitle("\n".join(textwrap.wrap(title, TITLE_CHARACTERS)), fontsize=10, x=0.01, ha="left")
+    drawn = [v for v in setup.variants if any(e["variant"] == v.key for e in entries)]
+    legend = [Line2D([], [], color=COLORS.get(v.key), marker="o", label=v.label) for v in drawn]
+    legend += [
+        Line2D([], [], color="black", marker="o", label="wait p50"),
+        Line2D([], [], color="black", marker="^", linestyle="--", label="wait p95"),
+    ]
+    fig.legend(handles=legend, loc="outside right upper", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
@@ -74,13 +86,12 @@ def _plot_variant(ax_rate: Any, ax_wait: Any, variant: Variant, block: list[dict
 
 
 def _label_axes(ax_rate: Any, ax_wait: Any, observation: str, workers: list[int]) -> None:
-    for ax, title, unit, legend_size in (
-        (ax_rate, "samples/s (median, bars: min-max over runs)", "samples/s", 8),
-        (ax_wait, "next(loader) wait, ms (median of per-run p50 / p95)", "ms", 7),
+    for ax, title, unit in (
+        (ax_rate, "samples/s (median, bars: min-max over runs)", "samples/s"),
+        (ax_wait, "next(loader) wait, ms (median of per-run p50 / p95)", "ms"),
     ):
-        ax.set_title(f"{observation}: {title}")
+        ax.set_title(f"{observation}: {title}", fontsize=10)
         ax.set_xlabel("DataLoader workers")
         ax.set_ylabel(unit)
         ax.set_xticks(workers)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=legend_size)

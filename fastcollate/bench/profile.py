@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ from .configs import Setup, Variant, resolve
 from .datasets import PRESETS
 from .loaders import close_loader, open_loader, sync
 from .machine import machine_info, usable_cpus, versions
-from .report import jsonable
+from .report import fit_to_terminal, jsonable
 
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 
@@ -49,6 +50,7 @@ COLORS = {
     "copy": "tab:orange",
     "kernel": "tab:green",
 }
+TITLE_CHARACTERS = 140  # a line of the timeline's title: the figure's width at its font size, less the legend
 PATHS = {
     "default": ("default_collate + pin_memory + .to(non_blocking=True)", "default"),
     "device_loader": ("assemble + DeviceLoader", "device_loader"),
@@ -205,7 +207,9 @@ def draw_timeline(
     title: str,
     steps: Sequence[tuple[int | None, str | None]] | None = None,
 ) -> str | None:
-    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels.
+    """One panel per path: the main thread's ranges, then each GPU stream's copies and kernels. The
+    panels share one time axis, as they are there to be set side by side; the legend sits between the
+    title and the panels, over no bar.
 
     ``steps``: per panel, its profiled steps and why they are fewer than asked (None: all ran).
     """
@@ -221,8 +225,10 @@ def draw_timeline(
     fig, axes = plt.subplots(
         len(panels),
         1,
-        figsize=(13, 1.2 + sum(0.8 * h + 0.9 for h in heights)),
+        figsize=(13, 1.6 + sum(0.8 * h + 0.9 for h in heights)),
         squeeze=False,
+        sharex=True,
+        layout="constrained",
         gridspec_kw={"height_ratios": [h + 1 for h in heights]},
     )
     steps = list(steps) if steps is not None else [(None, None)] * len(panels)
@@ -258,16 +264,17 @@ def draw_timeline(
         ax.set_title(panel_title(label, trace, profiled, why), fontsize=9)
         if profiled == 0 and why:
             ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
-        ax.set_xlabel("ms since the first profiled step (each panel has its own scale)", fontsize=8)
-    legend = [Patch(color=COLORS[n], label=n) for n in RANGES]
-    legend += [
-        Patch(color=COLORS["copy"], alpha=0.6, label="GPU memcpy"),
-        Patch(color=COLORS["kernel"], alpha=0.6, label="GPU kernel"),
-    ]
-    fig.legend(handles=legend, loc="upper right", fontsize=8, ncol=5)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
-    fig.text(0.01, 0.005, f"Note: {NOT_THROUGHPUT}.", fontsize=8, ha="left", va="bottom", color="darkred")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+        ax.tick_params(axis="x", labelbottom=True)  # every panel keeps its ticks; the scale is one
+    axes[-1, 0].set_xlabel("ms since each path's first profiled step, one scale for every panel", fontsize=8)
+    legend = [Patch(facecolor=COLORS[n], edgecolor="black", linewidth=0.3, label=n) for n in RANGES]
+    if any(trace["gpu"] for _, trace in panels):
+        legend += [
+            Patch(color=COLORS["copy"], label="GPU memcpy"),
+            Patch(color=COLORS["kernel"], label="GPU kernel"),
+        ]
+    fig.suptitle("\n".join(textwrap.wrap(title, TITLE_CHARACTERS)), fontsize=9, x=0.01, ha="left")
+    fig.legend(handles=legend, loc="outside right upper", fontsize=8)
+    fig.supxlabel(f"Note: {NOT_THROUGHPUT}.", fontsize=8, x=0.01, ha="left", color="darkred")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
@@ -368,12 +375,38 @@ def run_profile(args: argparse.Namespace, argv: list[str]) -> int:
         "paths": summary,
     }
     (out / "profile.json").write_text(json.dumps(jsonable(record), indent=1))
-    print(
-        f"wrote {out / 'profile.json'}"
-        + (f", {out / 'timeline.png'}" if problem is None else f" ({problem})")
-    )
-    print(f"  reminder: {NOT_THROUGHPUT}.")
+    written = ["profile.json", *(["timeline.png"] if problem is None else [])]
+    written += [path["trace"] for path in summary.values()]
+    say(f"wrote into {out}{os.sep}: {', '.join(written)}")
+    if problem is not None:
+        say(f"  no timeline: {problem}")
+    say(f"  reminder: {NOT_THROUGHPUT}.")
     return 0
+
+
+def say(text: str) -> None:
+    """``text`` on stdout, its lines wrapped to the terminal's width (a path left whole)."""
+    print(fit_to_terminal(text))
+
+
+def range_table(summary: dict[str, Any]) -> list[str]:
+    """Each path's ranges as a table, one row a path (as ``--paths`` names it): the median and the 95th
+    percentile of each range's duration per profiled step, in ms; ``-`` where a path had none."""
+    header = ["path", "steps", *RANGES]
+    rows = [header]
+    for key, path in summary.items():
+        ranges = path["ranges_ms"] if path["profiled_steps"] else {}  # with no step, a wait is no step's
+        cells = [f"{ranges[n]['median_ms']:.2f} ({ranges[n]['p95_ms']:.2f})" if n in ranges else "-"
+                 for n in RANGES]
+        rows.append([key, str(path["profiled_steps"]), *cells])
+    if len(rows) == 1:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["median (p95) per profiled step, ms:"]
+    for row in rows:
+        figures = [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join([row[0].ljust(widths[0]), *figures]))
+    return lines
 
 
 def bench_arguments(args: argparse.Namespace, workers: int) -> argparse.Namespace:
@@ -465,26 +498,26 @@ def profiler_log_kept_in(path: Path) -> Iterator[None]:
 
 
 def print_plan(setup: Setup, workers: int) -> None:
-    print(
+    say(
         f"fastcollate profile: {setup.description}, batch {setup.batch_size}, {workers} workers, "
         f"device {setup.device}"
     )
-    print(
+    say(
         f"  {setup.warmup} unprofiled warm-up steps, then {setup.steps} profiled steps per path; "
         f"activities: CPU{' + CUDA' if setup.device.type == 'cuda' else ''}"
     )
     if setup.make_step is not None:
-        print(f"  compute: {setup.model_note}")
+        say(f"  compute: {setup.model_note}")
     for note in setup.notes:
-        print(f"  note: {note}")
+        say(f"  note: {note}")
     samples = samples_in(setup)
     if samples is not None:  # said before the run, where the data set is known to be too small
         batches = -(-samples // setup.batch_size)
         if batches < setup.warmup + setup.steps:
             warmup = min(batches, setup.warmup)
             ran = {"warmup_steps": warmup, "profiled_steps": batches - warmup}
-            print(f"  note: {fewer_because(setup, ran)}")
-    print(f"  NOTE: {NOT_THROUGHPUT}.")
+            say(f"  note: {fewer_because(setup, ran)}")
+    say(f"  NOTE: {NOT_THROUGHPUT}.")
 
 
 def profile_paths(
@@ -499,7 +532,7 @@ def profile_paths(
         for key in paths:
             label, variant_key = PATHS[key]
             if variant_key not in variants:
-                print(f"  skipped {label}: not available in this build")
+                say(f"  skipped {label}: not available in this build")
                 continue
             trace_path = out / f"trace_{key}.json"
             started = time.perf_counter()
@@ -517,19 +550,16 @@ def profile_paths(
                 "gpu_streams": sorted(trace["gpu"]),
             }
             panels.append((label, trace))
-            parts = ", ".join(
-                f"{n} median {r['median_ms']:.2f} ms (p95 {r['p95_ms']:.2f})" for n, r in ranges.items()
-            )
             head = _count(info["profiled_steps"], "profiled step")
-            # with none, a range left is the wait that found the epoch over: not a step's
-            parts = f"{head}: {parts}" if info["profiled_steps"] else head
-            print(f"  {label}: {parts}  [{time.perf_counter() - started:.1f} s, {trace_path}]")
+            say(f"  {key} ({label}): {head} in {time.perf_counter() - started:.1f} s")
             if why:
-                print(f"    fewer than asked: {why}")
+                say(f"    fewer than asked: {why}")
+    for line in range_table(summary):
+        say(f"  {line}")
     log = out / PROFILER_LOG
     if log.exists() and log.stat().st_size:
         lines = len(log.read_bytes().splitlines())
-        print(f"  torch.profiler's own log ({lines} lines, e.g. its start and stop markers): {log}")
+        say(f"  torch.profiler's own log ({lines} lines, e.g. its start and stop markers): {log}")
     return panels, summary
 
 

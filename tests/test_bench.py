@@ -164,8 +164,8 @@ def test_workers_are_reported_with_their_own_memory_and_start_up(tiny_run):
 
 def test_terminal_table_names_configs_and_says_no_gpu(tiny_run):
     _, _, stdout = tiny_run
-    assert "default_collate + pin_memory + .to()" in stdout
-    assert "assemble + pin_memory + .to()" in stdout
+    assert "default_collate + pinned copy" in stdout
+    assert "assemble + pinned copy" in stdout
     if not torch.cuda.is_available():
         assert "no GPU" in stdout
     assert "warm-up batches (excluded from timing)" in stdout

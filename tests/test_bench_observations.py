@@ -16,6 +16,7 @@ from fastcollate.bench import chart, command, configs, report
 from fastcollate.bench import machine as machine_module
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.epoch import run_epoch
+from fastcollate.terminal import fit_to_terminal
 from tests.helpers.bench_datasets import Slowed
 from tests.test_bench import bench_arguments
 
@@ -148,10 +149,10 @@ def test_the_table_marks_a_ratio_within_the_spreads_and_leaves_a_real_difference
     lines = report.format_table(setup, entries).splitlines()
     rows = {e["label"]: next(line for line in lines if e["label"] in line) for e in entries}
     # The median of the per-round ratios (100/90, 105/100, 110/110), with their min-max
-    assert " 1.05x (1.00-1.11) ~ " in rows["assemble + pin_memory + .to()"]
+    assert " 1.05x (1.00-1.11) ~ " in rows["assemble + pinned copy"]
     assert " 3.00x (2.82-3.22)  " in rows["assemble + DeviceLoader"]
     assert "~" not in rows["assemble + DeviceLoader"]
-    assert "~" not in rows["default_collate + pin_memory + .to()"]
+    assert "~" not in rows["default_collate + pinned copy"]
     table = report.format_table(setup, entries)
     assert "not a real difference on this machine" in table
     assert "fastest correct: assemble + DeviceLoader, 0 workers: 300 samples/s (median)\n" in table + "\n"
@@ -171,8 +172,7 @@ def test_the_fastest_configuration_is_named_only_when_its_runs_are_apart_from_ev
                           flagged])
     assert flagged["not_different_from_default"] is None, "a flagged configuration is not compared"
     assert line == ("fastest correct: none faster beyond noise, every configuration's runs reach the lead "
-                    "(best "
-                    "median: assemble + pin_memory + .to(), 0 workers (104))"), line
+                    "(best median: assemble + pinned copy, 0 workers (104))"), line
 
 
 def test_when_the_noise_leaves_a_worker_count_standing_the_verdict_names_it_whichever_median_leads():
@@ -190,8 +190,7 @@ def test_a_configuration_whose_runs_overlap_the_best_across_worker_counts_is_lis
                _entry("assemble", 2, [20, 30, 40])]
     assert _fastest_line(entries) == (
         "fastest correct: none alone beyond noise; the lead, whose runs overlap: default_collate + "
-        "pin_memory "
-        "+ .to(), 0 workers (50), default_collate + pin_memory + .to(), 2 workers (110)")
+        "pinned copy, 0 workers (50), default_collate + pinned copy, 2 workers (110)")
 
 
 def test_the_verdict_depends_on_the_runs_ranges_not_on_which_median_leads():
@@ -239,7 +238,7 @@ def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_t
     out = " ".join(printed.split())  # the words, whatever the wrapping
     assert "busy" not in out  # a load average left by the build that just ended is not the machine's now
     assert "measured: samples/s and bytes/s delivered in the measured steps, median of 1 runs" in out
-    assert "spread: half their min-max range, the machine's noise" in out
+    assert "ratios: the median of the per-round ratios, their min-max beside (~: not beyond" in out
     assert "DataLoader workers [0] (0: in the main process) on 2 usable CPUs" in out
     assert "device cpu (no GPU)" in out
     assert "device transforms (x: CountingCalls): timed in integrated; left out of loader-only" in out
@@ -249,8 +248,11 @@ def test_the_header_names_the_unit_where_things_run_the_workers_and_the_device_t
 
 def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
     text = " ".join(command.build_parser().format_help().split())
-    for words in ("Measured: samples/s", "median of --repeat runs", "the machine's noise",
-                  "runs overlap is marked ~ (not different", "DataLoader worker processes",
+    for words in ("Measured: samples/s", "median of --repeat runs",
+                  "a ratio is the median of the", "ratios, with their min-max",
+                  "runs overlap, or whose rounds have fewer than 10 measured batches, is marked ~ (not "
+                  "different",
+                  "DataLoader worker processes",
                   "on the GPU, or on the CPU",
                   "loader-only leaves the device transforms out"):
         assert words in text, words
@@ -276,7 +278,7 @@ def test_the_tables_fit_in_100_columns_and_leave_out_what_cannot_apply_without_a
     entries = [_entry("default", 2, [90, 100, 110]), _entry("assemble", 2, [100, 105, 110]),
                _entry("device_loader", 2, [290, 300, 310])]
     report.mark_not_different(entries)
-    table = report.fit_to_terminal(report.format_table(setup, entries))
+    table = fit_to_terminal(report.format_table(setup, entries))
     assert max(len(line) for line in table.splitlines()) <= 100, table
     assert "h2d" not in table and "pinned" not in table.split("(no GPU")[0]  # no column of "no GPU" cells
     assert "(no GPU: the host-to-device and pinned-memory columns do not apply, left out)" in table

@@ -29,7 +29,7 @@ def _folders(tmp_path: Path, monkeypatch, workers_verdict: str) -> list[Path]:
         _write(Path("bench-out-workers"), {"results": [{"verdict": workers_verdict}]}),
         _write(Path("bench-out-loader"), {"verdicts": {
             "loader": "fastest correct: none faster beyond noise, every configuration's runs reach the lead "
-                      "(best median: assemble + pin_memory + .to(), 0 workers (3.2k))",
+                      "(best median: assemble + pinned copy, 0 workers (3.2k))",
             "integrated": "fastest correct: cannot tell"}}),
         _write(Path("bench-out-arrays"), {"cases": {
             "tabular": {"ratios": {"Arrays + assemble, sampler lists / batched-index idiom":

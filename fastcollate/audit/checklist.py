@@ -15,10 +15,10 @@ from torch.utils.data import Dataset, IterableDataset
 
 from .. import tree
 from ..assemble import assemble
-from ..bench.report import TERMINAL_COLUMNS, fit_to_terminal
 from ..contract import Contract
 from ..errors import ContractError, sample_id
 from ..ids import IdentifiedSample, guess_target_path, with_ids
+from ..terminal import TERMINAL_COLUMNS, fit_to_terminal
 from .checks import check, compare
 from .epoch import Epoch
 from .failures import Failure, error_text

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import output_folder, run_verb
+from ..terminal import fit_to_terminal
 from .chart import write_chart
 from .configs import DEVICE_LOADER_DEPTH, PREFETCH_FACTOR, Setup, resolve
 from .correctness import compare_to_reference
@@ -32,9 +33,9 @@ from .datasets import PRESETS, fingerprint
 from .epoch import EpochRun, run_epoch
 from .machine import machine_info, versions
 from .pinned_copy import pinned_copy_gbps
+from .ratios import MIN_TIMED_BATCHES
 from .report import (
     NOT_DIFFERENT,
-    fit_to_terminal,
     fmt_bytes,
     format_table,
     jsonable,
@@ -49,9 +50,11 @@ Config = tuple[str, str, int]  # (observation, variant key, workers)
 REFERENCE: Config = ("loader", "default", 0)
 
 LEGEND = (
-    "  w: DataLoader workers; samples/s: samples delivered in the measured steps / their seconds (median "
-    "over runs; spread: half the min-max range, the machine's noise); x dflt: over default_collate at the "
-    f"same workers ({NOT_DIFFERENT}: the two's runs overlap, not different); p50, p95 ms: the wait, "
+    "  w: DataLoader workers; pinned copy: pin_memory() then .to(device, non_blocking=True); samples/s: "
+    "samples delivered in the measured steps / their seconds (median over runs); x dflt: samples/s over "
+    "default_collate's at the same workers, the median of the per-round ratios (their min-max); "
+    f"{NOT_DIFFERENT}: the two's runs overlap, or the rounds are too small to time, so not a difference; "
+    "p50, p95 ms: the wait, "
     "next(loader) time per measured step (with DeviceLoader it includes "
     "issuing the copy and the device transforms where they are timed: asynchronous on a GPU); "
     "start-up: iter() to first batch "
@@ -69,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fastcollate.assemble + the "
         "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
         "data set (no download) or your own. Measured: samples/s (and the preset's bytes, pixels or "
-        "tokens per s) over the measured steps, median of --repeat runs, with their spread (half the "
-        f"min-max range: the machine's noise); a ratio whose two configurations' runs overlap is marked "
+        "tokens per s) over the measured steps, median of --repeat runs; a ratio is the median of the "
+        "per-round ratios, with their min-max; a ratio whose two configurations' runs overlap, or whose "
+        f"rounds have fewer than {MIN_TIMED_BATCHES} measured batches, is marked "
         f"{NOT_DIFFERENT} (not different: two configurations that are one path have apart runs 1 time in "
         "126 at 5 runs each, 1 in 10 at 3, 1 in 3 at 2). Where: the samples are loaded and collated on the "
         "CPU, in the main process "
@@ -217,8 +221,8 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
     _say(f"fastcollate bench: {setup.description}")
     _say(
         f"  measured: samples/s and {setup.unit}/s delivered in the measured steps, median of "
-        f"{setup.repeat} runs; spread: half their min-max range, the machine's noise "
-        f"({NOT_DIFFERENT}: the runs of the two compared overlap, a difference within it)"
+        f"{setup.repeat} runs, interleaved; ratios: the median of the per-round ratios, their min-max "
+        f"beside ({NOT_DIFFERENT}: not beyond the machine's noise)"
     )
     _say(f"  where: {where_it_runs(setup, machine)}")
     _say(f"  {setup.device_transforms_note()}")

@@ -51,8 +51,8 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("default", "default_collate", "pin_memory+to", "default_collate + pin_memory + .to()"),
-    Variant("assemble", "assemble", "pin_memory+to", "assemble + pin_memory + .to()"),
+    Variant("default", "default_collate", "pin_memory+to", "default_collate + pinned copy"),
+    Variant("assemble", "assemble", "pin_memory+to", "assemble + pinned copy"),
     Variant("device_loader", "assemble", "DeviceLoader", "assemble + DeviceLoader"),
 )
 

@@ -28,13 +28,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import Subset
 
 from ..cli import output_folder, run_verb
+from ..terminal import fit_to_terminal
 from ..transforms import apply_to_fields
 from .batches import to_device
 from .configs import Setup, Variant, resolve
 from .datasets import PRESETS
 from .loaders import close_loader, open_loader, sync
 from .machine import machine_info, usable_cpus, versions
-from .report import fit_to_terminal, jsonable
+from .report import jsonable
 
 __all__ = ["RANGES", "main", "profile_path", "read_trace"]
 

@@ -4,7 +4,6 @@ every run kept), the terminal table, and the JSON-safe form of it all."""
 from __future__ import annotations
 
 import statistics
-import textwrap
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,6 @@ __all__ = [
     "NOT_DIFFERENT",
     "fmt_bytes",
     "fmt_ms",
-    "fit_to_terminal",
     "fmt_rate",
     "format_table",
     "jsonable",
@@ -177,23 +175,6 @@ def fmt_ms(value: float | None) -> str:
 _SPEED = ("w", "config", "samples/s", "{unit}/s", "x dflt (min-max)", "p50 ms", "p95 ms", "check")
 _MEMORY = ("w", "config", "start-up s", "peak RSS main+workers", "PSS", "shm")
 _TRANSFER = ("h2d ms", "pinned")
-
-
-TERMINAL_COLUMNS = 100
-
-
-def fit_to_terminal(text: str, width: int = TERMINAL_COLUMNS) -> str:
-    """``text`` with each line longer than ``width`` wrapped at spaces, its continuation indented two
-    more than the line (table rows are built narrower; this is for prose, and leaves a path whole)."""
-    out = []
-    for line in text.split("\n"):
-        if len(line) <= width:
-            out.append(line)
-            continue
-        indent = " " * (len(line) - len(line.lstrip()))
-        out += textwrap.wrap(line, width, initial_indent="", subsequent_indent=indent + "  ",
-                             break_long_words=False, break_on_hyphens=False) or [line]
-    return "\n".join(out)
 
 
 def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:

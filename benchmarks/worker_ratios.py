@@ -299,8 +299,8 @@ def main() -> int:
     print(header_line(header))
     print(
         "glibc mmap threshold fixed at 64 MiB in every process (samples are reused heap memory); fork;\n"
-        f"one torch thread; {args.rounds} rounds of {args.batches} batches after one warm-up; medians,\n"
-        "ratios: median (min-max) of the per-round ratios, ~ where the runs overlap",
+        f"one torch thread; {args.rounds} rounds of {args.batches} batches after one warm-up; rates are\n"
+        "medians; ratios: the median (min-max) of the per-round ratios, ~ where the runs overlap",
         flush=True,
     )
     report = {

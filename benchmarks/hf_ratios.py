@@ -68,6 +68,7 @@ except ImportError:  # run from a checkout without an install
 from fastcollate import Arrays, Contract, Field
 from fastcollate.bench.malloc import samples_on_the_heap
 from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
+from fastcollate.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from array_ratios import loader_epoch  # noqa: E402  (a sibling script, not a package)
@@ -509,9 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         "cases": {},
     }
     print(header_line(header))
-    print(", ".join(f"{k} {v}" for k, v in report["versions"].items())
-          + f"; workers started by {report['start_method']}; one torch thread; {args.rounds} rounds after a "
-          f"warm-up; medians (min-max)\nfastcollate from {report['fastcollate_path']}", flush=True)
+    print(fit_to_terminal(", ".join(f"{k} {v}" for k, v in report["versions"].items())
+                          + f"; workers started by {report['start_method']}; one torch thread; {args.rounds} "
+                          "rounds after a warm-up; rates: medians (min-max); ratios: the median (min-max) of "
+                          f"the per-round ratios, ~ where the runs overlap\nfastcollate from "
+                          f"{report['fastcollate_path']}"), flush=True)
     temporary = None if args.data_dir else tempfile.TemporaryDirectory(prefix="fastcollate-hf-")
     folder = args.data_dir or Path(temporary.name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -522,11 +525,12 @@ def main(argv: list[str] | None = None) -> int:
             ds = saved_and_loaded(case.dataset, rows, args.seed, folder)
             report["datasets"][case.dataset] = describe_dataset(ds)
             paths = make_paths(case_name, ds)
-            print(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; {case.unit}/s of "
-                  f"HF's path ({NAMES[case_name]['HF']}), the others' ratios to it", flush=True)
+            print(fit_to_terminal(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; "
+                                  f"{case.unit}/s of HF's path ({NAMES[case_name]['HF']}), the others' "
+                                  "ratios to it"), flush=True)
             columns = {"input_ids": "input_ids", "labels": "input_ids"} if case_name == "packed" else None
             result: dict[str, Any] = {"from_hf": from_hf_cost(ds, columns), "groups": []}
-            print(cost_line(result["from_hf"]), flush=True)
+            print(fit_to_terminal(cost_line(result["from_hf"])), flush=True)
             report["cases"][case_name] = result
             for batch in args.batch_sizes or case.batch_sizes:
                 indices = random.Random(args.seed).sample(range(len(ds)), batch)

@@ -15,6 +15,7 @@ import torch
 
 import fastcollate
 from fastcollate.bench.malloc import malloc_settings
+from fastcollate.terminal import fit_to_terminal
 
 __all__ = ["header_line", "report_header"]
 
@@ -34,11 +35,12 @@ def report_header(malloc: str | None = None) -> dict[str, Any]:
 
 
 def header_line(header: dict[str, Any]) -> str:
-    """The header as the one line a script prints before its figures."""
+    """The header a script prints before its figures, in 100 columns."""
     machine = header["machine"]
-    return (f"python {header['python']}, torch {header['torch']}, fastcollate {header['fastcollate']}; "
-            f"{machine['cpu']} ({machine['cpus_usable']} of {machine['cpus_total']} CPUs usable); "
-            f"malloc: {header['malloc']}")
+    return fit_to_terminal(
+        f"python {header['python']}, torch {header['torch']}, fastcollate {header['fastcollate']}; "
+        f"{machine['cpu']} ({machine['cpus_usable']} of {machine['cpus_total']} CPUs usable); "
+        f"malloc: {header['malloc']}")
 
 
 def _usable_cpus() -> int | None:

@@ -153,9 +153,14 @@ def summarize(result: dict) -> list[str]:
 
     too_small = too_small_to_time(r["batches"] for r in runs)
 
+    result["ratios"] = {}
+
     def paired(a: tuple, b: tuple) -> str:
+        """The ratio's text, kept in the JSON too (what the demo's summary reads)."""
         rates = ({k: r["samples_per_s"] for k, r in by[key].items()} for key in (a, b))
-        return paired_ratio(*rates, too_small).text()
+        ratio = paired_ratio(*rates, too_small)
+        result["ratios"][f"{a[0]} at workers={a[1]} / {b[0]} at workers={b[1]}"] = ratio.to_json()
+        return ratio.text()
 
     lines = [
         f"{result['dataset']}: {result['description']}, batch {result['batch_size']}",

@@ -53,11 +53,13 @@ def test_a_best_median_that_lost_a_round_is_not_called_fastest():
 
 
 def test_the_ratios_are_medians_of_per_round_ratios_inside_their_spread_and_marked_unless_apart():
-    lines = worker_ratios.summarize(_result({
+    result = _result({
         ("default_collate", 2): [150, 160, 140], ("assemble, slots off", 2): [140, 150, 500],
         ("assemble, slots on", 2): [450, 500, 480],
-    }))
-    text = "\n".join(lines)
+    })
+    text = "\n".join(worker_ratios.summarize(result))
+    kept = result["ratios"]["assemble, slots on at workers=2 / default_collate at workers=2"]  # the demo's
+    assert (kept["median"], kept["low"], kept["high"], kept["clears_noise"]) == (3.125, 3.0, 480 / 140, True)
     assert "slots on / default_collate 3.12x (3.00-3.43)\n" in text + "\n", text  # 450/150, 500/160, 480/140
     assert "slots on / slots off 3.21x (0.96-3.33) ~" in text, text
 

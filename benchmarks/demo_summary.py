@@ -31,16 +31,19 @@ def workers_line(report: dict) -> str:
 
 
 def _ratio(ratio: dict) -> str:
+    """A paired ratio as the JSON keeps it (``PairedRatio.to_json``), as the summary prints it."""
     return f"{ratio['median']:.2f}x" + ("" if ratio["clears_noise"] else f" {NOT_DIFFERENT}")
 
 
 def loader_line(report: dict) -> str:
-    return _lead(report["verdicts"]["loader"])
-
-
-def _lead(verdict: str) -> str:
-    """A verdict without its details in parentheses: what was found, or why nothing was."""
-    return verdict.removeprefix("fastest: ").removeprefix("fastest correct: ").split(" (")[0]
+    """What the part is for: the collate swapped alone (assemble, same transfer) against default_collate,
+    loader only, at each worker count (the bench's own verdict, which may name a transfer, is above)."""
+    cells = [
+        f"{_ratio(c['ratio_to_default'])} at {c['workers']} workers"
+        for c in report["configs"]
+        if c["observation"] == "loader" and c["variant"] == "assemble" and c["ratio_to_default"]
+    ]
+    return "assemble over default_collate " + (", ".join(cells) if cells else "not compared")
 
 
 def arrays_line(report: dict) -> str:

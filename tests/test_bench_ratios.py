@@ -60,3 +60,22 @@ def test_rounds_too_small_to_time_are_named_with_the_reason():
     few = too_small_to_time([20, MIN_TIMED_BATCHES - 1])
     assert few.startswith(f"too small to time: {MIN_TIMED_BATCHES - 1} timed batches a round"), few
     assert too_small_to_time([]).startswith("too small to time: 0 timed batches")
+
+
+def test_from_8_rounds_every_round_on_one_side_of_1_clears_the_noise_though_one_slow_round_overlaps():
+    b = {r: 100.0 for r in range(8)}
+    a = {r: 300.0 for r in range(8)}
+    a[0], b[1] = 150.0, 200.0  # one slow round of a, one fast one of b: the runs overlap (150 < 200)
+    ratio = paired_ratio(a, b)
+    assert ratio.apart is False and ratio.low > 1 and ratio.clears_noise
+    del a[7]  # 7 rounds: the same shape is not enough
+    assert not paired_ratio(a, b).clears_noise
+    b[2] = 400.0  # one round on the other side of 1
+    assert not paired_ratio(a, b).clears_noise
+
+
+def test_rates_that_are_not_positive_finite_numbers_are_left_out():
+    ratio = paired_ratio({0: 300, 1: float("nan"), 2: 310, 3: float("inf"), 4: 0, 5: -1.0, 6: None},
+                         {r: 100.0 for r in range(7)})
+    assert ratio.rounds == 2 and ratio.text() == "3.05x (3.00-3.10)"
+    assert paired_ratio({0: float("nan")}, {0: 1.0}) is None

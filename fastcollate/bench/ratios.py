@@ -4,10 +4,13 @@ The ratio printed is the median of the per-round ratios (each round times both, 
 spell of the machine weighs on both sides of one ratio), with their min-max: a ratio of the two medians
 can fall outside that spread, and then the spread does not describe the number shown.
 
-A ratio counts as a difference only when the two configurations' runs are apart: the slowest run of one
-faster than the fastest run of the other. Then every per-round ratio is on one side of 1 as well. The test
-assumes nothing about the noise's shape: if both are one path, n runs each fall apart by chance with
-probability 2 / C(2n, n) (1 in 10 at 3 runs, 1 in 126 at 5). Otherwise the ratio is marked ``~``.
+A ratio counts as a difference when the two configurations' runs are apart: the slowest run of one faster
+than the fastest run of the other (then every per-round ratio is on one side of 1 as well). If both are
+one path, n runs each fall apart by chance with probability 2 / C(2n, n) (1 in 10 at 3 runs, 1 in 126 at
+5). With many rounds one slow spell keeps two runs from being apart however far their rounds are, so from
+``MIN_ROUNDS_ONE_SIDE`` rounds on, every per-round ratio on one side of 1 counts too: by chance, for one
+path, 2 / 2^n (1 in 128 at 8). Neither test assumes a shape for the noise. Otherwise the ratio is
+marked ``~``.
 
 Rounds too small to time mark every ratio ``~`` whatever its spread, with the reason: with few batches
 a round, start-up and the prefetch queue's fill and drain decide the rate, the same way in every round,
@@ -18,10 +21,12 @@ short round alone is no such reason: its noise shows in the spread.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 __all__ = [
+    "MIN_ROUNDS_ONE_SIDE",
     "MIN_TIMED_BATCHES",
     "NOT_DIFFERENT",
     "PairedRatio",
@@ -32,6 +37,7 @@ __all__ = [
 
 NOT_DIFFERENT = "~"
 MIN_TIMED_BATCHES = 10
+MIN_ROUNDS_ONE_SIDE = 8
 
 
 def runs_apart(a: Sequence[float], b: Sequence[float]) -> bool | None:
@@ -55,7 +61,10 @@ class PairedRatio:
 
     @property
     def clears_noise(self) -> bool:
-        return bool(self.apart) and self.too_small is None
+        if self.too_small is not None:
+            return False
+        one_side = self.rounds >= MIN_ROUNDS_ONE_SIDE and (self.low > 1 or self.high < 1)
+        return bool(self.apart) or one_side
 
     def text(self, spread: bool = True) -> str:
         """``1.84x (1.52-2.10)``, then `` ~`` unless it clears the noise."""
@@ -69,9 +78,9 @@ class PairedRatio:
 def paired_ratio(
     a: Mapping[Hashable, float], b: Mapping[Hashable, float], too_small: str | None = None
 ) -> PairedRatio | None:
-    """``a`` over ``b``, each a rate keyed by round; rounds only one of them ran are left out. None when
-    they share no round."""
-    rounds = [r for r in a if r in b and a[r] and b[r]]
+    """``a`` over ``b``, each a rate (or a time, inverted by the caller) keyed by round; rounds only one of
+    them ran, or where either is not a positive finite number, are left out. None when no round is left."""
+    rounds = [r for r in a if r in b and _usable(a[r]) and _usable(b[r])]
     if not rounds:
         return None
     ratios = [a[r] / b[r] for r in rounds]
@@ -83,6 +92,10 @@ def paired_ratio(
         apart=runs_apart([a[r] for r in rounds], [b[r] for r in rounds]),
         too_small=too_small,
     )
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
 
 
 def too_small_to_time(timed_batches: Iterable[int]) -> str | None:

@@ -220,7 +220,7 @@ def test_a_dataset_that_drops_a_sample_in_workers_is_flagged_and_not_ranked(tmp_
         assert c["lost"] == 1 and c["duplicated"] == 0
         assert c["runs"][0]["check"]["lost_ids"] == [5]
     out = capsys.readouterr().out
-    assert "LOST 1" in out and "FLAGGED, not ranked" in out
+    assert " FLAGGED" in out and "FLAGGED, not ranked" in out and "lost 1, duplicated 0" in out
 
 
 def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_and_duplicated(tmp_path):

@@ -214,7 +214,7 @@ def test_with_one_run_each_the_table_says_it_cannot_tell_noise_from_a_difference
     report.mark_not_different(entries)
     table = report.format_table(setup, entries)
     assert "3.00x (3.00-3.00) ~" in table, table
-    assert "~ on every ratio: one run per configuration, no spread, so no difference can be told" in table
+    assert "~ where the two compared share fewer than two timed rounds: no spread, so no difference" in table
 
 
 def test_runs_too_small_to_time_mark_every_ratio_and_name_no_fastest():
@@ -284,3 +284,24 @@ def test_the_tables_fit_in_100_columns_and_leave_out_what_cannot_apply_without_a
     assert "(no GPU: the host-to-device and pinned-memory columns do not apply, left out)" in table
     header = next(line for line in table.splitlines() if line.startswith("w  config"))
     assert "samples/s" in header and "x dflt" in header  # the speed table comes first
+
+
+def test_flagged_rows_two_digit_ratios_and_the_gpu_columns_are_built_within_100_columns():
+    # Built narrow, not wrapped: every row stays one line, as long as the widest cells can be.
+    flagged = _entry("assemble", 2, [100, 105, 110], ranked=False)
+    flagged.update(errors=[], lost=1, duplicated=1)
+    entries = [_entry("default", 2, [9, 10, 11]), flagged, _entry("device_loader", 2, [1290, 1300, 1310])]
+    entries[2]["transfer"] = "DeviceLoader"
+    for entry in entries:
+        entry.update(peak_rss_main_bytes=1023 << 20, peak_rss_workers_bytes=[1023 << 20] * 16,
+                     pss_bytes=1023 << 30, shm_bytes=1023 << 20, h2d_ms_p50=12.5, pinned_bytes=1023 << 20)
+    report.mark_not_different(entries)
+    for device in ("cpu", "cuda"):
+        setup = dataclasses.replace(_setup_with_counting_transform("loader"), device=torch.device(device))
+        table = report.format_table(setup, entries)
+        rows = [line for line in table.splitlines() if line[:1].isdigit() or line.startswith(("w ", "- "))]
+        assert len(rows) == (10 if device == "cpu" else 15) and max(len(line) for line in rows) <= 100, table
+        assert max(len(line) for line in fit_to_terminal(table).splitlines()) <= 100
+    assert "130x (119-143)" in table and " FLAGGED" in table and "12.5 *" in table, table
+    assert "FLAGGED, not ranked: assemble + pinned copy, 2 workers: lost 1, duplicated 1" in table
+    assert "* DeviceLoader's copy runs on its own stream, overlapping the step" in table

@@ -68,7 +68,9 @@ class PairedRatio:
 
     def text(self, spread: bool = True) -> str:
         """``1.84x (1.52-2.10)``, then `` ~`` unless it clears the noise."""
-        shown = f"{self.median:.2f}x" + (f" ({self.low:.2f}-{self.high:.2f})" if spread else "")
+        shown = f"{_figure(self.median)}x"
+        if spread:
+            shown += f" ({_figure(self.low)}-{_figure(self.high)})"
         return shown + ("" if self.clears_noise else f" {NOT_DIFFERENT}")
 
     def to_json(self) -> dict[str, object]:
@@ -92,6 +94,11 @@ def paired_ratio(
         apart=runs_apart([a[r] for r in rounds], [b[r] for r in rounds]),
         too_small=too_small,
     )
+
+
+def _figure(value: float) -> str:
+    """Three significant figures at most, two decimals below 10: 1.84, 12.3, 144."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def _usable(value: float | None) -> bool:

@@ -142,10 +142,10 @@ def mark_not_different(entries: list[dict[str, Any]]) -> None:
 
 
 def _too_small(entries: list[dict[str, Any]]) -> str | None:
-    timed = [r for e in entries if e["ranked"] for r in e.get("runs", []) if r.get("seconds")]
-    if not timed:
-        return None
-    return too_small_to_time(r["measured_steps"] for r in timed)
+    """Why the ranked entries' runs are too small to time (a run that timed nothing counts as 0 batches),
+    or None; None too when no entry is ranked or none has a run."""
+    runs = [r for e in entries if e["ranked"] for r in e.get("runs", [])]
+    return too_small_to_time(r.get("measured_steps", 0) for r in runs) if runs else None
 
 
 def fmt_rate(value: float | None) -> str:
@@ -174,7 +174,7 @@ def fmt_ms(value: float | None) -> str:
 # columns, on a GPU only: without one they cannot apply, and one line says so).
 _SPEED = ("w", "config", "samples/s", "{unit}/s", "x dflt (min-max)", "p50 ms", "p95 ms", "check")
 _MEMORY = ("w", "config", "start-up s", "peak RSS main+workers", "PSS", "shm")
-_TRANSFER = ("h2d ms", "pinned")
+_TRANSFER = ("w", "config", "h2d ms", "pinned")
 
 
 def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
@@ -193,14 +193,18 @@ def format_table(setup: Setup, entries: list[dict[str, Any]]) -> str:
         order = [v.key for v in VARIANTS]
         ordered = sorted(block, key=lambda e: (e["workers"], order.index(e["variant"])))
         on_gpu = setup.device.type == "cuda"
-        memory_header = _MEMORY + (_TRANSFER if on_gpu else ())
         lines += _aligned([[h.format(unit=setup.unit) for h in _SPEED]]
                           + [_speed_row(setup, e) for e in ordered])
         lines += _verdicts(block)
         lines.append("")
-        lines += _aligned([list(memory_header)] + [_memory_row(setup, e) for e in ordered])
+        lines += _aligned([list(_MEMORY)] + [_memory_row(setup, e) for e in ordered])
         if not on_gpu:
             lines.append("(no GPU: the host-to-device and pinned-memory columns do not apply, left out)")
+            continue
+        lines.append("")
+        lines += _aligned([list(_TRANSFER)] + [_transfer_row(e) for e in ordered])
+        if any(e["transfer"] == "DeviceLoader" for e in block):
+            lines.append("* DeviceLoader's copy runs on its own stream, overlapping the step")
     return "\n".join(lines)
 
 
@@ -235,7 +239,7 @@ def _speed_row(setup: Setup, e: dict[str, Any]) -> list[str]:
 
 
 def _memory_row(setup: Setup, e: dict[str, Any]) -> list[str]:
-    """One configuration's memory cells, in ``_MEMORY``'s order, then ``_TRANSFER``'s on a GPU."""
+    """One configuration's memory cells, in ``_MEMORY``'s order."""
     workers_rss = e["peak_rss_workers_bytes"]
     rss = fmt_bytes(e["peak_rss_main_bytes"])
     if workers_rss:
@@ -248,27 +252,23 @@ def _memory_row(setup: Setup, e: dict[str, Any]) -> list[str]:
         fmt_bytes(e["pss_bytes"]),
         fmt_bytes(e["shm_bytes"]),
     ]
-    if setup.device.type == "cuda":
-        h2d = fmt_ms(e["h2d_ms_p50"])
-        if e["transfer"] == "DeviceLoader":
-            h2d += " (copy stream)"
-        cells += [h2d, fmt_bytes(e["pinned_bytes"])]
     return cells
 
 
+def _transfer_row(e: dict[str, Any]) -> list[str]:
+    """One configuration's transfer cells (a GPU's only), in ``_TRANSFER``'s order."""
+    h2d = fmt_ms(e["h2d_ms_p50"])
+    if e["transfer"] == "DeviceLoader":
+        h2d += " *"  # the note under the table: on its own stream
+    return [str(e["workers"]), e["label"], h2d, fmt_bytes(e["pinned_bytes"])]
+
+
 def _check_cell(e: dict[str, Any]) -> str:
+    """``ids ok``, or one word (the counts and errors go on the FLAGGED line under the table, which keeps
+    every row within 100 columns)."""
     if e["ids_match_reference"]:
         return "ids ok"
-    if e["errors"]:
-        return "ERROR (not ranked)"
-    names = {
-        "lost": "LOST",
-        "duplicated": "DUPLICATED",
-        "unexpected": "UNEXPECTED",
-        "targets_mismatched": "TARGETS",
-    }
-    parts = [f"{names[problem]} {e[problem]}" for problem in _PROBLEMS if e[problem]]
-    return "/".join(parts) + " (not ranked)"
+    return "ERROR" if e["errors"] else "FLAGGED"
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:
@@ -294,18 +294,18 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
     why."""
     lines = []
     ratios = [e["ratio_to_default"] for e in block if e.get("ratio_to_default")]
-    too_small = next((r["too_small"] for r in ratios if r["too_small"]), None)
+    too_small = _too_small(block)
     if too_small:
         lines.append(f"{NOT_DIFFERENT} on every ratio: {too_small}")
     elif any(r["apart"] is None for r in ratios):
-        lines.append(f"{NOT_DIFFERENT} on every ratio: one run per configuration, no spread, so no "
-                     "difference can be told from noise")
+        lines.append(f"{NOT_DIFFERENT} where the two compared share fewer than two timed rounds: no spread, "
+                     "so no difference can be told from noise")
     elif any(not r["clears_noise"] for r in ratios):
         lines.append(
             f"{NOT_DIFFERENT} after x dflt: its runs and default_collate's at the same workers overlap: "
             "not a real difference on this machine"
         )
-    if any(e["ranked"] and e["samples_per_s"] for e in block):
+    if block:
         lines.append(verdict(block))
     for e in block:
         if e["ranked"]:
@@ -325,12 +325,12 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
 def verdict(block: list[dict[str, Any]]) -> str:
     """The line that names the fastest correct configuration of one observation's entries (marked by
     :func:`mark_not_different`), or says why none can be named."""
-    ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
-    if not ranked:
+    if not any(e["ranked"] for e in block):
         return "fastest correct: none, every configuration was flagged"
-    if any((e.get("ratio_to_default") or {}).get("too_small") for e in block):
-        best = max(ranked, key=lambda e: e["samples_per_s"])
-        return f"fastest correct: cannot tell, too small to time (best median: {_name(best)})"
+    ranked = [e for e in block if e["ranked"] and e["samples_per_s"]]
+    if _too_small(block) or not ranked:
+        best = f" (best median: {_name(max(ranked, key=lambda e: e['samples_per_s']))})" if ranked else ""
+        return f"fastest correct: cannot tell, too small to time{best}"
     return _fastest(ranked)
 
 

@@ -534,8 +534,8 @@ def hf_padded_case() -> Case:
     )
     case.contenders[FLOOR] = ReusedFlatCopy(case.nbytes, "torch")
     # Bounds below what a 2-core machine measured at one thread
-    # (results/collate-hf-padded-tokens-padded-cpu.json): 94x DataCollatorWithPadding (tokenizer.pad
-    # turns every tensor into a Python list and pads those), 4.7x pad_sequence (paired p25 3.7x).
+    # (results/collate-hf-padded-tokens-padded-cpu.json): 92.5x DataCollatorWithPadding (tokenizer.pad
+    # turns every tensor into a Python list and pads those), 4.4x pad_sequence (2.5x to 8.7x per round).
     case.targets = [
         Target(f"HF: >= 3x {HF_PAD_SEQUENCE}", "assemble+contract", HF_PAD_SEQUENCE, "faster", 3.0),
     ]

@@ -1,8 +1,8 @@
 """Times fastcollate.assemble against torch's default_collate (and the other baselines: plain copies,
-pad_sequence) on the cases of ``collate_cases.py``, interleaved in one process, and judges every target.
+pad_sequence) on the cases of ``collate_cases.py``, interleaved in one process.
 
     python benchmarks/collate_ratios.py [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
-                                        [--gc young|full] [--samples same|fresh]
+                                        [--gc young|full] [--samples same|fresh] [--no-targets]
 
 Method: per thread count (``torch.set_num_threads``), per case: one equality check of every contender's
 output against the reference, a warm-up, then N rounds; each round calls every contender once, in a
@@ -17,10 +17,14 @@ at about 0.93 ms on the small-field batch); ``--samples fresh`` makes the sample
 call, untimed, as a DataLoader worker's ``__getitem__`` does (new objects at new addresses; the plain
 copies' sources are not remade). Times are of the collate call alone (freeing default_collate's fresh
 output is not counted: conservative for assemble).
-Ratios are of medians; the spread given is the 25th-75th percentile of the per-round paired ratios.
-Each speed-up target also gets the same baseline against a plain copy (``copy_``, ordinary stores) of
-the batch's bytes into a reused buffer: the speed-up of a collate that did nothing but that copy
-(assemble writes batches of 8 MiB and more with streaming stores, and can beat it). With two or more
+Every ratio follows fastcollate/bench/ratios.py: the median of the per-round ratios, with their min-max,
+and ``~`` unless it clears the noise. Each case prints the lead of assemble (assemble+contract where the
+case has no plain assemble) over every other contender: that contender's time over assemble's, in each
+round, so above 1 means assemble is faster. The rounds time single calls, not a loader, so none is too
+small to time. A contender's own spread is the 25th-75th percentile of its times. Each speed-up target
+also gets the same baseline against a plain copy (``copy_``, ordinary stores) of the batch's bytes into
+a reused buffer: the speed-up of a collate that did nothing but that copy (assemble writes batches of
+8 MiB and more with streaming stores, and can beat it). With two or more
 thread counts the ImageNet case is timed once more with the counts interleaved call by call, beside a
 compute-bound control (torch.exp) that shows whether the extra cores were free at all. Every
 repetition's raw time goes to the JSON. For each case the JSON also keeps each call's minor page faults
@@ -43,6 +47,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,6 +57,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import collate_cases  # noqa: E402
 from collate_cases import CASES, FLOOR, Case, build_case, outputs_equal  # noqa: E402
+
+from fastcollate.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = "exp(4M floats), compute-bound control"
@@ -160,7 +167,31 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-def summarize(case: Case, times: dict[str, list[float]], threads: int,
+def time_over(numerator: list[float], denominator: list[float]) -> PairedRatio:
+    """The first contender's time over the second's, paired round by round: the second's lead."""
+    ratio = paired_ratio(dict(enumerate(numerator)), dict(enumerate(denominator)))
+    if ratio is None:
+        raise ValueError("no round with two usable times")
+    return ratio
+
+
+def ratio_json(ratio: PairedRatio) -> dict:
+    return {"ratio": ratio.median, "min": ratio.low, "max": ratio.high, "rounds": ratio.rounds,
+            "clears_noise": ratio.clears_noise}
+
+
+def lead_subject(case: Case) -> str:
+    """Whose lead a case's ratios give: assemble, or assemble+contract where there is no plain one."""
+    return "assemble" if "assemble" in case.contenders else "assemble+contract"
+
+
+def case_leads(case: Case, times: dict[str, list[float]]) -> dict[str, PairedRatio]:
+    """The lead of the case's subject (lead_subject) over every other contender."""
+    subject = lead_subject(case)
+    return {name: time_over(times[name], times[subject]) for name in times if name != subject}
+
+
+def summarize(case: Case, times: dict[str, list[float]], threads: int, leads: dict[str, PairedRatio],
               faults: dict[str, list[int]] | None = None) -> dict:
     contenders = {}
     for name, values in times.items():
@@ -177,25 +208,35 @@ def summarize(case: Case, times: dict[str, list[float]], threads: int,
         }
     targets = []
     for target in case.targets:
-        subject, baseline = times[target.subject], times[target.baseline]
-        ratio = target.ratio(statistics.median(subject), statistics.median(baseline))
-        paired = [target.ratio(s, b) for s, b in zip(subject, baseline, strict=True)]
+        subject_s, baseline_s = times[target.subject], times[target.baseline]
+        # Target.ratio's direction: the baseline's time over the subject's for a speed-up, the subject's
+        # over the baseline's for an overhead.
+        ratio = (time_over(baseline_s, subject_s) if target.kind == "faster"
+                 else time_over(subject_s, baseline_s))
         # The speed-up of a collate that did nothing but copy the bytes (with ordinary stores).
-        plain_copy = (statistics.median(baseline) / statistics.median(times[FLOOR])
+        plain_copy = (time_over(baseline_s, times[FLOOR]).median
                       if target.kind == "faster" and FLOOR in times else None)
         targets.append({
             "case": case.key,
             "threads": threads,
             "target": target.label,
             "rule": target.describe(),
-            "ratio": ratio,
-            "paired_p25": percentile(paired, 25),
-            "paired_p75": percentile(paired, 75),
+            **ratio_json(ratio),
             "bound": target.bound,
-            "met": target.met(ratio),
+            "met": target.met(ratio.median),
             "baseline_vs_plain_copy": plain_copy,
         })
-    return {"contenders": contenders, "targets": targets}
+    return {
+        "contenders": contenders,
+        "lead_of": lead_subject(case),
+        "leads": {name: ratio_json(ratio) for name, ratio in leads.items()},
+        "targets": targets,
+    }
+
+
+def say(text: str) -> None:
+    """One line of the report, wrapped at 100 columns (a long path or command may not fit one)."""
+    print(textwrap.fill(text, 100, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False))
 
 
 def fmt_time(seconds: float) -> str:
@@ -209,31 +250,45 @@ def fmt_rate(value: float, unit: str) -> str:
     return f"{value:7.2f} {unit}"
 
 
-def print_case(case: Case, threads: int, summary: dict, problems: dict[str, list[str]], load: float) -> None:
-    print(f"\n== {case.key}: {case.title}  [threads={threads}, {len(case.samples)} samples, "
-          f"{case.nbytes / 1e6:.2f} MB/batch, load average {load:.2f}]")
+def print_case(case: Case, threads: int, summary: dict, leads: dict[str, PairedRatio],
+               problems: dict[str, list[str]], load: float) -> None:
+    print()
+    say(f"== {case.key}: {case.title}")
+    print(f"   threads={threads}, {len(case.samples)} samples, {case.nbytes / 1e6:.2f} MB/batch, "
+          f"load average {load:.2f}")
+    tokens = f"{'tokens/s':>13s}  " if case.tokens else ""
+    print(f"  {'median time, p25-p75':>58s}  {'bytes/s':>11s}  {tokens}faults")
     for name, row in summary["contenders"].items():
-        spread = f"[{fmt_time(row['p25_s']).strip()} .. {fmt_time(row['p75_s']).strip()}]"
-        extra = f"  {fmt_rate(row['tokens_per_s'], 'tok/s')}" if "tokens_per_s" in row else ""
-        rates = f"{fmt_rate(row['samples_per_s'], 'samples/s')}  {fmt_rate(row['bytes_per_s'], 'B/s')}{extra}"
-        faults = f"  {row['minor_faults_median']:g} faults" if row["minor_faults_median"] is not None else ""
-        print(f"  {name:22s} {fmt_time(row['median_s'])}  {spread:26s} {rates}{faults}")
+        scale, unit, digits = (1e3, "ms", 3) if row["median_s"] >= 1e-4 else (1e6, "us", 1)
+        spread = f"{row['p25_s'] * scale:.{digits}f}-{row['p75_s'] * scale:.{digits}f} {unit}"
+        rates = fmt_rate(row["bytes_per_s"], "B/s")
+        if "tokens_per_s" in row:
+            rates += f"  {fmt_rate(row['tokens_per_s'], 'tok/s')}"
+        faults = f"  {row['minor_faults_median']:6g}" if row["minor_faults_median"] is not None else ""
+        print(f"  {name:26s} {fmt_time(row['median_s'])} {spread:>18s}  {rates}{faults}")
+    print(f"  {summary['lead_of']}'s lead, the other's time over its own per round, median (min-max):")
+    for name, ratio in leads.items():
+        print(f"    over {name:27s} {ratio.text()}")
     for name, issues in problems.items():
         if issues:
             print(f"  !! {name} output differs from {case.reference}: {'; '.join(issues[:5])}")
 
 
 def print_targets(rows: list[dict]) -> None:
-    print("\n== targets (ratio of medians; [p25..p75] of per-round paired ratios)")
+    print("\n== targets (median of the per-round ratios, min-max; ~: does not clear the noise)")
     print("  copy_: the same baseline against copy_ of the batch's bytes into a reused buffer (ordinary")
     print("  stores), i.e. the speed-up of a collate that did nothing but that copy")
-    print(f"  {'case':15s} {'thr':>3s}  {'target':45s} {'ratio':>7s}  {'spread':13s} {'copy_':>8s}  result")
+    print(f"    {'target':42s} {'ratio (min-max)':25s} {'copy_':>5s}  result")
+    group = None
     for row in rows:
-        spread = f"[{row['paired_p25']:.2f}..{row['paired_p75']:.2f}]"
+        if group != (row["case"], row["threads"]):
+            group = (row["case"], row["threads"])
+            print(f"  {row['case']}, {row['threads']} thread{'s' if row['threads'] > 1 else ''}:")
+        shown = f"{row['ratio']:.2f}x ({row['min']:.2f}-{row['max']:.2f})"
+        shown += "" if row["clears_noise"] else f" {NOT_DIFFERENT}"
         plain_copy = f"{row['baseline_vs_plain_copy']:.1f}" if row.get("baseline_vs_plain_copy") else "-"
         result = "MET" if row["met"] else "NOT MET"
-        head = f"{row['case']:15s} {row['threads']:>3d}  {row['target']:45s}"
-        print(f"  {head} {row['ratio']:7.2f}  {spread:13s} {plain_copy:>8s}  {result}")
+        print(f"    {row['target']:42s} {shown:25s} {plain_copy:>5s}  {result}")
 
 
 def thread_scaling(case: Case, rounds: int, warmup: int, thread_counts: list[int]) -> dict:
@@ -276,16 +331,19 @@ def main(argv: list[str] | None = None) -> int:
         help="every call collates the same sample objects (default), or samples made again just before it, "
              "untimed (as in a DataLoader worker, where __getitem__ made them)",
     )
+    parser.add_argument(
+        "--no-targets", action="store_true", help="leave the performance targets out of the output"
+    )
     args = parser.parse_args(argv)
 
     info = machine()
-    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory_gib']} GiB; "
-          f"python {info['python']}, torch {info['torch']}, numpy {info['numpy']}; fastcollate "
-          f"{info['fastcollate']} @ {info['git_commit'][:10]}")
-    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}; malloc: {info['malloc']}")
-    print(f"extension: {info['fastcollate_path']} sha256 {info['extension_sha256_16']} "
-          f"built {info['extension_mtime']}; load average {os.getloadavg()[0]:.2f} "
-          f"on {info['logical_cpus']} CPUs")
+    say(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, {info['memory_gib']} GiB; "
+        f"python {info['python']}, torch {info['torch']}, numpy {info['numpy']}; fastcollate "
+        f"{info['fastcollate']} @ {info['git_commit'][:10]}")
+    say(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}; malloc: {info['malloc']}")
+    say(f"extension: {info['fastcollate_path']} sha256 {info['extension_sha256_16']} "
+        f"built {info['extension_mtime']}; load average {os.getloadavg()[0]:.2f} "
+        f"on {info['logical_cpus']} CPUs")
     cases = [build_case(key) for key in args.cases]
     ring = collate_cases.fastcollate.staging.main_process_ring()
     initial_threads = torch.get_num_threads()
@@ -304,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                               fresh=args.samples == "fresh", faults=faults)
             load_after = os.getloadavg()
             after = ring.stats()
-            summary = summarize(case, times, threads, faults)
-            print_case(case, threads, summary, problems, load_after[0])
+            leads = case_leads(case, times)
+            summary = summarize(case, times, threads, leads, faults)
+            print_case(case, threads, summary, leads, problems, load_after[0])
             target_rows.extend(summary["targets"])
             results.append({
                 "case": case.key,
@@ -326,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 "minor_faults_per_call": faults,
                 **summary,
             })
-    print_targets(target_rows)
+    if not args.no_targets:
+        print_targets(target_rows)
 
     scaling = None
     if "imagenet_uint8" in args.cases and len(args.threads) > 1:
@@ -336,11 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         base = scaling["median_s"]
         for name, median in base.items():
             rate = "" if name.startswith(CONTROL) else fmt_rate(case.nbytes / median, "B/s")
-            print(f"  {name:42s} {fmt_time(median)}  {rate}")
+            print(f"  {name:42s} {fmt_time(median)}  {rate}".rstrip())
+        first, last = args.threads[0], args.threads[-1]
+        scaling["lead_of_last_thread_count"] = {}
         for name in ("assemble", FLOOR, CONTROL):
-            one, two = base.get(f"{name} @{args.threads[0]}t"), base.get(f"{name} @{args.threads[-1]}t")
-            if one and two:
-                print(f"  {name}: {args.threads[-1]} threads vs {args.threads[0]}: {one / two:.2f}x faster")
+            if f"{name} @{first}t" in scaling["raw_s"]:
+                lead = time_over(scaling["raw_s"][f"{name} @{first}t"], scaling["raw_s"][f"{name} @{last}t"])
+                print(f"  {name}: {last} threads' lead over {first}: {lead.text()}")
+                scaling["lead_of_last_thread_count"][name] = ratio_json(lead)
     torch.set_num_threads(initial_threads)
 
     if args.json:

@@ -40,6 +40,7 @@ except ImportError:  # run from a checkout without an install
 from fastcollate import Arrays, Contract, Field, TokenWindows
 from fastcollate.bench.malloc import samples_on_the_heap
 from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
+from fastcollate.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
@@ -403,7 +404,7 @@ def summarize(
     ratios = {}
     too_small = too_small_to_time(r["batches"] for r in kept)
     if too_small:
-        lines.append(f"  {NOT_DIFFERENT} on every ratio: {too_small}")
+        lines.append(fit_to_terminal(f"  {NOT_DIFFERENT} on every ratio: {too_small}"))
     for subject, baseline, target in pairs:
         ratio = paired_ratio(by[subject], by[baseline], too_small)
         ratios[f"{subject} / {baseline}"] = {"ratio": ratio.median, "min": ratio.low, "max": ratio.high,

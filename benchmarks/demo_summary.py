@@ -22,12 +22,14 @@ def workers_line(report: dict) -> str:
     """What the part is for: slots on against default_collate and against slots off, at the most workers
     it ran (which cell is fastest overall is in its own output: on 2 cores the main process can tie)."""
     ratios = next(r["ratios"] for r in report["results"])
+    if not ratios:
+        return "no slots-on pair: the run had no workers"
     most = max(int(key.split(" / ")[0].rsplit("=", 1)[1]) for key in ratios)
     on = f"assemble, slots on at workers={most}"
     against = [(f"{on} / default_collate at workers={most}", "default_collate"),
                (f"{on} / assemble, slots off at workers={most}", "slots off")]
     return f"slots on at {most} workers: " + ", ".join(
-        f"{_ratio(ratios[key])} {name}" for key, name in against)
+        f"{_ratio(ratios[key])} {name}" for key, name in against if key in ratios)
 
 
 def _ratio(ratio: dict) -> str:
@@ -53,7 +55,7 @@ def arrays_line(report: dict) -> str:
         pair, ratio = next(iter(result["ratios"].items()))
         mark = "" if ratio["clears_noise"] else f" {NOT_DIFFERENT}"
         parts.append(f"{case} {ratio['ratio']:.1f}x{mark} {pair.split(' / ')[1]}")
-    return "gathered by index over " + "; ".join(parts)
+    return "gathered by index over " + "; ".join(parts) if parts else "no case ran"
 
 
 def hf_line(report: dict) -> str:
@@ -65,7 +67,7 @@ def hf_line(report: dict) -> str:
             ratios = [c["ratio"] for c in cells]
             mark = "" if all(c["clears_noise"] for c in cells) else f" {NOT_DIFFERENT}"
             parts.append(f"{case} {min(ratios):.1f}-{max(ratios):.1f}x{mark}")
-    return "from_hf over HF's path at every batch size: " + ", ".join(parts)
+    return "from_hf over HF's path at every batch size: " + ", ".join(parts) if parts else "no case ran"
 
 
 PARTS = (
@@ -81,7 +83,7 @@ def summary(folders: list[Path]) -> list[str]:
     for (title, read), folder in zip(PARTS, folders, strict=True):
         try:
             said = read(json.loads((folder / "results.json").read_text()))
-        except (OSError, ValueError, KeyError, StopIteration) as error:
+        except (OSError, ValueError, LookupError, TypeError, AttributeError, StopIteration) as error:
             said = f"no result ({type(error).__name__}: {error})"
         text = f"  {title}: {said}"
         lines.append(text if len(text) <= WIDTH else text[: WIDTH - 3] + "...")

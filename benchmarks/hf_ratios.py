@@ -441,6 +441,10 @@ def group_lines(case: str, group: dict) -> list[str]:
                          f"{r['ratio_max']:.2f}){mark}")
         else:
             lines.append(f"      {NAMES[case][name]:<44} {group['failures'].get(name, 'no rounds')}")
+    too_small = next((group[name]["too_small"] for name in PATHS[1:] if group.get(name, {}).get("too_small")),
+                     None)
+    if too_small:
+        lines.append(fit_to_terminal(f"      {NOT_DIFFERENT} on every ratio: {too_small}"))
     if group["rounds_of_unequal_work"]:
         lines.append(f"      NOT THE SAME BATCHES: the paths drained different {unit} in rounds "
                      f"{group['rounds_of_unequal_work']}")

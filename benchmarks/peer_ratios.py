@@ -51,7 +51,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 import fastcollate
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.malloc import samples_on_the_heap
-from fastcollate.bench.ratios import PairedRatio, paired_ratio
+from fastcollate.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, too_small_to_time
+from fastcollate.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
@@ -272,6 +273,7 @@ def run_preset(
                     "loader": key[0],
                     "collate": key[1],
                     "seconds": wall,
+                    "batches": len(epoch),
                     "samples": samples,
                     "samples_per_s": samples / wall,
                 }
@@ -305,8 +307,13 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
     median = {key: statistics.median(rounds.values()) for key, rounds in by.items()}
     result["medians"] = {f"{loader}, {collate}": value for (loader, collate), value in median.items()}
 
+    # Runs recorded before their batch count was: every batch is full (drop_last).
+    timed = [r["batches"] if "batches" in r else r["samples"] // result["batch_size"]
+             for r in result["runs"] if not r["warmup"]]
+    too_small = too_small_to_time(timed)
+
     def ratio(a, b) -> PairedRatio:
-        return paired_ratio(by[a], by[b])
+        return paired_ratio(by[a], by[b], too_small)
 
     def spread(key) -> str:
         values = sorted(by[key].values())
@@ -314,6 +321,7 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
 
     lines = [
         f"{result['preset']}: {result['description']}, batch {result['batch_size']}; malloc: {malloc}",
+        *([fit_to_terminal(f"  {NOT_DIFFERENT} on every ratio: {too_small}")] if too_small else []),
         f"  {'samples/s, median [range]':<30}{'default_collate':>22}{'assemble':>22}"
         f"{'assemble / default':>22}",
     ]

@@ -38,6 +38,7 @@ from fastcollate._ext import _C
 from fastcollate.bench.datasets import PRESETS
 from fastcollate.bench.malloc import samples_on_the_heap
 from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
+from fastcollate.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
@@ -157,8 +158,9 @@ def summarize(result: dict) -> list[str]:
 
     def paired(a: tuple, b: tuple) -> str:
         """The ratio's text, kept in the JSON too (what the demo's summary reads)."""
-        rates = ({k: r["samples_per_s"] for k, r in by[key].items()} for key in (a, b))
-        ratio = paired_ratio(*rates, too_small)
+        ratio = _paired(by, a, b, too_small)
+        if ratio is None:
+            return "- (not both measured)"
         result["ratios"][f"{a[0]} at workers={a[1]} / {b[0]} at workers={b[1]}"] = ratio.to_json()
         return ratio.text()
 
@@ -183,7 +185,7 @@ def summarize(result: dict) -> list[str]:
         if (on, 0) in median:
             lines.append(f"             slots on / assemble at workers=0 {paired((on, w), (on, 0))}")
     if too_small:
-        lines.append(f"  {NOT_DIFFERENT} on every ratio: {too_small}")
+        lines.append(fit_to_terminal(f"  {NOT_DIFFERENT} on every ratio: {too_small}"))
     result["verdict"] = fastest(by, median, too_small)
     lines.append(textwrap.fill(result["verdict"], 100, initial_indent="  ", subsequent_indent="           "))
     for w, stats in sorted(result["slot_stats"].items()):
@@ -199,6 +201,13 @@ def summarize(result: dict) -> list[str]:
     return lines
 
 
+def _paired(by: dict, a: tuple, b: tuple, too_small: str | None):
+    """Cell ``a`` over cell ``b`` (None when either was not measured)."""
+    if a not in by or b not in by:
+        return None
+    return paired_ratio(*({k: r["samples_per_s"] for k, r in by[key].items()} for key in (a, b)), too_small)
+
+
 def fastest(by: dict, median: dict, too_small: str | None = None) -> str:
     """The cell with the best median, named as fastest only if its runs are apart from (above) every
     other cell's: its slowest run faster than their fastest."""
@@ -206,12 +215,12 @@ def fastest(by: dict, median: dict, too_small: str | None = None) -> str:
     rates = {key: [run["samples_per_s"] for run in rounds.values()] for key, rounds in by.items()}
     rivals = [key for key in rates if key != best and not runs_apart(rates[best], rates[key])]
     name = f"{best[0]} at workers={best[1]}"
-    baseline = ("default_collate", best[1])
-    if baseline != best and baseline in median:
-        ratio = paired_ratio(*({r: run["samples_per_s"] for r, run in by[key].items()}
-                               for key in (best, baseline)))
-        name += f", {ratio.median:.2f}x default_collate there"
+    ratio = _paired(by, best, ("default_collate", best[1]), too_small)
+    if best[0] != "default_collate" and ratio is not None:
+        name += f", {ratio.text(spread=False)} default_collate there"
     rate = f"{median[best]:,.0f} samples/s"
+    if any(runs_apart(rates[best], rates[key]) is None for key in rates if key != best):
+        return f"fastest: cannot tell with one round (best median: {name}, {rate})"
     if too_small:
         return f"fastest: cannot tell, too small to time (best median: {name}, {rate})"
     if not rivals:

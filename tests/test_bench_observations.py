@@ -250,8 +250,8 @@ def test_bench_help_says_what_is_measured_where_and_what_the_mark_means():
     text = " ".join(command.build_parser().format_help().split())
     for words in ("Measured: samples/s", "median of --repeat runs",
                   "a ratio is the median of the", "ratios, with their min-max",
-                  "runs overlap, or whose rounds have fewer than 10 measured batches, is marked ~ (not "
-                  "different",
+                  "runs overlap (from 8 runs on, unless every round's ratio is on one side of 1), or whose "
+                  "rounds have fewer than 10 measured batches, is marked ~ (not different",
                   "DataLoader worker processes",
                   "on the GPU, or on the CPU",
                   "loader-only leaves the device transforms out"):

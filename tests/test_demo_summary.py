@@ -78,3 +78,16 @@ def test_a_long_verdict_is_cut_to_the_width_and_a_missing_part_is_named(tmp_path
     lines = demo_summary.summary(folders)
     assert len(lines[3]) == 100 and lines[3].endswith("...") and "nanoGPT" not in lines[3]
     assert lines[4].startswith("  Hugging Face: no result (FileNotFoundError") and len(lines[4]) <= 100
+
+
+def test_a_part_whose_json_is_odd_or_empty_is_named_not_a_traceback(tmp_path, monkeypatch):
+    folders = _folders(tmp_path, monkeypatch)
+    (folders[0] / "results.json").write_text(json.dumps({"results": [{"ratios": {}}]}))  # workers=0 only
+    (folders[1] / "results.json").write_text("null")
+    (folders[2] / "results.json").write_text(json.dumps({"cases": {}}))
+    (folders[3] / "results.json").write_text("[1, 2]")
+    lines = demo_summary.summary(folders)
+    assert lines[1] == "  workers, pre-decoded images: no slots-on pair: the run had no workers"
+    assert lines[2].startswith("  bench, PIL-bound images: no result (TypeError")
+    assert lines[3] == "  arrays: no case ran"
+    assert lines[4].startswith("  Hugging Face: no result (TypeError") and len(lines) == 5

@@ -35,7 +35,7 @@ def test_peer_ratios_runs_every_loader_with_both_collates_under_both_malloc_sett
 def _result(rates: dict[tuple[str, str], list[float]]) -> dict:
     """Runs at these rates, in thousands of samples/s."""
     runs = [{"round": r + 1, "warmup": False, "loader": loader, "collate": collate,
-             "samples_per_s": 1e3 * rate}
+             "samples_per_s": 1e3 * rate, "batches": 15}
             for (loader, collate), per_round in rates.items() for r, rate in enumerate(per_round)]
     return {"preset": "predecoded", "description": "d", "batch_size": 8, "runs": runs, "phases": {}}
 

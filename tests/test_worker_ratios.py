@@ -82,3 +82,13 @@ def test_the_charts_legend_covers_no_bar(tmp_path, monkeypatch, datasets):
         worker_ratios.draw_chart({"results": results}, tmp_path / "chart.png")
         [figure] = figures
         assert_legend_clear(figure)
+
+
+def test_one_round_names_nothing_and_a_cell_not_measured_is_said_so():
+    line = _fastest({("default_collate", 2): [150], ("assemble, slots off", 2): [140],
+                     ("assemble, slots on", 2): [450]})
+    assert line.startswith("fastest: cannot tell with one round (best median: assemble, slots on at "
+                           "workers=2, 3.00x ~ default_collate there"), line
+    text = "\n".join(worker_ratios.summarize(_result({("default_collate", 2): [150, 160, 140],
+                                                      ("assemble, slots on", 2): [450, 500, 480]})))
+    assert "slots on / slots off - (not both measured)" in text, text

@@ -33,7 +33,7 @@ from .datasets import PRESETS, fingerprint
 from .epoch import EpochRun, run_epoch
 from .machine import machine_info, versions
 from .pinned_copy import pinned_copy_gbps
-from .ratios import MIN_TIMED_BATCHES
+from .ratios import MIN_ROUNDS_ONE_SIDE, MIN_TIMED_BATCHES
 from .report import (
     NOT_DIFFERENT,
     fmt_bytes,
@@ -53,7 +53,9 @@ LEGEND = (
     "  w: DataLoader workers; pinned copy: pin_memory() then .to(device, non_blocking=True); samples/s: "
     "samples delivered in the measured steps / their seconds (median over runs); x dflt: samples/s over "
     "default_collate's at the same workers, the median of the per-round ratios (their min-max); "
-    f"{NOT_DIFFERENT}: the two's runs overlap, or the rounds are too small to time, so not a difference; "
+    f"{NOT_DIFFERENT}: not beyond the machine's noise, as the two's runs overlap (from "
+    f"{MIN_ROUNDS_ONE_SIDE} runs: a round's ratio lies on the other side of 1) or the rounds are too small "
+    "to time; "
     "p50, p95 ms: the wait, "
     "next(loader) time per measured step (with DeviceLoader it includes "
     "issuing the copy and the device transforms where they are timed: asynchronous on a GPU); "
@@ -73,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "same transfer, and assemble + DeviceLoader, for several worker counts, on an embedded "
         "data set (no download) or your own. Measured: samples/s (and the preset's bytes, pixels or "
         "tokens per s) over the measured steps, median of --repeat runs; a ratio is the median of the "
-        "per-round ratios, with their min-max; a ratio whose two configurations' runs overlap, or whose "
+        "per-round ratios, with their min-max; a ratio whose two configurations' runs overlap (from "
+        f"{MIN_ROUNDS_ONE_SIDE} runs on, unless every round's ratio is on one side of 1), or whose "
         f"rounds have fewer than {MIN_TIMED_BATCHES} measured batches, is marked "
         f"{NOT_DIFFERENT} (not different: two configurations that are one path have apart runs 1 time in "
         "126 at 5 runs each, 1 in 10 at 3, 1 in 3 at 2). Where: the samples are loaded and collated on the "
@@ -110,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeat", type=int, help="runs per configuration, interleaved (default 5)")
     parser.add_argument(
-        "--quick", action="store_true", help="few steps and workers: under 2 minutes on 2 cores"
+        "--quick", action="store_true",
+        help="few steps and workers: under 2 minutes on 2 cores; 4 steps are too few to time, so every "
+        "ratio is marked ~ (a check that it runs, not a measurement)"
     )
     parser.add_argument(
         "--observation",

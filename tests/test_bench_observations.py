@@ -303,5 +303,7 @@ def test_flagged_rows_two_digit_ratios_and_the_gpu_columns_are_built_within_100_
         assert len(rows) == (10 if device == "cpu" else 15) and max(len(line) for line in rows) <= 100, table
         assert max(len(line) for line in fit_to_terminal(table).splitlines()) <= 100
     assert "130x (119-143)" in table and " FLAGGED" in table and "12.5 *" in table, table
-    assert "FLAGGED, not ranked: assemble + pinned copy, 2 workers: lost 1, duplicated 1" in table
+    assert "FLAGGED, not ranked: assemble + pinned copy, 2 workers: lost 1, duplicated 1\n" in table
+    flagged.update(errors=["Traceback (most recent call last):\n  ...\nValueError: bad sample 7"] * 3)
+    assert "2 workers: ValueError: bad sample 7\n" in report.format_table(setup, entries)  # once, last line
     assert "* DeviceLoader's copy runs on its own stream, overlapping the step" in table

@@ -310,14 +310,11 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
     for e in block:
         if e["ranked"]:
             continue
-        why = (
-            "; ".join(e["errors"])
-            if e["errors"]
-            else (
-                f"lost {e['lost']}, duplicated {e['duplicated']}, unexpected {e['unexpected']}, "
-                f"targets mismatched {e['targets_mismatched']}"
-            )
-        )
+        # An error's last line once (a worker's traceback repeats in every run; results.json keeps it
+        # whole), or the check's nonzero counts.
+        errors = dict.fromkeys(error.strip().splitlines()[-1] for error in e["errors"] if error.strip())
+        counts = [f"{name.replace('_', ' ')} {e[name]}" for name in _PROBLEMS if e[name]]
+        why = "; ".join(errors) or ", ".join(counts) or "its runs failed"
         lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
     return lines
 

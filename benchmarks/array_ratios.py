@@ -407,6 +407,9 @@ def summarize(
         lines.append(fit_to_terminal(f"  {NOT_DIFFERENT} on every ratio: {too_small}"))
     for subject, baseline, target in pairs:
         ratio = paired_ratio(by[subject], by[baseline], too_small)
+        if ratio is None:  # no round with a usable rate on both sides
+            lines.append(f"  {subject} / {baseline}: - (no round measured both)")
+            continue
         ratios[f"{subject} / {baseline}"] = {"ratio": ratio.median, "min": ratio.low, "max": ratio.high,
                                              "clears_noise": ratio.clears_noise, "target": target}
         lines.append(f"  {subject} / {baseline}: {ratio.text()}" + (f"; target {target}" if targets else ""))

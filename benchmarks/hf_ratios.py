@@ -387,6 +387,9 @@ def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
         if name == "HF":
             continue
         ratio = paired_ratio(rate, hf, too_small)
+        if ratio is None:  # no round with a usable rate on both sides: reported as the path's failure
+            out["failures"][name] = "no round measured both it and HF's path"
+            continue
         out[name] = {"median": statistics.median(rate.values()), "ratio": ratio.median,
                      "ratio_min": ratio.low, "ratio_max": ratio.high, "clears_noise": ratio.clears_noise,
                      "too_small": too_small}

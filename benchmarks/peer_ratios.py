@@ -313,7 +313,11 @@ def summarize(result: dict, malloc: str, judge: bool) -> list[str]:
     too_small = too_small_to_time(timed)
 
     def ratio(a, b) -> PairedRatio:
-        return paired_ratio(by[a], by[b], too_small)
+        # A rate that is not a positive finite number cannot be timed at all: the run is broken.
+        paired = paired_ratio(by[a], by[b], too_small)
+        if paired is None:
+            raise ValueError(f"no round measured both {a} and {b} with a usable rate")
+        return paired
 
     def spread(key) -> str:
         values = sorted(by[key].values())

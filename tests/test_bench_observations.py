@@ -307,3 +307,17 @@ def test_flagged_rows_two_digit_ratios_and_the_gpu_columns_are_built_within_100_
     flagged.update(errors=["Traceback (most recent call last):\n  ...\nValueError: bad sample 7"] * 3)
     assert "2 workers: ValueError: bad sample 7\n" in report.format_table(setup, entries)  # once, last line
     assert "* DeviceLoader's copy runs on its own stream, overlapping the step" in table
+
+
+def test_a_flagged_line_gives_each_error_as_its_exception_line_once():
+    # CUDA's messages end in advice, a worker's traceback repeats in every run: the exception line says it.
+    cuda = ("Traceback (most recent call last):\n  ...\ntorch.AcceleratorError: CUDA error: an illegal "
+            "memory access\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+            "Compile with `TORCH_USE_CUDA_DSA`")
+    flagged = _entry("assemble", 0, [100, 105, 110], ranked=False)
+    flagged["errors"] = [cuda, cuda, "ValueError: sizes differ\n  shape (3,) vs (4,)"]
+    entries = [_entry("default", 0, [90, 100, 110]), flagged]
+    report.mark_not_different(entries)
+    table = report.format_table(_setup_with_counting_transform("loader"), entries)
+    assert ("0 workers: torch.AcceleratorError: CUDA error: an illegal memory access; ValueError: sizes "
+            "differ") in " ".join(table.split()), table

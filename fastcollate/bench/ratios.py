@@ -98,7 +98,9 @@ def paired_ratio(
 
 def _figure(value: float) -> str:
     """Three significant figures at most, two decimals below 10: 1.84, 12.3, 144."""
-    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+    if round(value, 2) < 10:
+        return f"{value:.2f}"
+    return f"{value:.1f}" if round(value, 1) < 100 else f"{value:.0f}"
 
 
 def _usable(value: float | None) -> bool:

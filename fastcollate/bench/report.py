@@ -3,6 +3,7 @@ every run kept), the terminal table, and the JSON-safe form of it all."""
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -131,13 +132,15 @@ def mark_not_different(entries: list[dict[str, Any]]) -> None:
     path of the same observation and worker count) and ``ratio_to_default`` (the paired ratio, as JSON,
     with the reason the runs were too small to time, if they were: then every ratio is marked). Both None
     for the default itself, and where either side is unranked; the first also with one run."""
-    too_small = _too_small(entries)
+    too_small = {o: _too_small([e for e in entries if e["observation"] == o])
+                 for o in {e["observation"] for e in entries}}  # as the observation's verdict judges it
     baselines = {(e["observation"], e["workers"]): e for e in entries if e["variant"] == "default"}
     for e in entries:
         baseline = baselines.get((e["observation"], e["workers"]))
         comparable = baseline is not None and e is not baseline and e["ranked"] and baseline["ranked"]
         e["not_different_from_default"] = not_different(e, baseline) if comparable else None
-        ratio = paired_ratio(_rates_by_round(e), _rates_by_round(baseline), too_small) if comparable else None
+        ratio = (paired_ratio(_rates_by_round(e), _rates_by_round(baseline), too_small[e["observation"]])
+                 if comparable else None)
         e["ratio_to_default"] = ratio.to_json() if ratio else None
 
 
@@ -310,9 +313,9 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
     for e in block:
         if e["ranked"]:
             continue
-        # An error's last line once (a worker's traceback repeats in every run; results.json keeps it
-        # whole), or the check's nonzero counts.
-        errors = dict.fromkeys(error.strip().splitlines()[-1] for error in e["errors"] if error.strip())
+        # Each distinct error once, as its exception line (a worker's traceback repeats in every run, and
+        # CUDA's messages end in advice; results.json keeps them whole), or the check's nonzero counts.
+        errors = dict.fromkeys(_exception_line(error) for error in e["errors"] if error.strip())
         counts = [f"{name.replace('_', ' ')} {e[name]}" for name in _PROBLEMS if e[name]]
         why = "; ".join(errors) or ", ".join(counts) or "its runs failed"
         lines.append(f"FLAGGED, not ranked: {e['label']}, {e['workers']} workers: {why}")
@@ -363,6 +366,15 @@ def _fastest(ranked: list[dict[str, Any]]) -> str:
         )
     lead_names = ", ".join(map(_name, lead))
     return f"fastest correct: none alone beyond noise; the lead, whose runs overlap: {lead_names}"
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def _exception_line(error: str) -> str:
+    """The last ``SomeError: message`` line of an error's text, else its last line."""
+    lines = error.strip().splitlines()
+    return next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), lines[-1])
 
 
 def _workers(count: int) -> str:

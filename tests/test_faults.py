@@ -278,7 +278,9 @@ def test_a_worker_killed_by_sigkill_is_named_by_pid_and_nothing_leaks(tmp_path):
         unexplained = [target for target in result["fds_left"] if not TORCH_FD_PROBE.fullmatch(target)]
         assert unexplained == [], (f"descriptors left in every one of {len(result['fds_left_before_retry'])} "
                                    f"runs: {result['fds_left_before_retry']}; {result}")
-        assert result["fds"][1] - result["fds"][0] == len(result["fds_left"]), result
+        # Every descriptor added is listed; one open before may close meanwhile (an earlier scenario's
+        # torch probe descriptor, collected), so the count can grow by less, or shrink.
+        assert result["fds"][1] - result["fds"][0] <= len(result["fds_left"]), result
         for retried in result["fds_left_before_retry"]:
             warnings.warn(f"SIGKILL test ({result['how']}, DeviceLoader={result['wrapped']}): a run left "
                           f"descriptors {retried['fds_left']} ({retried['message']!r}); the next run left "

@@ -76,6 +76,11 @@ class PairedRatio:
     def to_json(self) -> dict[str, object]:
         return {**dataclasses.asdict(self), "clears_noise": self.clears_noise}
 
+    @classmethod
+    def from_json(cls, kept: dict[str, object]) -> PairedRatio:
+        """The ratio :meth:`to_json` kept (its derived ``clears_noise`` left out)."""
+        return cls(**{field.name: kept[field.name] for field in dataclasses.fields(cls)})
+
 
 def paired_ratio(
     a: Mapping[Hashable, float], b: Mapping[Hashable, float], too_small: str | None = None

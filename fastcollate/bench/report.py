@@ -119,7 +119,7 @@ def not_different(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
 
 
 def _rates(e: dict[str, Any]) -> list[float]:
-    return [r["samples_per_s"] for r in e.get("runs", []) if r.get("samples_per_s")]
+    return list(_rates_by_round(e).values())
 
 
 def _rates_by_round(e: dict[str, Any]) -> dict[int, float]:
@@ -226,8 +226,7 @@ def _speed_row(setup: Setup, e: dict[str, Any]) -> list[str]:
     ratio = e.get("ratio_to_default")
     shown = "-"
     if ratio:
-        fields = {k: v for k, v in ratio.items() if k != "clears_noise"}
-        shown = PairedRatio(**fields).text()
+        shown = PairedRatio.from_json(ratio).text()
         shown += "" if shown.endswith(NOT_DIFFERENT) else "  "  # the numbers stay aligned
     return [
         str(e["workers"]),

@@ -14,6 +14,7 @@
 #include "collate/field_spec.h"
 #include "collate/node.h"
 #include "collate/plan.h"
+#include "memory/copy_kernels.h"
 #include "memory/mapped_reads.h"
 #include "memory/shared_slots.h"
 #include "memory/staging_ring.h"
@@ -275,6 +276,11 @@ void bind_column_gather(py::module_& m) {
         "A list of Python ints as an int64 tensor, or None when an element is not an int within int64.");
   m.def("first_index_outside", &first_index_outside, py::arg("indices"), py::arg("length"),
         "The batch position of the first index outside [0, length), or -1.");
+  m.def("wrap_negative_indices", &wrap_negative_indices, py::arg("indices"), py::arg("length"),
+        "Indices in [-length, 0) become index + length, in place; returns the batch position of the first "
+        "index outside [-length, length), or -1.");
+  m.def("guarded_copies", &guarded_copies, py::arg("sources"), release_gil,
+        "Copies of contiguous CPU tensors, read under the mapped-read guard (a read fault is an error).");
   py::enum_<GatheredColumn::Kind>(m, "GatheredKind")
       .value("IDS", GatheredColumn::Kind::Ids)
       .value("ROWS", GatheredColumn::Kind::Rows)

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._ext import _C
-from .mapped_files import MappedFile, MappedFileError
+from .mapped_files import MappedFile, MappedFileError, is_read_fault
 
 __all__ = ["ArrayBatch", "Arrays", "Chunked", "Ragged", "TokenWindows"]
 
@@ -73,6 +73,9 @@ class Column:
         self.watched: list[Any] = []
         self.parts: list[Column] | None = None
         self.starts: list[int] = []  # each part's first row
+        # The dtype a sample holds when it is not the stored one (a Hugging Face format widens integers to
+        # int64): rows handed out are cast to it, and the gather casts while it copies.
+        self.dtype: torch.dtype | None = None
         if isinstance(value, Chunked):
             self._take_parts(value.pieces)
             return
@@ -344,11 +347,34 @@ class Arrays(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
         self.check_files()
-        return self._handed_out(self._sample(index))
+        return self._handed_out([self._sample(index)])[0]
 
-    def _handed_out(self, sample: dict[str, Any]) -> dict[str, Any]:
-        """A sample as ``ds[i]`` hands it out (views of the columns here)."""
-        return sample
+    def _handed_out(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Samples as ``ds[i]`` hands them out: views of the columns in memory, and copies of the rows
+        that lie in mapped files, read under the guard that turns a read past a shrunk file's end into
+        MappedFileError (a view read later, by default_collate or a model, would die of SIGBUS instead)."""
+        return self._copied(samples, [name for name in self.columns if self._sources_of(name)])
+
+    def _copied(self, samples: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+        """``samples`` with the rows of ``keys`` copied under the mapped-read guard, in one native call,
+        and cast to the dtype their column's samples hold (Column.dtype)."""
+        if not keys:
+            return samples
+        try:
+            copies = iter(_C.guarded_copies([sample[key] for sample in samples for key in keys]))
+        except RuntimeError as error:
+            if is_read_fault(error):
+                raise self.read_fault(error) from error
+            raise
+        casts = [self.columns[key].dtype for key in keys]
+        out = []
+        for sample in samples:
+            copied = dict(sample)
+            for key, dtype in zip(keys, casts, strict=True):
+                copy = next(copies)
+                copied[key] = copy if dtype is None else copy.to(dtype)
+            out.append(copied)
+        return out
 
     def _sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (in range), its files already checked."""
@@ -397,9 +423,9 @@ class Arrays(Dataset):
             index = int(index)
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"Arrays: an index must be an int, got {type(index).__name__}")
-        if not 0 <= index < self._length:
+        if not -self._length <= index < self._length:
             raise IndexError(f"Arrays: index {index} is out of range for a dataset of {self._length} samples")
-        return index
+        return index + self._length if index < 0 else index  # counted from the end, as in Python and HF
 
 
 class ArrayBatch(Sequence):
@@ -446,7 +472,8 @@ class ArrayBatch(Sequence):
         """Takes ``indices`` (int64, contiguous, the batch's own) after checking them against ``dataset``."""
         self.indices = indices
         self.index_tensor = torch.from_numpy(indices)
-        first = _C.first_index_outside(self.index_tensor, len(dataset))
+        # Negative indices count from the end, as in Python and Hugging Face's __getitems__.
+        first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
             raise IndexError(
                 f"Arrays: index {int(indices[first])} (batch position {first}) is out of range for a dataset "
@@ -459,15 +486,15 @@ class ArrayBatch(Sequence):
         return len(self.indices)
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every sample of the batch, with the dataset's files checked once, not once a sample."""
+        """Every sample of the batch as ``ds[i]`` hands it out, with the dataset's files checked once, not
+        once a sample, and the rows in mapped files copied in one guarded call."""
         self.dataset.check_files()
-        return [self.dataset._sample(int(i)) for i in self.indices]
+        return self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
 
     def __getitem__(self, position: int) -> Any:
-        # Made all at once on the first sample asked for, with the files checked once: a collate
-        # function reads each sample once per key.
+        # Made all at once on the first sample asked for: a collate function reads each sample once per key.
         if self._samples is None:
-            self._samples = [self.dataset._handed_out(sample) for sample in self.rows()]
+            self._samples = self.rows()
         return self._samples[position]
 
 

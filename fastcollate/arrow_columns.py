@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import hf_formats
 from ._ext import _C
 from .arrays import Arrays, Chunked, Column, ColumnChoice, Ragged
 from .mapped_files import MappedFileError, WatchedFile
@@ -43,6 +44,8 @@ class ArrowArrays(Arrays):
 
     _source: tuple  # (the function that made it, its source, {key: column}, id_key)
     _refusal: str | None = None  # why this copy cannot read its files (see _rebuilt)
+    _index_maps: list[WatchedFile] = []  # the file of a Hugging Face index map, read once when made
+    _null_rows: dict[str, np.ndarray] = {}  # by key, the rows that hold a null (none of them is read)
 
     def __reduce__(self) -> tuple:
         build, source, columns, id_key = self._source
@@ -60,10 +63,12 @@ class ArrowArrays(Arrays):
         return (_rebuilt, (build, pickle.dumps(source), columns, id_key, identities, len(self)))
 
     def _watched(self) -> list[WatchedFile]:
-        return list({id(w): w for c in self.columns.values() for w in c.watched}.values())
+        """Every file this dataset read or reads: its columns' and its index map's."""
+        files = [w for c in self.columns.values() for w in c.watched] + self._index_maps
+        return list({id(w): w for w in files}.values())
 
-    def _handed_out(self, sample: dict[str, Any]) -> dict[str, Any]:
-        return {key: _copy(value) for key, value in sample.items()}
+    def _handed_out(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self._copied(samples, list(self.columns))  # every row, in a file or not: Arrow's are read-only
 
     def check_files(self) -> None:
         if self._refusal is not None:
@@ -88,14 +93,17 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
         )
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"Arrays.from_hf: expected a datasets.Dataset, got {type(dataset).__name__}")
+    format_columns = hf_formats.refuse_what_arrays_cannot_hand_out(dataset)
     table = dataset.data.table
-    shown = dataset.format.get("columns")
+    shown = format_columns
     if not shown or dataset.format.get("output_all_columns"):
         shown = dataset.column_names
     chosen = _chosen(columns, shown, dataset.column_names, "Arrays.from_hf")
+    hf_formats.refuse_encoded_media(dataset.features, chosen)
     arrays = _arrays(table, chosen, id_key, "Arrays.from_hf")
     if dataset._indices is not None:  # select, shuffle, shard, train_test_split: rows through a map
-        rows = dataset._indices.column(0).to_numpy().astype(np.int64)
+        index_map = dataset._indices.column(0)
+        rows = index_map.to_numpy().astype(np.int64)
         arrays._read_through(torch.from_numpy(rows))
         outside = _C.first_index_outside(arrays.rows_of, table.num_rows)
         if outside >= 0:
@@ -103,6 +111,13 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
                 f"Arrays.from_hf: sample {outside} maps to row {int(rows[outside])} of a table of "
                 f"{table.num_rows} rows: the dataset's index map does not fit its table"
             )
+        # Read once, here: a process that makes the dataset again (a spawned worker) reads the file again,
+        # and must find the file this one read (_rebuilt).
+        addresses = [chunk.buffers()[1].address for chunk in index_map.chunks if len(chunk)]
+        arrays._index_maps = list({id(w): w for w in WatchedFile.of(addresses).values()}.values())
+    _refuse_nulls_read(arrays, "Arrays.from_hf")
+    for key, dtype in hf_formats.dtypes_handed_out(dataset, chosen, arrays).items():
+        arrays.columns[key].dtype = dtype
     arrays._source = (from_hf, dataset, chosen, id_key)  # as chosen now: the dataset's format may change
     return arrays
 
@@ -113,7 +128,7 @@ def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = N
 
     if isinstance(source, (str, os.PathLike)):
         source = os.path.abspath(source)  # read again by another process, from another directory maybe
-        table = _read_ipc(source)
+        table = _read_ipc(source, "Arrays.from_arrow")
     elif isinstance(source, pa.RecordBatch):
         table = pa.Table.from_batches([source])
     elif isinstance(source, pa.Table):
@@ -125,21 +140,46 @@ def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = N
         )
     chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
     arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow")
+    _refuse_nulls_read(arrays, "Arrays.from_arrow")
     arrays._source = (from_arrow, source, chosen, id_key)
     return arrays
 
 
-def _read_ipc(path: str) -> Any:
+def _read_ipc(path: str, who: str) -> Any:
     """The table of the Arrow IPC file at ``path``, memory-mapped: the file format (``.arrow``,
-    ``.feather`` v2) or the stream format (what Hugging Face datasets writes)."""
+    ``.feather`` v2) or the stream format (what Hugging Face datasets writes). Another kind of file is
+    refused, saying which reader opens it."""
     import pyarrow as pa
 
     source = pa.memory_map(path)
     try:
         return pa.ipc.open_file(source).read_all()
     except pa.ArrowInvalid:
-        source.seek(0)
+        pass
+    source.seek(0)
+    try:
         return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid as error:
+        raise ValueError(f"{who}: {path} is not an Arrow IPC file ({error}). {_reader_of(path)}") from error
+
+
+def _reader_of(path: str) -> str:
+    """What opens the file at ``path``, when it is not Arrow IPC, told from its first bytes and its name."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    name = path.lower()
+    if head == b"PAR1" or name.endswith((".parquet", ".pq")):
+        kind = "It is a Parquet file: read it with pyarrow.parquet.read_table(path) and pass the table"
+    elif name.endswith((".json", ".jsonl", ".csv", ".tsv", ".txt")) or head[:1] in (b"{", b"["):
+        kind = (
+            "It looks like JSON or CSV: load it with datasets.load_dataset('json' or 'csv', data_files=path), "
+            "then Arrays.from_hf(dataset['train']), which reads the Arrow cache it writes"
+        )
+    else:
+        kind = "Arrow IPC files are written by pyarrow.ipc.new_file / new_stream and Dataset.save_to_disk"
+    return (
+        f"{kind}; Arrays.from_arrow maps an IPC file by path (pyarrow.memory_map), or takes a pyarrow.Table"
+    )
 
 
 def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str) -> dict[str, str]:
@@ -167,12 +207,17 @@ def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str)
 
 
 def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) -> ArrowArrays:
-    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in."""
+    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in. The rows
+    that hold a null are kept by key in ``_null_rows``, refused once it is known which rows are read."""
     made: dict[str, Column] = {}  # one column under two keys is made once
+    null_rows: dict[str, np.ndarray] = {}
     for key, name in chosen.items():
         if name not in made:
-            made[name] = Column(key, Chunked(_pieces(key, table.column(name), who)))
+            pieces, nulls = _pieces(key, table.column(name), who)
+            made[name] = Column(key, Chunked(pieces))
+            null_rows[name] = nulls
     arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
+    arrays._null_rows = {key: null_rows[name] for key, name in chosen.items() if len(null_rows[name])}
     addresses = {
         name: [chunk.first.data_ptr() for chunk in column.chunks if chunk.first.numel()]
         for name, column in arrays.columns.items()
@@ -183,12 +228,62 @@ def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) ->
     return arrays
 
 
-def _pieces(key: str, column: Any, who: str) -> list[Any]:
+def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
+    """The column's chunks as tensors, and the rows (of the column) that hold a null."""
     chunks = [chunk for chunk in column.chunks if len(chunk)] or [column.combine_chunks()]
+    starts = np.cumsum([0] + [len(chunk) for chunk in chunks])
+    nulls = [start + _null_rows(chunk) for start, chunk in zip(starts, chunks)]
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return [_tensors(_piece(key, chunk, who)) for chunk in chunks]
+        pieces = [_tensors(_piece(key, chunk, who)) for chunk in chunks]
+    return pieces, np.concatenate(nulls).astype(np.int64)
+
+
+def _null_rows(array: Any) -> np.ndarray:
+    """The rows of one chunk that hold a null at any level (a null row, or a null value in its lists),
+    found level by level from the nulls Arrow counts, so that a chunk without nulls costs nothing."""
+    import pyarrow as pa
+
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    levels: list[tuple[np.ndarray | None, int | None]] = []  # how each level's positions map to its parent's
+    found = []
+    node = array
+    while True:
+        if node.null_count:
+            positions = np.flatnonzero(node.is_null().to_numpy(zero_copy_only=False))
+            for offsets, size in reversed(levels):  # back up to the chunk's rows
+                positions = positions // size if offsets is None else np.searchsorted(offsets, positions, "right") - 1
+            found.append(positions)
+        if pa.types.is_fixed_size_list(node.type):
+            levels.append((None, node.type.list_size))
+            node = _fixed_values(node)
+        elif pa.types.is_list(node.type) or pa.types.is_large_list(node.type):
+            levels.append((node.offsets.to_numpy(zero_copy_only=False), None))
+            node = node.values
+        else:
+            break
+    return np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
+
+
+def _refuse_nulls_read(arrays: ArrowArrays, who: str) -> None:
+    """Refuses a column with a null in a row the dataset reads (its index map's rows, or every row): a
+    null in a row a view left out (a filter's) is never read."""
+    for key, null_rows in arrays._null_rows.items():
+        if arrays.rows_of is None:
+            reading = null_rows
+        else:
+            read = arrays.rows_of.numpy()
+            reading = np.flatnonzero(np.isin(read, null_rows))
+        if len(reading):
+            sample = int(reading[0])
+            row = sample if arrays.rows_of is None else int(arrays.rows_of[sample])
+            raise ValueError(
+                f"{who}: column {key!r} has {len(reading)} missing values (nulls) in the rows the dataset "
+                f"reads, the first in sample {sample} (row {row} of the table): a tensor has no null. Fill or "
+                "drop them first (Dataset.filter, or pyarrow.compute.fill_null)"
+            )
 
 
 def _tensors(piece: np.ndarray | Ragged) -> torch.Tensor | Ragged:
@@ -219,15 +314,13 @@ def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
         or pa.types.is_large_list(node.type)
         or pa.types.is_fixed_size_list(node.type)
     ):
-        _no_nulls(where, node)
         if pa.types.is_fixed_size_list(node.type):
             levels.append((None, node.type.list_size))
-            node = node.flatten()  # the chunk's own rows (a slice of the values, no copy)
+            node = _fixed_values(node)
         else:
             fixed = shape[len(levels)] if shape is not None and len(levels) < len(shape) else None
             levels.append((node.offsets.to_numpy(zero_copy_only=True), fixed))
             node = node.values
-    _no_nulls(where, node)
     leaf = _leaf(where, node, array.type)
     for depth in reversed(range(len(levels))):
         offsets, fixed = levels[depth]
@@ -272,19 +365,16 @@ def _leaf(where: str, node: Any, column_type: Any) -> np.ndarray:
             f"{where} has type {column_type}, which has no tensor dtype: integers and floating point, and "
             "lists of them, are read"
         )
+    if node.null_count:  # nulls in rows that are not read (see _refuse_nulls_read): the values as they lie
+        node = pa.Array.from_buffers(node.type, len(node), [None, node.buffers()[1]], offset=node.offset)
     return node.to_numpy(zero_copy_only=True)
 
 
-def _no_nulls(where: str, node: Any) -> None:
-    if node.null_count:
-        raise ValueError(
-            f"{where} has {node.null_count} missing values (nulls) in a chunk: a tensor has no null. Fill "
-            "or drop them first (Dataset.filter, or pyarrow.compute.fill_null)"
-        )
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
+def _fixed_values(array: Any) -> Any:
+    """The values of a fixed-size list chunk's own rows, nulls' slots included (a slice, no copy; flatten()
+    would leave out the values of null rows)."""
+    size = array.type.list_size
+    return array.values.slice(array.offset * size, len(array) * size)
 
 
 # An index map this large goes to each spawned worker by value: worth saying.
@@ -331,4 +421,11 @@ def _rebuilt(
         return arrays
     for watched in arrays._watched():
         watched.expect(identities)
+    for index_map in arrays._index_maps:  # read when made: a file that is not the one read before is refused
+        why = index_map.unreadable()
+        if why is not None:
+            arrays._refusal = (
+                f"Arrays: columns {', '.join(map(repr, columns))}: the dataset's index map (the rows that "
+                f"select, shuffle, shard or train_test_split chose) cannot be trusted: {why}"
+            )
     return arrays

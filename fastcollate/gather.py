@@ -81,6 +81,12 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
     """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
     source = column.first
+    if column.dtype is not None and column.dtype != source.dtype:
+        if field is not None:
+            return None  # the contract's dtype rules apply to the dtype samples hold: the walk's rows have it
+        # Samples hold another dtype than the stored one (a Hugging Face format's): cast while copying.
+        return _C.GatheredColumn(kind=_Kind.ROWS if not column.ragged else _Kind.RAGGED,
+                                 **_sources(column), key=key, dtype=column.dtype, field=None)
     declared = field.dtype if field is not None and field.dtype is not None else source.dtype
     # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
     dtype = declared if field is not None and source.dtype in (declared, *field.cast_from) else source.dtype
@@ -96,25 +102,31 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
         for value in (field.pad, field.separator):
             if value is not None and not _C.value_fits(float(value), dtype):
                 return None  # the walk names it, after the samples' own ranges, as it checks them first
-    chunks = column.chunks
-    ragged = {"values": [c.values for c in chunks], "offsets": [c.offsets for c in chunks]}
-    made = {"key": key, "dtype": declared, "field": spec}
+    made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)
             return None  # the walk names the sample's whole shape against the declared one
-        return _C.GatheredColumn(kind=_Kind.PACKED, **ragged, **made)
+        return _C.GatheredColumn(kind=_Kind.PACKED, **made)
     if not column.ragged:
         if field is not None and field.pad is not None:
             return None
-        return _C.GatheredColumn(kind=_Kind.ROWS, rows=[c.rows for c in chunks], **made)
+        return _C.GatheredColumn(kind=_Kind.ROWS, **made)
     if field is None or field.pad is None:
         if has_contract:
             return None  # rows of one length under a contract: the walk checks each sample's shape
-        return _C.GatheredColumn(kind=_Kind.RAGGED, **ragged, **made)
+        return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
     shape = field.shape
     if shape is None or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
         return None  # padded along dim 0 alone
-    return _C.GatheredColumn(kind=_Kind.RAGGED, **ragged, **made)
+    return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
+
+
+def _sources(column: Any) -> dict[str, list[torch.Tensor]]:
+    """The column's chunks as GatheredColumn takes them: rows, or values and offsets."""
+    chunks = column.chunks
+    if not column.ragged:
+        return {"rows": [c.rows for c in chunks]}
+    return {"values": [c.values for c in chunks], "offsets": [c.offsets for c in chunks]}
 
 
 def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:

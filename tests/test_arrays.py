@@ -173,8 +173,10 @@ def test_bad_columns_and_indices_are_refused_with_the_column_or_the_index_named(
         dataset[6]
     with pytest.raises(IndexError, match=r"index 9 \(batch position 1\) is out of range for a dataset of 6"):
         dataset.__getitems__([0, 9])
-    with pytest.raises(IndexError, match=r"index -1 \(batch position 0\)"):
-        dataset.__getitems__(np.array([-1]))
+    with pytest.raises(IndexError, match=r"index -7 \(batch position 1\) is out of range for a dataset of 6"):
+        dataset.__getitems__(np.array([-6, -7]))
+    with pytest.raises(IndexError, match="index -7 is out of range for a dataset of 6 samples"):
+        dataset[-7]
 
 
 def test_the_gather_op_checks_every_index_before_writing_a_byte():

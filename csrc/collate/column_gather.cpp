@@ -480,4 +480,19 @@ int64_t first_index_outside(const at::Tensor& indices, int64_t length) {
   return -1;
 }
 
+int64_t wrap_negative_indices(at::Tensor& indices, int64_t length) {
+  TORCH_CHECK(
+      indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
+      "wrap_negative_indices: indices must be a contiguous 1-D int64 CPU tensor");
+  int64_t* index = indices.mutable_data_ptr<int64_t>();
+  for (int64_t b = 0; b < indices.numel(); ++b) {
+    if (index[b] < 0 && index[b] >= -length) {
+      index[b] += length;
+    } else if (index[b] < 0 || index[b] >= length) {
+      return b;
+    }
+  }
+  return -1;
+}
+
 }  // namespace fastcollate

@@ -283,4 +283,22 @@ uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype) {
   return pattern;
 }
 
+std::vector<at::Tensor> guarded_copies(const std::vector<at::Tensor>& sources) {
+  std::vector<at::Tensor> copies;
+  copies.reserve(sources.size());
+  CopyJobs jobs;
+  for (const at::Tensor& source : sources) {
+    TORCH_CHECK(source.device().is_cpu() && copyable_as_is(source),
+                "guarded_copies: each source must be a contiguous CPU tensor, got one of shape ", source.sizes(),
+                " and strides ", source.strides(), " on ", source.device());
+    at::Tensor copy = at::empty(source.sizes(), source.options());
+    if (source.nbytes() > 0) {
+      jobs.add_memcpy(source.const_data_ptr(), copy.mutable_data_ptr(), source.nbytes());
+    }
+    copies.push_back(std::move(copy));
+  }
+  jobs.run();
+  return copies;
+}
+
 }  // namespace fastcollate

@@ -84,4 +84,9 @@ struct CopyJobs {
 // The bytes of `value` converted to `dtype`, for FillJob::pattern.
 uint64_t element_pattern(const at::Scalar& value, at::ScalarType dtype);
 
+// Copies of `sources` (each contiguous, on the CPU) in fresh memory, read under the mapped-read guard: the
+// rows a dataset hands out one sample at a time lie in files that may shrink while they are copied, and a
+// read past a file's new end must be an error, not SIGBUS. Call without the GIL.
+std::vector<at::Tensor> guarded_copies(const std::vector<at::Tensor>& sources);
+
 }  // namespace fastcollate

@@ -1,0 +1,114 @@
+"""How a Hugging Face dataset hands out its rows, as far as ``Arrays.from_hf`` follows it: its format's
+dtypes are followed, and what Arrays cannot give (a transform, a format that hands out no tensors,
+encoded media) is refused, naming it and saying what to do, rather than read as the stored columns.
+
+Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) and ``"numpy"`` hand out the
+stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
+``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
+applies to every column it formats. Columns outside ``with_format(columns=...)`` come as stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["dtypes_handed_out", "refuse_encoded_media", "refuse_what_arrays_cannot_hand_out"]
+
+_AS_STORED = (None, "python")
+_FOLLOWED = ("numpy", "torch")
+_WHAT_TO_DO = (
+    "apply it with Dataset.map first (its output is stored in the dataset's files, where Arrays reads "
+    "it), or keep it and collate Hugging Face's rows with fastcollate.assemble "
+    "(DataLoader(dataset, collate_fn=assemble))"
+)
+
+
+def refuse_what_arrays_cannot_hand_out(dataset: Any) -> list[str] | None:
+    """Refuses a dataset with a transform or a format Arrays cannot follow; returns the format's columns
+    (None: every column)."""
+    form = dataset.format
+    kind, options = form.get("type"), dict(form.get("format_kwargs") or {})
+    transform = options.pop("transform", None)
+    if transform is not None or kind == "custom":
+        name = getattr(transform, "__qualname__", None) or repr(transform)
+        raise TypeError(
+            f"Arrays.from_hf: the dataset has a transform ({name}, from set_transform, with_transform or "
+            "set_format(transform=...)), which Hugging Face applies to each row as it is read, while Arrays "
+            f"reads the stored columns: {_WHAT_TO_DO}"
+        )
+    if kind not in _AS_STORED + _FOLLOWED:
+        raise TypeError(
+            f"Arrays.from_hf: the dataset's format is {kind!r}, whose rows are not tensors: Arrays hands out "
+            "torch tensors. Pass dataset.with_format(None), 'numpy' or 'torch'"
+        )
+    unknown = sorted(set(options) - {"dtype"})
+    if unknown:
+        raise TypeError(
+            f"Arrays.from_hf: the dataset's {kind!r} format has options {unknown} that Arrays does not follow "
+            "(it hands out CPU tensors, and follows dtype= alone): set the format without them, and move "
+            "batches with fastcollate.DeviceLoader"
+        )
+    return form.get("columns")
+
+
+def refuse_encoded_media(features: Any, chosen: dict[str, str]) -> None:
+    """Refuses a chosen column that holds encoded media (an Image or Audio feature, or a list of them):
+    its rows are file bytes or paths that Hugging Face decodes when a row is read."""
+    for key, name in chosen.items():
+        media = _media(features.get(name))
+        if media is not None:
+            raise TypeError(
+                f"Arrays.from_hf: column {name!r} (for key {key!r}) holds encoded media ({media}): each row is a "
+                "file's bytes or path, which Hugging Face decodes as a row is read. Decode it into arrays with "
+                "Dataset.map (e.g. {'pixels': np.asarray(row['image'])}, stored as an Array3D feature), or "
+                "leave it out (columns=[...]) and collate decoded rows with fastcollate.assemble"
+            )
+
+
+def _media(feature: Any) -> str | None:
+    """The name of the encoded-media feature in ``feature`` (at any depth), or None."""
+    if feature is None:
+        return None
+    if hasattr(feature, "decode_example") and hasattr(feature, "decode"):
+        return type(feature).__name__  # Image, Audio, Video, Pdf, Nifti: decoded on read
+    if isinstance(feature, dict):
+        return next((m for m in map(_media, feature.values()) if m), None)
+    if isinstance(feature, (list, tuple)):
+        return next((m for m in map(_media, feature) if m), None)
+    return _media(getattr(feature, "feature", None))  # List, LargeList, Sequence
+
+
+def dtypes_handed_out(dataset: Any, chosen: dict[str, str], arrays: Any) -> dict[str, torch.dtype]:
+    """{key: dtype} for the chosen keys whose rows the dataset's format hands out in another dtype than
+    the stored one."""
+    form = dataset.format
+    kind = form.get("type")
+    if kind in _AS_STORED:
+        return {}
+    formatted = set(form.get("columns") or dataset.column_names)
+    forced = (form.get("format_kwargs") or {}).get("dtype")
+    if forced is not None and kind == "numpy":
+        forced = torch.from_numpy(np.empty(0, dtype=np.dtype(forced))).dtype
+    out = {}
+    for key, name in chosen.items():
+        if name not in formatted:
+            continue  # outside with_format(columns=...): handed out as stored
+        column = arrays.columns[key]
+        stored = column.first.dtype
+        is_array = column.ragged or column.first.dim() > 1
+        if kind == "numpy" and not is_array:
+            continue  # numpy scalars are handed out as they are stored
+        held = forced or _widened(stored)
+        if held != stored:
+            out[key] = held
+    return out
+
+
+def _widened(dtype: torch.dtype) -> torch.dtype:
+    """The dtype Hugging Face's numpy (arrays) and torch formats give a stored dtype."""
+    if dtype.is_floating_point:
+        return torch.float32
+    return torch.int64

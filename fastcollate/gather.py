@@ -81,21 +81,22 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
     """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
     source = column.first
-    if column.dtype is not None and column.dtype != source.dtype:
-        if field is not None:
-            return None  # the contract's dtype rules apply to the dtype samples hold: the walk's rows have it
-        # Samples hold another dtype than the stored one (a Hugging Face format's): cast while copying.
-        return _C.GatheredColumn(kind=_Kind.ROWS if not column.ragged else _Kind.RAGGED,
-                                 **_sources(column), key=key, dtype=column.dtype, field=None)
-    declared = field.dtype if field is not None and field.dtype is not None else source.dtype
+    held = column.dtype or source.dtype  # what a sample holds: the stored dtype, or a Hugging Face format's
+    declared = field.dtype if field is not None and field.dtype is not None else held
     # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
-    dtype = declared if field is not None and source.dtype in (declared, *field.cast_from) else source.dtype
+    dtype = declared if field is not None and held in (declared, *field.cast_from) else held
+    if held != source.dtype and field is not None:
+        # The contract's rules are the dtype samples hold's, and the copy casts from the stored one in one
+        # step: the same values only if that dtype was taken, and the stored one's cast to it kept values.
+        if dtype != declared or not (declared == held or _keeps_values(source.dtype, held)):
+            return None
+        spec.cast_from = [*spec.cast_from, source.dtype]
     if field is not None:
         if field.kind == "text" or field.expand_from:
             return None
         if field.kind == "number" and (column.ragged or source.dim() != 1):
             return None  # a number per sample is a 1-D column
-        if source.dtype.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
+        if held.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
         if field.range is not None and not _keeps_values(source.dtype, dtype):
             return None  # a cast that can change values (narrowing): the range is the source's to check

@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 datasets = pytest.importorskip("datasets")
 from datasets import Dataset, Features, Sequence, Value  # noqa: E402
 
-from fastcollate import Arrays, Contract, Field, assemble  # noqa: E402
+from fastcollate import Arrays, Contract, ContractError, Field, assemble, gather  # noqa: E402
 from fastcollate.mapped_files import MappedFileError  # noqa: E402
 
 from .test_mapped_files import _no_signal, _run  # noqa: E402
@@ -98,10 +98,19 @@ def test_a_contract_over_a_formatted_dataset_checks_the_dtype_samples_hold(saved
         {"label": Field(dtype=torch.int64, shape=(), range=(0, 7)), "score": Field(shape=())}, id=None
     )
     dataset = saved.with_format("torch", columns=["label", "score"])
-    batch = assemble.using(contract)(Arrays.from_hf(dataset).__getitems__([1, 2, 8]))
-    assert batch["label"].dtype == torch.int64 and batch["label"].tolist() == [1, 2, 1]
-    assert batch["score"].dtype == torch.float32
-    assert torch.equal(batch["score"], torch.stack([dataset[i]["score"] for i in (1, 2, 8)]))
+    arrays = Arrays.from_hf(dataset)
+    assert gather.gatherer(arrays, contract, "id") is not None, "gathered, casting as it copies"
+    gathered = assemble.using(contract)(arrays.__getitems__([1, 2, 8]))
+    walked = assemble.using(contract)(list(arrays.__getitems__([1, 2, 8])))
+    for batch in (gathered, walked):
+        assert batch["label"].dtype == torch.int64 and batch["label"].tolist() == [1, 2, 1]
+        assert batch["score"].dtype == torch.float32
+        assert torch.equal(batch["score"], torch.stack([dataset[i]["score"] for i in (1, 2, 8)]))
+    # Stored int32 labels are not what samples hold: a contract that takes only int32 is refused, naming
+    # the sample, as it is on Hugging Face's own rows.
+    int32_only = Contract({"label": Field(dtype=torch.int32, shape=()), "score": Field(shape=())}, id=None)
+    with pytest.raises(ContractError, match="field 'label'.*int64"):
+        assemble.using(int32_only)(arrays.__getitems__([1, 2]))
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,8 @@ void bind_field_spec(py::module_& m) {
       .def_readwrite("mask_name", &FieldSpec::mask_name)
       .def_readwrite("mask_dtype", &FieldSpec::mask_dtype)
       .def_readwrite("lengths_name", &FieldSpec::lengths_name)
+      .def_readwrite("pad_to_multiple_of", &FieldSpec::pad_to_multiple_of)
+      .def_readwrite("pad_left", &FieldSpec::pad_left)
       .def_readwrite("packed", &FieldSpec::packed)
       .def_property(
           "has_separator", [](const FieldSpec& spec) { return spec.separator.has_value(); },

@@ -16,18 +16,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import tree
+from . import padding, tree
 
 __all__ = ["Contract", "Field", "Packing"]
 
 Dim = int | str
 _QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
-# A mask holds 1 at real positions and 0 at padding: bool, or a 0/1 integer or floating-point mask for
-# models that take one (Hugging Face's attention_mask is int64).
-_MASK_DTYPES = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +36,11 @@ class Field:
             two fields must have the same size within a sample (``tokens: ("T",)``, ``labels: ("T",)``).
         range: ``(low, high)``: every value must satisfy ``low <= value < high`` (NaN never does).
             For class indices: ``(0, num_classes)``.
-        pad: the padding value. When set, named dims are padded on the right (at the end) to the
-            batch's longest; the batch gets ``mask`` (True at real positions, shape
-            ``[batch, *longest named dims]``) and, if named, ``lengths`` (int64 ``[batch]``, or
-            ``[batch, n_named_dims]``) beside the field. Without it, named dims must agree across the batch.
+        pad: the padding value. When set, named dims are padded on the right (at the end; see
+            ``padding_side``) to the batch's longest (see ``pad_to_multiple_of``); the batch gets ``mask``
+            (True at real positions, shape ``[batch, *padded named dims]``) and, if named, ``lengths``
+            (int64 ``[batch]``, or ``[batch, n_named_dims]``: the real lengths) beside the field.
+            Without it, named dims must agree across the batch.
             A real number the dtype holds (a whole one for integer dtypes, within 2**53 of 0; no negative
             one for unsigned dtypes: -1 is refused in uint8, not wrapped to 255).
         mask: the mask's key (default ``"<field>_mask"``); only with ``pad``. Two padded fields may
@@ -56,6 +51,14 @@ class Field:
             floating-point dtype gives 1 at real positions and 0 at padding, as Hugging Face models take
             ``attention_mask`` (``torch.int64``). Only with ``pad``.
         lengths: the lengths' key, or None for none (default ``"<field>_lengths"``); only with ``pad``.
+        pad_to_multiple_of: only with ``pad``: each named dim is padded to the batch's longest rounded up
+            to a multiple of this, as ``DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)`` pads
+            (tensor cores, fewer shapes for torch.compile); the mask covers the padded length, 0 at the
+            padding. Every named dim of the field is rounded. None (the default) pads to the longest.
+        padding_side: only with ``pad``: ``"right"`` (the default: values first, then padding) or
+            ``"left"`` (padding first, the values last, mask 0 on the left), as a tokenizer with
+            ``padding_side="left"`` pads for batched generation. Every named dim of the field is padded
+            on that side. Fields that share a mask share both settings.
         expand_from: other shapes accepted and broadcast to ``shape`` on copy: ``expand_from=((1, 16, 16),)``
             on a ``(3, 16, 16)`` field turns a grayscale image into three identical channels.
         cast_from: other dtypes accepted and converted to ``dtype`` on copy.
@@ -87,6 +90,8 @@ class Field:
     mask: str | None = None
     mask_dtype: torch.dtype = torch.bool
     lengths: str | None = ""
+    pad_to_multiple_of: int | None = None
+    padding_side: Literal["right", "left"] = "right"
     expand_from: tuple[tuple[int, ...], ...] = ()
     cast_from: tuple[torch.dtype, ...] = ()
     pack: bool = False
@@ -107,14 +112,7 @@ class Field:
             low, high = self.range
             if not low < high:
                 raise ValueError(f"range must be (low, high) with low < high, got {self.range}")
-        if self.pad is not None and not any(isinstance(d, str) for d in self.shape or ()):
-            raise ValueError("pad needs at least one named (variable) dim in shape, e.g. shape=('T',)")
-        self._check_pad()
-        if self.pad is None and (self.mask is not None or self.lengths or self.mask_dtype != torch.bool):
-            raise ValueError("mask, mask_dtype and lengths only apply to padded fields: set pad=<value>")
-        if self.mask_dtype not in _MASK_DTYPES:
-            raise ValueError(f"mask_dtype must be torch.bool, an integer or a floating-point dtype (a mask "
-                             f"of 1 and 0), got {self.mask_dtype!r}; e.g. torch.int64 for Hugging Face")
+        object.__setattr__(self, "pad_to_multiple_of", padding.check_padding(self))
         if self.kind != "tensor" and (self.shape or self.pad is not None or self.expand_from):
             raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {self.kind!r} ones")
         if self.kind == "text" and (self.dtype is not None or self.range is not None):
@@ -164,21 +162,6 @@ class Field:
             raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
                              f"(a separator is from {low} to {high})")
 
-    def _check_pad(self) -> None:
-        """At declaration, not at the first batch: the pad crosses to C++ as a double, as the separator
-        does, so an integer one must be exact there; whether it fits the dtype is the walk's to say (the
-        rule of pad values and separators, _C.value_fits: -1 does not fit uint8)."""
-        pad, dtype = self.pad, self.dtype
-        if pad is None:
-            return
-        if not isinstance(pad, (numbers.Real, np.bool_)):  # numpy's numbers are, complex ones and str are not
-            raise ValueError(f"pad must be a real number (a bool, an int or a float), got {pad!r}")
-        if isinstance(pad, numbers.Integral) and abs(int(pad)) > 2**53:
-            raise ValueError(f"pad {pad!r} is beyond 2**53: an integer pad is exact only up to there")
-        takes_fractions = dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
-        if not takes_fractions and not float(pad).is_integer():
-            raise ValueError(f"pad {pad!r} is not a value of the field's dtype {dtype}")
-
     def _check_pack(self) -> None:
         shape = self.shape or ()
         if not shape or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
@@ -215,7 +198,9 @@ class Field:
         if self.range is not None:
             parts.append(f"in [{self.range[0]}, {self.range[1]})")
         if self.pad is not None:
-            parts.append(f"padded right with {self.pad!r}")
+            parts.append(f"padded {self.padding_side} with {self.pad!r}")
+            if self.pad_to_multiple_of is not None:
+                parts.append(f"to a multiple of {self.pad_to_multiple_of}")
             # Only what differs from the defaults, so that contracts that differ there say so in diff().
             if self.mask is not None:
                 parts.append(f"mask {self.mask!r}")
@@ -411,19 +396,24 @@ class Contract:
 
     def _check_shared_key(self, key: str, first: tuple[str, str], second: tuple[str, str]) -> None:
         """Two padded fields may put their masks under one key only when the masks are equal by
-        construction: the same named dims (which agree within a sample) and the same mask dtype."""
+        construction: the same named dims (which agree within a sample), padded to the same multiple on
+        the same side, into the same mask dtype."""
         (first_path, first_role), (second_path, second_role) = first, second
         if first_role != "mask" or second_role != "mask":
             raise ValueError(f"padded fields {first_path!r} ({first_role}) and {second_path!r} "
                              f"({second_role}) would both add {key!r}: give one of them another key")
         a, b = self.fields[first_path], self.fields[second_path]
         a_dims, b_dims = _named_dims(a), _named_dims(b)
-        if a_dims != b_dims or a.mask_dtype != b.mask_dtype:
+        if (a_dims, a.mask_dtype, a.pad_to_multiple_of, a.padding_side) != (
+            b_dims, b.mask_dtype, b.pad_to_multiple_of, b.padding_side
+        ):
             raise ValueError(
                 f"padded fields {first_path!r} and {second_path!r} share the mask key {key!r}, but their "
                 f"masks would differ: named dims {list(a_dims)} and {list(b_dims)}, mask dtypes "
-                f"{a.mask_dtype} and {b.mask_dtype}. A shared mask needs the same named dims in the same "
-                "order and the same mask_dtype; otherwise give one field its own mask=<key>"
+                f"{a.mask_dtype} and {b.mask_dtype}, pad_to_multiple_of {a.pad_to_multiple_of} and "
+                f"{b.pad_to_multiple_of}, padding_side {a.padding_side!r} and {b.padding_side!r}. A shared "
+                "mask needs the same named dims in the same order, mask_dtype, pad_to_multiple_of and "
+                "padding_side; otherwise give one field its own mask=<key>"
             )
 
     def mask_key(self, path: str) -> str | None:
@@ -500,6 +490,8 @@ class Contract:
                 spec.mask_name = self.mask_key(path)
                 spec.mask_dtype = field.mask_dtype
                 spec.lengths_name = self.lengths_key(path) or ""
+                spec.pad_to_multiple_of = field.pad_to_multiple_of or 1
+                spec.pad_left = field.padding_side == "left"
             if field.pack:
                 self._packing_spec(spec, field)
             specs.append(spec)

@@ -97,6 +97,13 @@ def labels_copied_from_input_ids(lines: list[str]) -> None:
     assert lines == [f"{[tokens]} {[labels]} {keys}"], lines
 
 
+def left_padded_to_eight(lines: list[str]) -> None:
+    assert lines == [
+        "[[0, 0, 0, 0, 0, 101, 7, 102], [0, 0, 0, 0, 0, 0, 101, 102]]",
+        "[[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]]",
+    ], lines
+
+
 def pipeline_batches(lines: list[str]) -> None:
     assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
 
@@ -104,6 +111,7 @@ def pipeline_batches(lines: list[str]) -> None:
 RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
     ("README.md", "class Images(Dataset)"): readme_usage,
     ("docs/usage.md", "fastcollate.Arrays(image=images_u8"): arrays_batches,
+    ("docs/usage.md", 'padding_side="left",'): left_padded_to_eight,
     ("docs/usage.md", "Arrays.from_hf(train"): hf_sample_is_its_row,
     ("docs/usage.md", "IndexBatches(len(dataset)"): every_index_once,
     ("docs/usage.md", "# + return_seq_idx=True"): packed_keys,

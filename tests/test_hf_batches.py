@@ -1,6 +1,6 @@
 """Hugging Face style batches: a contract whose batch is exactly what ``DataCollatorWithPadding`` makes
 (keys, dtypes, values), and what a ``transformers`` model takes. Offline: a word-level tokenizer built
-here, a tiny randomly initialised BERT, no downloads."""
+in tests/helpers/tokenizers.py, a tiny randomly initialised BERT, no downloads."""
 
 import random
 
@@ -9,29 +9,15 @@ import torch
 
 from fastcollate import Contract, Field, assemble
 
+from .helpers.tokenizers import WORDS, word_level_tokenizer
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
-
-WORDS = [f"w{i}" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from tokenizers.processors import TemplateProcessing
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{w: 4 + i for i, w in enumerate(WORDS)}}
-    backend = tokenizers.Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = Whitespace()
-    # BERT's layout: pairs get token_type_ids 0 for the first text and 1 for the second.
-    backend.post_processor = TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
-    )
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
-    )
+    return word_level_tokenizer()
 
 
 def tokenized_samples(tokenizer, count=12, pairs=False, seed=0):

@@ -10,6 +10,7 @@
 #include "collate/contract_rules.h"
 #include "collate/node.h"
 #include "memory/copy_kernels.h"
+#include "memory/padded_rows.h"
 #include "ops/cpu/gather_kernels.h"
 
 namespace fastcollate {
@@ -135,9 +136,10 @@ RangeMisfit first_range_misfit(const ColumnFill& fill, const ValueRange& range) 
     return flat < 0 ? misfit : RangeMisfit{flat / row, flat % row, misfit.value};
   }
   const int64_t step = row / std::max<int64_t>(out.size(1), 1);  // elements per position of the padded dim
-  for (int64_t b = 0; b < size; ++b) {  // padding is not the sample's: only its own length is checked
-    const int64_t flat =
-        first_out_of_range(base + b * row * element_size, dtype, fill.lengths[b] * step, range, misfit.value);
+  for (int64_t b = 0; b < size; ++b) {  // padding is not the sample's: only its own positions are checked
+    const int64_t start = padded_row(fill.lengths[b], out.size(1), node.pad_left).start;
+    const int64_t flat = first_out_of_range(base + (b * row + start * step) * element_size, dtype,
+                                            fill.lengths[b] * step, range, misfit.value);
     if (flat >= 0) {
       return {b, flat, misfit.value};
     }
@@ -172,12 +174,12 @@ void gather_column(const ColumnFill& fill) {
       const double pad = node.padded ? *column.field->pad_value : 0;
       if (node.padded) {
         gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out, node.mask->out,
-                                     node.lengths->out);
+                                     node.lengths->out, node.pad_left);
       } else {  // rows of one length: the mask and lengths are the gather's scratch
         const int64_t size = static_cast<int64_t>(fill.rows.data.size());
         gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out,
                                      at::detail::empty_cpu({size, node.out.size(1)}, at::kBool),
-                                     at::detail::empty_cpu({size}, at::kLong));
+                                     at::detail::empty_cpu({size}, at::kLong), /*left=*/false);
       }
       return;
     }
@@ -358,9 +360,12 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
                                            "declare a pad value the field's dtype can hold")) {
         refuse(*violation, 0, column.key);
       }
-      const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+      const int64_t longest =
+          padded_length(*std::max_element(lengths.begin(), lengths.end()), field->pad_to_multiple_of);
+      TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
       node = laid_out(*plan, column.key, Node::Kind::Tensor, column.dtype, with_rows(size, longest, inner));
       node->padded = true;
+      node->pad_left = field->pad_left;
       node->mask_name = field->mask_name;
       node->lengths_name = field->lengths_name;
       node->mask = laid_out(*plan, column.key, Node::Kind::Numbers, field->mask_dtype, {size, longest});

@@ -28,10 +28,13 @@ ContractFields::ContractFields(std::string id_key, std::vector<FieldSpec> fields
                 "': dim_names and shape differ in length");
     if (field.padded()) {
       auto [first, added] = masks.emplace(child_path(parent_path(field.path), field.mask_name), &field);
-      TORCH_CHECK(added || (named_dims_of(*first->second) == named_dims_of(field) &&
-                            first->second->mask_dtype == field.mask_dtype),
-                  "Contract: padded fields '", first->second->path, "' and '", field.path, "' share mask '",
-                  field.mask_name, "' but pad different named dims or into different mask dtypes");
+      const FieldSpec& owner = *first->second;
+      TORCH_CHECK(added || (named_dims_of(owner) == named_dims_of(field) && owner.mask_dtype == field.mask_dtype &&
+                            owner.pad_to_multiple_of == field.pad_to_multiple_of && owner.pad_left == field.pad_left),
+                  "Contract: padded fields '", owner.path, "' and '", field.path, "' share mask '", field.mask_name,
+                  "' but pad different named dims, to different multiples or sides, or into different mask dtypes");
+      TORCH_CHECK(field.pad_to_multiple_of >= 1, "Contract: field '", field.path,
+                  "': pad_to_multiple_of must be at least 1, got ", field.pad_to_multiple_of);
     }
     // Every prefix of a declared path is a container ("" is the sample itself).
     if (!field.path.empty()) {

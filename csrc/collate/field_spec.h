@@ -41,6 +41,8 @@ struct FieldSpec {
   std::string mask_name;                  // padded: key of the mask put beside the field
   at::ScalarType mask_dtype = at::kBool;  // padded: the mask's dtype (1 at real positions, 0 at padding)
   std::string lengths_name;               // padded: key of the lengths put beside the field ("" for none)
+  int64_t pad_to_multiple_of = 1;         // padded: each named dim padded to a multiple of this
+  bool pad_left = false;                  // padded: the padding before the values (padding_side="left")
   // Packed: samples concatenated into one row [1, total, *fixed dims] (contract.Field.pack). The keys beside
   // it are the contract's Packing, the same on every packed field; "" (or no names) leaves one out.
   bool packed = false;

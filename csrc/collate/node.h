@@ -32,6 +32,7 @@ struct Node {
   // Padded tensors: per-sample sizes of each dim, and where the mask and lengths go.
   bool padded = false;
   uint64_t pad_pattern = 0;
+  bool pad_left = false;          // the padding before the values in each named dim (padded_rows.h)
   std::vector<int64_t> var_dims;  // the named dims, in order: mask dim k is var_dims[k]
   std::unique_ptr<Node> mask;     // null when an earlier field of the same parent builds the shared mask
   std::unique_ptr<Node> lengths;

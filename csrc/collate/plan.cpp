@@ -11,6 +11,7 @@
 
 #include "collate/contract_rules.h"
 #include "collate/node.h"
+#include "memory/padded_rows.h"
 
 namespace fastcollate {
 
@@ -86,10 +87,11 @@ void write_numbers(Node& node) {
                  AT_EXPAND(AT_FLOAT8_TYPES));
 }
 
-// Copies into a padded field: fill with the pad value, then each sample into the top-left corner of its
-// row. When only dim 0 of a contiguous sample varies its bytes are a prefix of the row: one memcpy. The
-// mask (1 of its dtype at real positions, 0 at padding) is written the same way, unless an earlier field
-// of the same parent writes it (a shared mask: node.mask is null).
+// Copies into a padded field: each sample at the start of its row (right padding) or at its end (left
+// padding) in every named dim, the rest the pad value (padded_rows.h). When only dim 0 of a contiguous
+// sample varies its bytes are one span of the row: one memcpy and one fill. The mask (1 of its dtype at
+// real positions, 0 at padding) is written the same way, unless an earlier field of the same parent
+// writes it (a shared mask: node.mask is null).
 void add_padded_jobs(Node& node, CopyJobs& jobs) {
   const size_t element_size = c10::elementSize(node.dtype);
   const size_t var_dims = node.var_dims.size();
@@ -99,6 +101,8 @@ void add_padded_jobs(Node& node, CopyJobs& jobs) {
   }
   const size_t row_elements = static_cast<size_t>(node.out.numel()) / count;
   const auto row_tail_shape = node.out.sizes().slice(2);
+  const int64_t padded = node.out.dim() > 1 ? node.out.size(1) : 0;  // dim 0's padded length
+  const size_t step_elements = padded > 0 ? row_elements / static_cast<size_t>(padded) : 0;
   auto* out = static_cast<unsigned char*>(node.out.data_ptr());
   Node* mask = node.mask.get();
   const at::ScalarType mask_dtype = mask ? mask->dtype : at::kBool;
@@ -111,34 +115,37 @@ void add_padded_jobs(Node& node, CopyJobs& jobs) {
     const at::Tensor& value = node.inputs[i];
     unsigned char* row = out + i * row_elements * element_size;
     unsigned char* mask_row = mask ? mask_bytes + i * mask_row_elements * mask_element_size : nullptr;
-    const bool prefix = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
-                        copyable_as_is(value) && value.sizes().slice(1) == row_tail_shape;
-    if (prefix) {
+    const bool one_span = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
+                          copyable_as_is(value) && value.sizes().slice(1) == row_tail_shape;
+    if (one_span) {
       // Pointer arithmetic, not select(): two dispatcher calls per sample would cost more than its bytes.
-      const size_t used = static_cast<size_t>(value.numel());
-      const size_t length = static_cast<size_t>(value.size(0));
-      jobs.add_memcpy(value.const_data_ptr(), row, used * element_size);
-      jobs.fills.push_back({row + used * element_size, row_elements - used, element_size, node.pad_pattern});
+      const int64_t length = value.size(0);
+      const PaddedRow span = padded_row(length, padded, node.pad_left);
+      unsigned char* values = add_row_padding(jobs, row, span, step_elements, element_size, node.pad_pattern);
+      jobs.add_memcpy(value.const_data_ptr(), values, static_cast<size_t>(value.numel()) * element_size);
       if (mask) {
-        jobs.fills.push_back({mask_row, length, mask_element_size, mask_one});
-        jobs.fills.push_back({mask_row + length * mask_element_size, mask_row_elements - length, mask_element_size, 0});
+        add_mask_row(jobs, mask_row, span, length, mask_element_size, mask_one);
       }
       continue;
     }
-    // Pad the whole row, then copy the sample into its corner (fills run before copies). Named dims are
-    // narrowed to the sample's size; fixed dims stay whole (a declared expand broadcasts).
+    // Pad the whole row, then copy the sample into its corner (fills run before copies): its first
+    // positions of each named dim, or its last ones when padded on the left. Fixed dims stay whole (a
+    // declared expand broadcasts).
     jobs.fills.push_back({row, row_elements, element_size, node.pad_pattern});
     at::Tensor target = node.out.select(0, static_cast<int64_t>(i));
+    at::Tensor mask_target = mask ? mask->out.select(0, static_cast<int64_t>(i)) : at::Tensor();
     for (size_t k = 0; k < var_dims; ++k) {
-      target = target.narrow(node.var_dims[k], 0, value.size(node.var_dims[k]));
+      const int64_t dim = node.var_dims[k];
+      const int64_t size = value.size(dim);
+      const int64_t start = padded_row(size, target.size(dim), node.pad_left).start;
+      target = target.narrow(dim, start, size);
+      if (mask) {
+        mask_target = mask_target.narrow(static_cast<int64_t>(k), start, size);
+      }
     }
     jobs.tensor_copies.push_back({value, target});
     if (mask) {
       jobs.fills.push_back({mask_row, mask_row_elements, mask_element_size, 0});
-      at::Tensor mask_target = mask->out.select(0, static_cast<int64_t>(i));
-      for (size_t k = 0; k < var_dims; ++k) {
-        mask_target = mask_target.narrow(static_cast<int64_t>(k), 0, value.size(node.var_dims[k]));
-      }
       if (!one.defined()) {
         one = at::ones({}, at::TensorOptions().dtype(mask_dtype));
       }

@@ -12,6 +12,7 @@
 #include "collate/plan.h"
 #include "collate/walk.h"
 #include "memory/copy_kernels.h"
+#include "memory/padded_rows.h"
 
 namespace fastcollate {
 
@@ -322,7 +323,8 @@ void Walk::check_declared_shape(const at::Tensor& value, const FieldSpec& spec, 
   }
 }
 
-// Named dims: padded to the batch's longest, or equal across the batch.
+// Named dims: padded to the batch's longest (rounded up to the field's pad_to_multiple_of), or equal
+// across the batch.
 void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector<int64_t>& row_shape) {
   const size_t count = node.inputs.size();
   for (size_t d = 0; d < spec.shape->size(); ++d) {
@@ -341,7 +343,13 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
       }
       longest = std::max(longest, size);
     }
-    row_shape[d] = longest;
+    row_shape[d] = spec.padded() ? padded_length(longest, spec.pad_to_multiple_of) : longest;
+    if (row_shape[d] < 0) {
+      fail("size", 0, spec.path, "a batch that fits in memory",
+           "dim " + spec.dim_names[d] + " = " + std::to_string(longest) + " padded to a multiple of " +
+               std::to_string(spec.pad_to_multiple_of) + " (over 2^63)",
+           "check the sample's shape (an expand() can claim any size)");
+    }
   }
 }
 
@@ -352,6 +360,7 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
   const size_t count = node.inputs.size();
   node.pad_pattern =
       value_pattern(*spec.pad_value, node.dtype, node.path, "pad", "declare a pad value the field's dtype can hold");
+  node.pad_left = spec.pad_left;
   node.mask_name = spec.mask_name;
   node.lengths_name = spec.lengths_name;
   for (size_t d = 0; d < spec.dim_names.size(); ++d) {

@@ -18,6 +18,7 @@
 
 #include "memory/copy_kernels.h"
 #include "memory/mapped_reads.h"
+#include "memory/padded_rows.h"
 #include "ops/cpu/gather_kernels.h"
 
 namespace fastcollate {
@@ -221,7 +222,8 @@ void gather_ragged_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
   at::assert_no_overlap(out, values);
   at::assert_no_overlap(out, mask);
   at::assert_no_overlap(out, lengths);
-  gather_ragged_spans_into_cpu(ragged_spans(values, offsets, indices), values.scalar_type(), value, out, mask, lengths);
+  gather_ragged_spans_into_cpu(ragged_spans(values, offsets, indices), values.scalar_type(), value, out, mask, lengths,
+                               /*left=*/false);
 }
 
 RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices) {
@@ -241,7 +243,8 @@ RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const
 }
 
 void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const at::Scalar& value,
-                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths) {
+                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths,
+                                  bool left) {
   const int64_t batch = static_cast<int64_t>(spans.data.size());
   const int64_t longest = out.size(1);
   for (int64_t b = 0; b < batch; ++b) {
@@ -252,7 +255,7 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
   const size_t step_elements = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2)));
   const size_t source_element = c10::elementSize(source);
-  const size_t step_bytes = step_elements * source_element;
+  const size_t row_bytes = static_cast<size_t>(longest) * step_elements * source_element;
   auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
   auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
   int64_t* length_values = lengths.data_ptr<int64_t>();
@@ -266,29 +269,26 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   const size_t mask_element = mask.element_size();
   CopyJobs jobs;
   for (int64_t b = 0; b < batch; ++b) {
-    const size_t length = static_cast<size_t>(spans.lengths[b]);
-    unsigned char* row = out_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * step_bytes;
+    const int64_t length = spans.lengths[b];
+    const PaddedRow span = padded_row(length, longest, left);
+    unsigned char* values =
+        add_row_padding(jobs, out_bytes + static_cast<size_t>(b) * row_bytes, span, step_elements, source_element, pad);
     if (length > 0) {
-      jobs.add_memcpy(spans.data[b], row, length * step_bytes);
+      jobs.add_memcpy(spans.data[b], values, static_cast<size_t>(length) * step_elements * source_element);
     }
-    jobs.fills.push_back(
-        {row + length * step_bytes, (static_cast<size_t>(longest) - length) * step_elements, source_element, pad});
-    unsigned char* mask_row = mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element;
-    jobs.fills.push_back({mask_row, length, mask_element, one});
-    jobs.fills.push_back({mask_row + length * mask_element, static_cast<size_t>(longest) - length, mask_element, 0});
-    length_values[b] = static_cast<int64_t>(length);
+    add_mask_row(jobs, mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element, span, length,
+                 mask_element, one);
+    length_values[b] = length;
   }
   jobs.run();
   if (casting) {
     const_cast<at::Tensor&>(out).copy_(target);
-    const size_t out_step_bytes = step_elements * out.element_size();
+    const size_t out_row_bytes = static_cast<size_t>(longest) * step_elements * out.element_size();
     auto* cast_bytes = static_cast<unsigned char*>(out.data_ptr());
     CopyJobs padding;
     for (int64_t b = 0; b < batch; ++b) {
-      const size_t length = static_cast<size_t>(length_values[b]);
-      unsigned char* row = cast_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * out_step_bytes;
-      padding.fills.push_back({row + length * out_step_bytes, (static_cast<size_t>(longest) - length) * step_elements,
-                               static_cast<size_t>(out.element_size()), out_pad});
+      add_row_padding(padding, cast_bytes + static_cast<size_t>(b) * out_row_bytes,
+                      padded_row(length_values[b], longest, left), step_elements, out.element_size(), out_pad);
     }
     padding.run();
   }

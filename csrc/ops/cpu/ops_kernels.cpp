@@ -5,9 +5,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "memory/copy_kernels.h"
+#include "memory/padded_rows.h"
 
 namespace fastcollate {
 
@@ -64,6 +64,7 @@ void pad_into_cpu(at::TensorList samples, const at::Scalar& value, const at::Ten
   const size_t row_elements = static_cast<size_t>(out.numel() / std::max<int64_t>(batch, 1));
   const size_t step_elements = static_cast<size_t>(row_elements / std::max<int64_t>(max_length, 1));
   const uint64_t pattern = element_pattern(value, out.scalar_type());
+  const uint64_t mask_one = element_pattern(1, at::kBool);
   auto* out_bytes = static_cast<unsigned char*>(out.data_ptr());
   auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
   auto* length_values = lengths.data_ptr<int64_t>();
@@ -80,15 +81,14 @@ void pad_into_cpu(at::TensorList samples, const at::Scalar& value, const at::Ten
     TORCH_CHECK(sample.scalar_type() == out.scalar_type() && sample.device().is_cpu(), "pad_into: sample ", i, " is ",
                 sample.scalar_type(), " on ", sample.device(), ", expected ", out.scalar_type(), " on cpu");
     at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
-    const size_t length = static_cast<size_t>(sample.size(0));
+    const int64_t length = sample.size(0);
+    const PaddedRow span = padded_row(length, max_length, /*left=*/false);
     unsigned char* row = out_bytes + static_cast<size_t>(i) * row_elements * element_size;
+    unsigned char* values = add_row_padding(jobs, row, span, step_elements, element_size, pattern);
     const at::Tensor& contiguous = contiguous_samples.emplace_back(sample.contiguous());
-    jobs.add_memcpy(contiguous.const_data_ptr(), row, length * step_elements * element_size);
-    jobs.fills.push_back({row + length * step_elements * element_size,
-                          (static_cast<size_t>(max_length) - length) * step_elements, element_size, pattern});
-    std::memset(mask_bytes + i * max_length, 1, length);
-    std::memset(mask_bytes + i * max_length + length, 0, static_cast<size_t>(max_length) - length);
-    length_values[i] = static_cast<int64_t>(length);
+    jobs.add_memcpy(contiguous.const_data_ptr(), values, static_cast<size_t>(length) * step_elements * element_size);
+    add_mask_row(jobs, mask_bytes + i * max_length, span, length, sizeof(bool), mask_one);
+    length_values[i] = length;
   }
   jobs.run();
 }

@@ -65,10 +65,10 @@ class ArrowArrays(Arrays):
     def _handed_out(self, sample: dict[str, Any]) -> dict[str, Any]:
         return {key: _copy(value) for key, value in sample.items()}
 
-    def check_files(self) -> None:
+    def check_files(self, indices: int | np.ndarray | None = None) -> None:
         if self._refusal is not None:
             raise MappedFileError(self._refusal)
-        super().check_files()
+        super().check_files(indices)
 
 
 def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
@@ -173,13 +173,14 @@ def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) ->
         if name not in made:
             made[name] = Column(key, Chunked(_pieces(key, table.column(name), who)))
     arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
-    addresses = {
-        name: [chunk.first.data_ptr() for chunk in column.chunks if chunk.first.numel()]
-        for name, column in arrays.columns.items()
-    }
-    watched = WatchedFile.of([address for found in addresses.values() for address in found])
-    for name, column in arrays.columns.items():
-        column.watched = list({id(watched[a]): watched[a] for a in addresses[name] if a in watched}.values())
+    chunks = [chunk for column in arrays.columns.values() for chunk in column.chunks]
+    at = {id(chunk): chunk.first.data_ptr() for chunk in chunks if chunk.first.numel()}
+    watched = WatchedFile.of(list(at.values()))
+    for chunk in chunks:  # each chunk its file: a batch checks the files of the chunks it reads
+        found = watched.get(at.get(id(chunk)))
+        chunk.watched = [found] if found is not None else []
+    for column in arrays.columns.values():
+        column.watched = list({id(w): w for chunk in column.chunks for w in chunk.watched}.values())
     return arrays
 
 

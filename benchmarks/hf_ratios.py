@@ -531,6 +531,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, help="rows of every dataset (default: the case's own)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="instead of each case's own")
     parser.add_argument("--batches", type=int, help="batches a path drains a round (default: by its size)")
+    parser.add_argument("--row-reads", type=int,
+                        help="many_files: rows read one by one a round (default 5,000, --quick 1,000)")
     parser.add_argument("--data-dir", type=Path,
                         help="keep the saved datasets here and reuse them (default: a temporary folder)")
     parser.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
@@ -614,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                 reads = {"HF": ds.__getitem__}
                 if not paths["Arrays"].failed:
                     reads["Arrays"] = paths["Arrays"].dataset.__getitem__
-                row_reads = case.row_reads // 5 if args.quick else case.row_reads
+                row_reads = args.row_reads or (case.row_reads // 5 if args.quick else case.row_reads)
                 result["row_reads"] = time_row_reads(reads, len(ds), row_reads, args.rounds, args.seed)
                 print("\n".join(row_read_lines(result["row_reads"])), flush=True)
             del paths, ds

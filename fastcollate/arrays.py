@@ -62,9 +62,8 @@ class Column:
     (fastcollate.mapped_files): they are read through the column's own mapping, pickle as their file,
     and a file that shrank or was replaced is caught before anything reads it; ``watched`` are the
     files another library mapped (an Arrow file), checked the same way (a Chunked column's: its parts',
-    each part listing those it reads). The offsets are the column's own
-    copy: they were checked when the column was made, and a caller's array changed later must not change
-    the rows."""
+    each part listing those it reads). The offsets are the column's own copy: they were checked when the
+    column was made, and a caller's array changed later must not change the rows."""
 
     def __init__(self, name: str, value: Any) -> None:
         self.name = name
@@ -180,12 +179,6 @@ class Column:
         """The files this column reads (MappedFile, or a file another library mapped), each with
         ``unreadable()`` and ``check(column)``."""
         return self.watched + (self._part_files if self.parts is not None else list(self.files.values()))
-
-    def files_by_chunk(self) -> list[list[Any]]:
-        """The files each chunk reads (see on_disk), chunk by chunk: a batch checks those of its rows'."""
-        if self.parts is None:
-            return [self.on_disk()]
-        return [part.on_disk() for part in self.parts]
 
     def check_file(self) -> None:
         """Raises MappedFileError, naming the column, if a file it reads shrank or, in a process that
@@ -379,12 +372,7 @@ class Arrays(Dataset):
         files = self.__dict__.get("_files_of_rows")
         if files is None:  # found once the columns are final (from_hf watches their files after __init__)
             files = self._files_of_rows = FilesOfRows(self.columns)
-        if indices is None:
-            files.check_every()
-        elif isinstance(indices, np.ndarray):
-            files.check_rows(indices if self.rows_of is None else self.rows_of.numpy()[indices])
-        else:
-            files.check_row(indices if self.rows_of is None else int(self.rows_of[indices]))
+        files.check(indices, self.rows_of)
 
     def read_fault(self, error: RuntimeError, column: str | None = None) -> MappedFileError:
         """The error for a read that faulted (``error``) while a batch was copied, ``column``'s when the

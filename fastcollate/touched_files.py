@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FilesOfRows"]
 
@@ -41,8 +44,8 @@ class _Chunking:
 
 
 class FilesOfRows:
-    """The files of an Arrays' ``columns`` (Column.files_by_chunk), each listed once with the first key
-    that reads it (named when it is refused), and which of them a row's chunk reads."""
+    """The files of an Arrays' ``columns`` (``Column.on_disk``), each listed once with the first key that
+    reads it (named when it is refused), and which of them a row's chunk reads."""
 
     def __init__(self, columns: Mapping[str, Any]) -> None:
         self.files: list[Any] = []
@@ -51,7 +54,7 @@ class FilesOfRows:
         chunkings: dict[tuple, _Chunking] = {}
         for key, column in columns.items():
             by_chunk = []
-            for files in column.files_by_chunk():
+            for files in _files_by_chunk(column):
                 for file in files:
                     if id(file) not in numbers:
                         numbers[id(file)] = len(self.files)
@@ -64,6 +67,16 @@ class FilesOfRows:
                 chunkings.setdefault(shape, _Chunking(starts, by_chunk))
         self._chunkings = list(chunkings.values())
         self._few = len(self.files) <= CHECK_ALL_UP_TO
+
+    def check(self, indices: int | np.ndarray | None, rows_of: torch.Tensor | None) -> None:
+        """Checks the files of the samples ``indices`` (a sample, or int64 indices in range; None: every
+        file), sample ``i`` being row ``rows_of[i]`` where there is a ``rows_of``."""
+        if indices is None:
+            self.check_every()
+        elif isinstance(indices, np.ndarray):
+            self.check_rows(indices if rows_of is None else rows_of.numpy()[indices])
+        else:
+            self.check_row(indices if rows_of is None else int(rows_of[indices]))
 
     def check_every(self) -> None:
         self._check(range(len(self.files)))
@@ -88,3 +101,10 @@ class FilesOfRows:
         # In the columns' order: the first key that reads a refused file is the one named.
         for number in numbers:
             self.files[number].check(self.keys[number])
+
+
+def _files_by_chunk(column: Any) -> list[list[Any]]:
+    """The files each chunk of ``column`` reads, chunk by chunk (a Chunked column's parts list their own)."""
+    if column.parts is None:
+        return [column.on_disk()]
+    return [part.on_disk() for part in column.parts]

@@ -34,7 +34,7 @@ PACKED = Contract(
 
 def _saved(path, rows: int, files: int, seed: int = 0) -> datasets.Dataset:
     """``rows`` rows of ragged ``tokens`` and a ``label`` (the row's number), saved in ``files`` files
-    (as save_to_disk splits them: row r of 10 a file lies in file r // 10) and loaded memory-mapped."""
+    (save_to_disk splits them evenly: with 10 rows a file, row r lies in file r // 10), loaded mapped."""
     rng = np.random.default_rng(seed)
     tokens = [rng.integers(0, 1000, rng.integers(1, 9)).tolist() for _ in range(rows)]
     features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("int32")),

@@ -466,6 +466,11 @@ def rate(value: float) -> str:
     return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k"
 
 
+def ratio_text(ratio: dict) -> str:
+    mark = "" if ratio["clears_noise"] else f" {NOT_DIFFERENT}"
+    return f"{ratio['ratio']:5.2f}x ({ratio['ratio_min']:.2f}-{ratio['ratio_max']:.2f}){mark}"
+
+
 def group_lines(case: str, group: dict) -> list[str]:
     unit, names = CASES[case].unit, NAMES[CASES[case].kind]
     head = f"  batch {group['batch_size']:>5}, workers {group['workers']}:"
@@ -475,10 +480,7 @@ def group_lines(case: str, group: dict) -> list[str]:
     lines = [f"{head} HF {rate(hf['median'])} {unit}/s ({rate(hf['min'])}-{rate(hf['max'])})"]
     for name in PATHS[1:]:
         if name in group:
-            r = group[name]
-            mark = "" if r["clears_noise"] else f" {NOT_DIFFERENT}"
-            lines.append(f"      {names[name]:<44} {r['ratio']:5.2f}x ({r['ratio_min']:.2f}-"
-                         f"{r['ratio_max']:.2f}){mark}")
+            lines.append(f"      {names[name]:<44} {ratio_text(group[name])}")
         else:
             lines.append(f"      {names[name]:<44} {group['failures'].get(name, 'no rounds')}")
     too_small = next((group[name]["too_small"] for name in PATHS[1:] if group.get(name, {}).get("too_small")),
@@ -499,10 +501,9 @@ def row_read_lines(reads: dict) -> list[str]:
     lines = [f"{head} HF ds[i] {rate(hf['median'])} rows/s ({rate(hf['min'])}-{rate(hf['max'])}), "
              f"{1e6 / hf['median']:.1f} us a row"]
     if "Arrays" in reads:
-        r = reads["Arrays"]
-        mark = "" if r["clears_noise"] else f" {NOT_DIFFERENT}"
-        lines.append(f"      {'Arrays.from_hf a[i]':<44} {r['ratio']:5.2f}x ({r['ratio_min']:.2f}-"
-                     f"{r['ratio_max']:.2f}){mark}, {1e6 / r['median']:.1f} us a row")
+        arrays = reads["Arrays"]
+        per_row = 1e6 / arrays["median"]
+        lines.append(f"      {'Arrays.from_hf a[i]':<44} {ratio_text(arrays)}, {per_row:.1f} us a row")
     else:
         lines.append(f"      {'Arrays.from_hf a[i]':<44} {reads['failures'].get('Arrays', 'no rounds')}")
     return lines

@@ -2,8 +2,9 @@
 datasets as users have them (saved with ``save_to_disk``, loaded with ``load_from_disk``: memory-mapped
 Arrow files in several shards, 1000-row record batches, datasets' default writer batch size).
 
-    python benchmarks/hf_ratios.py [--quick] [--cases packed tabular] [--workers 0 2] [--rounds 5]
-                                   [--data-dir DIR] [--malloc fixed|default] [--json PATH]
+    python benchmarks/hf_ratios.py [--quick] [--cases packed tabular many_files] [--files 1000]
+                                   [--workers 0 2] [--rounds 5] [--data-dir DIR] [--malloc fixed|default]
+                                   [--json PATH]
 
 Two datasets, seeded: ``tokens``, 200k rows of ``input_ids`` (list<int32>, 16..512 tokens each); and
 ``tabular``, 500k rows of 64 float32 ``features`` (``Sequence(Value("float32"), length=64)``) and an
@@ -20,6 +21,12 @@ shuffle=True) that differs only where named:
     HF       ``ds.with_format("torch")``, torch's default collate
     swapped  the same, ``assemble``
     Arrays   ``Arrays.from_hf(ds)``, ``assemble``
+  many_files, the packed paths at batches of 16 over ``tokens`` saved in ``--files`` files (1,000: a large
+  dataset as ``save_to_disk(num_shards=...)``, ``map(num_proc=...)`` or ``concatenate_datasets`` leave
+  it; 1: the single-file baseline), and single rows read one by one, ``ds[i]`` against the packed
+  Arrays' ``a[i]`` (the Trainer's length-grouped sampler reads every row with ``ds[i]``): the same
+  random indices for both, in interleaved rounds of ``row_reads`` rows. Run when named (``--cases
+  many_files``): the default run is the two cases above, whose results the docs show.
 
 Method. Every path is first run on one fixed batch of indices, as a DataLoader runs it
 (``collate(dataset.__getitems__(indices))``), and its batch must equal HF's, key for key, in dtype,
@@ -92,13 +99,18 @@ class Case:
     units_per_round: int
     quick_units_per_round: int
     min_batches: int = 40
+    kind: str = "packed"  # whose paths it times: NAMES' keys
+    files: int = SHARDS  # Arrow files its dataset is saved in (--files sets many_files')
+    row_reads: int = 0  # rows read one by one a round, ds[i] against a[i] (--quick: a fifth)
 
 
 # Rounds of about 1-2 s (tokens) and 5-7 s (tabular rows) for HF's path on 2 cores: the full run in about
 # 10 minutes with all three paths, --quick in 2-3.
 CASES = {
     "packed": Case("tokens", "tokens", 200_000, 20_000, (8, 16, 64), 1_500_000, 700_000),
-    "tabular": Case("tabular", "rows", 500_000, 50_000, (256, 4096), 150_000, 60_000),
+    "tabular": Case("tabular", "rows", 500_000, 50_000, (256, 4096), 150_000, 60_000, kind="tabular"),
+    "many_files": Case("tokens", "tokens", 200_000, 20_000, (16,), 1_500_000, 700_000, files=1000,
+                       row_reads=5_000),
 }
 NAMES = {
     "packed": {
@@ -150,15 +162,15 @@ def build_dataset(name: str, rows: int, seed: int):
     return datasets.Dataset(table, info=datasets.DatasetInfo(features=features))
 
 
-def saved_and_loaded(name: str, rows: int, seed: int, folder: Path):
-    """The dataset as users have it: written with ``save_to_disk`` in SHARDS files (datasets' default
+def saved_and_loaded(name: str, rows: int, seed: int, folder: Path, files: int = SHARDS):
+    """The dataset as users have it: written with ``save_to_disk`` in ``files`` files (datasets' default
     writer batch size: 1000-row record batches), read back with ``load_from_disk`` (memory-mapped). A
-    folder already there from an earlier run with the same rows and seed is read as it is."""
+    folder already there from an earlier run with the same rows, seed and files is read as it is."""
     import datasets
 
-    path = folder / f"{name}-{rows}-seed{seed}-{SHARDS}shards"
+    path = folder / f"{name}-{rows}-seed{seed}-{files}shards"
     if not (path / "state.json").exists():
-        build_dataset(name, rows, seed).save_to_disk(str(path), num_shards=SHARDS)
+        build_dataset(name, rows, seed).save_to_disk(str(path), num_shards=files)
     return datasets.load_from_disk(str(path))
 
 
@@ -205,10 +217,10 @@ def failed(error: BaseException) -> str:
     return f"failed: {type(error).__name__}: {error}"
 
 
-def make_paths(case: str, ds) -> dict[str, Contender]:
-    """The case's three paths over ``ds``."""
+def make_paths(kind: str, ds) -> dict[str, Contender]:
+    """The three paths of a case of ``kind`` (packed, tabular) over ``ds``."""
     paths: dict[str, Contender] = {}
-    if case == "packed":
+    if kind == "packed":
         from transformers import DataCollatorWithFlattening
 
         paths["HF"] = Contender(ds, lambda: DataCollatorWithFlattening(return_flash_attn_kwargs=True))
@@ -335,11 +347,11 @@ def check_paths(paths: dict[str, Contender], indices: list[int]) -> None:
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def units_of(case: str, batch: Mapping[str, Any]) -> int:
-    return batch["input_ids"].numel() if case == "packed" else len(batch["label"])
+def units_of(kind: str, batch: Mapping[str, Any]) -> int:
+    return batch["input_ids"].numel() if kind == "packed" else len(batch["label"])
 
 
-def time_rounds(case: str, epochs: dict[str, Callable], batches: int, rounds: int, seed: int,
+def time_rounds(kind: str, epochs: dict[str, Callable], batches: int, rounds: int, seed: int,
                 failures: dict[str, str]) -> list[dict]:
     """Round 0 (the warm-up) and ``rounds`` more; each drains ``batches`` batches from every live path in
     a shuffled order. A path that raises is recorded in ``failures`` and drops out."""
@@ -353,7 +365,7 @@ def time_rounds(case: str, epochs: dict[str, Callable], batches: int, rounds: in
             start = time.perf_counter()
             try:
                 for batch in epochs[name](batches):
-                    units += units_of(case, batch)
+                    units += units_of(kind, batch)
                     del batch
             except Exception as error:
                 failures[name] = failed(error)
@@ -396,6 +408,31 @@ def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def time_row_reads(reads: dict[str, Callable[[int], Any]], length: int, rows: int, rounds: int,
+                   seed: int) -> dict:
+    """Round 0 (the warm-up) and ``rounds`` more; each reads ``rows`` random rows one by one with every
+    path of ``reads`` (HF's ``ds[i]``, Arrays' ``a[i]``), the same indices for all, in a shuffled order."""
+    order = random.Random(seed)
+    runs, failures = [], {}
+    for round_index in range(rounds + 1):
+        indices = [order.randrange(length) for _ in range(rows)]
+        names = [name for name in reads if name not in failures]
+        order.shuffle(names)
+        for name in names:
+            read = reads[name]
+            start = time.perf_counter()
+            try:
+                for index in indices:
+                    read(index)
+            except Exception as error:
+                failures[name] = failed(error)
+                continue
+            seconds = time.perf_counter() - start
+            runs.append({"round": round_index, "warmup": round_index == 0, "path": name, "seconds": seconds,
+                         "batches": rows, "units": rows, "units_per_s": rows / seconds})
+    return {"rows_per_round": rows, "runs": runs, **summarize(runs, failures)}
+
+
 def loader(path: Contender, batch: int, workers: int, seed: int, malloc: str) -> DataLoader:
     """HF's loader, the same for every path: shuffled (seeded alike, so every path meets the same
     batches), persistent workers, the platform's start method."""
@@ -411,11 +448,11 @@ def loader(path: Contender, batch: int, workers: int, seed: int, malloc: str) ->
     )
 
 
-def run_group(case: str, paths: dict[str, Contender], batch: int, workers: int, args, batches: int) -> dict:
+def run_group(kind: str, paths: dict[str, Contender], batch: int, workers: int, args, batches: int) -> dict:
     failures = {name: path.failed for name, path in paths.items() if path.failed}
     epochs = {name: loader_epoch(loader(path, batch, workers, args.seed, args.malloc))
               for name, path in paths.items() if not path.failed}
-    runs = time_rounds(case, epochs, batches, args.rounds, args.seed, failures)
+    runs = time_rounds(kind, epochs, batches, args.rounds, args.seed, failures)
     del epochs  # the persistent workers go with their iterators
     gc.collect()
     return {"batch_size": batch, "workers": workers, "batches_per_round": batches, "runs": runs,
@@ -429,8 +466,13 @@ def rate(value: float) -> str:
     return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k"
 
 
+def ratio_text(ratio: dict) -> str:
+    mark = "" if ratio["clears_noise"] else f" {NOT_DIFFERENT}"
+    return f"{ratio['ratio']:5.2f}x ({ratio['ratio_min']:.2f}-{ratio['ratio_max']:.2f}){mark}"
+
+
 def group_lines(case: str, group: dict) -> list[str]:
-    unit = CASES[case].unit
+    unit, names = CASES[case].unit, NAMES[CASES[case].kind]
     head = f"  batch {group['batch_size']:>5}, workers {group['workers']}:"
     if "HF" not in group:
         return [f"{head} HF {group['failures'].get('HF', 'no rounds')}"]
@@ -438,12 +480,9 @@ def group_lines(case: str, group: dict) -> list[str]:
     lines = [f"{head} HF {rate(hf['median'])} {unit}/s ({rate(hf['min'])}-{rate(hf['max'])})"]
     for name in PATHS[1:]:
         if name in group:
-            r = group[name]
-            mark = "" if r["clears_noise"] else f" {NOT_DIFFERENT}"
-            lines.append(f"      {NAMES[case][name]:<44} {r['ratio']:5.2f}x ({r['ratio_min']:.2f}-"
-                         f"{r['ratio_max']:.2f}){mark}")
+            lines.append(f"      {names[name]:<44} {ratio_text(group[name])}")
         else:
-            lines.append(f"      {NAMES[case][name]:<44} {group['failures'].get(name, 'no rounds')}")
+            lines.append(f"      {names[name]:<44} {group['failures'].get(name, 'no rounds')}")
     too_small = next((group[name]["too_small"] for name in PATHS[1:] if group.get(name, {}).get("too_small")),
                      None)
     if too_small:
@@ -451,6 +490,22 @@ def group_lines(case: str, group: dict) -> list[str]:
     if group["rounds_of_unequal_work"]:
         lines.append(f"      NOT THE SAME BATCHES: the paths drained different {unit} in rounds "
                      f"{group['rounds_of_unequal_work']}")
+    return lines
+
+
+def row_read_lines(reads: dict) -> list[str]:
+    head = f"  rows read one by one, {reads['rows_per_round']:,} a round:"
+    if "HF" not in reads:
+        return [f"{head} HF ds[i] {reads['failures'].get('HF', 'no rounds')}"]
+    hf = reads["HF"]
+    lines = [f"{head} HF ds[i] {rate(hf['median'])} rows/s ({rate(hf['min'])}-{rate(hf['max'])}), "
+             f"{1e6 / hf['median']:.1f} us a row"]
+    if "Arrays" in reads:
+        arrays = reads["Arrays"]
+        per_row = 1e6 / arrays["median"]
+        lines.append(f"      {'Arrays.from_hf a[i]':<44} {ratio_text(arrays)}, {per_row:.1f} us a row")
+    else:
+        lines.append(f"      {'Arrays.from_hf a[i]':<44} {reads['failures'].get('Arrays', 'no rounds')}")
     return lines
 
 
@@ -466,7 +521,10 @@ def versions() -> dict[str, str | None]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=["packed", "tabular"],
+                        help="default: packed and tabular (many_files runs when named)")
+    parser.add_argument("--files", type=int, default=CASES["many_files"].files,
+                        help="Arrow files of the many_files case's dataset (1: the single-file baseline)")
     parser.add_argument("--quick", action="store_true",
                         help="a tenth of the rows, 3 rounds, shorter rounds: a couple of minutes")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
@@ -474,6 +532,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, help="rows of every dataset (default: the case's own)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="instead of each case's own")
     parser.add_argument("--batches", type=int, help="batches a path drains a round (default: by its size)")
+    parser.add_argument("--row-reads", type=int,
+                        help="many_files: rows read one by one a round (default 5,000, --quick 1,000)")
     parser.add_argument("--data-dir", type=Path,
                         help="keep the saved datasets here and reuse them (default: a temporary folder)")
     parser.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
@@ -528,14 +588,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for case_name in args.cases:
             case = CASES[case_name]
+            if case_name == "many_files":
+                case = dataclasses.replace(case, files=args.files)
             rows = args.rows or (case.quick_rows if args.quick else case.rows)
-            ds = saved_and_loaded(case.dataset, rows, args.seed, folder)
-            report["datasets"][case.dataset] = describe_dataset(ds)
-            paths = make_paths(case_name, ds)
-            print(fit_to_terminal(f"\n{case_name}: {rows:,} rows of {case.dataset}, {SHARDS} Arrow files; "
-                                  f"{case.unit}/s of HF's path ({NAMES[case_name]['HF']}), the others' "
-                                  "ratios to it"), flush=True)
-            columns = {"input_ids": "input_ids", "labels": "input_ids"} if case_name == "packed" else None
+            ds = saved_and_loaded(case.dataset, rows, args.seed, folder, case.files)
+            dataset = case.dataset if case.files == SHARDS else f"{case.dataset}, {case.files} files"
+            report["datasets"][dataset] = describe_dataset(ds)
+            paths = make_paths(case.kind, ds)
+            print(fit_to_terminal(f"\n{case_name}: {rows:,} rows of {case.dataset}, {case.files} Arrow "
+                                  f"files; {case.unit}/s of HF's path ({NAMES[case.kind]['HF']}), the "
+                                  "others' ratios to it"), flush=True)
+            columns = {"input_ids": "input_ids", "labels": "input_ids"} if case.kind == "packed" else None
             result: dict[str, Any] = {"from_hf": from_hf_cost(ds, columns), "groups": []}
             print(fit_to_terminal(cost_line(result["from_hf"])), flush=True)
             report["cases"][case_name] = result
@@ -544,12 +607,19 @@ def main(argv: list[str] | None = None) -> int:
                 check_paths(paths, indices)  # raises BatchMismatch: never time unequal work
                 for workers in args.workers:
                     batches = batches_per_round(case, batch, workers, args)
-                    group = run_group(case_name, paths, batch, workers, args, batches)
+                    group = run_group(case.kind, paths, batch, workers, args, batches)
                     result["groups"].append(group)
                     print("\n".join(group_lines(case_name, group)), flush=True)
                     if args.json:
                         args.json.parent.mkdir(parents=True, exist_ok=True)
                         args.json.write_text(json.dumps(report, indent=1, default=str))
+            if case.row_reads:
+                reads = {"HF": ds.__getitem__}
+                if not paths["Arrays"].failed:
+                    reads["Arrays"] = paths["Arrays"].dataset.__getitem__
+                row_reads = args.row_reads or (case.row_reads // 5 if args.quick else case.row_reads)
+                result["row_reads"] = time_row_reads(reads, len(ds), row_reads, args.rounds, args.seed)
+                print("\n".join(row_read_lines(result["row_reads"])), flush=True)
             del paths, ds
             gc.collect()
     finally:

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from ._ext import _C
 from .mapped_files import MappedFile, MappedFileError, is_read_fault
+from .touched_files import FilesOfRows
 
 __all__ = ["ArrayBatch", "Arrays", "Chunked", "Ragged", "TokenWindows"]
 
@@ -60,9 +61,9 @@ class Column:
     such column for each piece. ``files`` names those of them that lie in memory-mapped files
     (fastcollate.mapped_files): they are read through the column's own mapping, pickle as their file,
     and a file that shrank or was replaced is caught before anything reads it; ``watched`` are the
-    files another library mapped (an Arrow file), checked the same way. The offsets are the column's own
-    copy: they were checked when the column was made, and a caller's array changed later must not change
-    the rows."""
+    files another library mapped (an Arrow file), checked the same way (a Chunked column's: its parts',
+    each part listing those it reads). The offsets are the column's own copy: they were checked when the
+    column was made, and a caller's array changed later must not change the rows."""
 
     def __init__(self, name: str, value: Any) -> None:
         self.name = name
@@ -339,14 +340,16 @@ class Arrays(Dataset):
         return self._length
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "columns": dict(self.columns)}  # a mappingproxy does not pickle
+        state = {**self.__dict__, "columns": dict(self.columns)}  # a mappingproxy does not pickle
+        state.pop("_files_of_rows", None)  # found again from the columns, as they are mapped there
+        return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, columns=types.MappingProxyType(state["columns"]))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         index = self._checked(index)
-        self.check_files()
+        self.check_files(index)
         return self._handed_out([self._sample(index)])[0]
 
     def _handed_out(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -387,12 +390,15 @@ class Arrays(Dataset):
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
         return ArrayBatch(self, indices)
 
-    def check_files(self) -> None:
+    def check_files(self, indices: int | np.ndarray | None = None) -> None:
         """Raises MappedFileError if a memory-mapped column's file shrank or, in a process that mapped
         it again, is not the file the dataset was made from (see Column.check_file). Every read checks
-        first: ``ds[i]``, and each batch, gathered or walked."""
-        for column in self.columns.values():
-            column.check_file()
+        first: ``ds[i]``, and each batch, gathered or walked. ``indices``: the samples about to be read
+        (a sample, or int64 indices in range), whose rows' files alone are checked; None: every file."""
+        files = self.__dict__.get("_files_of_rows")
+        if files is None:  # found once the columns are final (from_hf watches their files after __init__)
+            files = self._files_of_rows = FilesOfRows(self.columns)
+        files.check(indices, self.rows_of)
 
     def read_fault(self, error: RuntimeError, column: str | None = None) -> MappedFileError:
         """The error for a read that faulted (``error``) while a batch was copied, ``column``'s when the
@@ -486,9 +492,9 @@ class ArrayBatch(Sequence):
         return len(self.indices)
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every sample of the batch as ``ds[i]`` hands it out, with the dataset's files checked once, not
+        """Every sample of the batch as ``ds[i]`` hands it out, with the files of its rows checked once, not
         once a sample, and the rows in mapped files copied in one guarded call."""
-        self.dataset.check_files()
+        self.dataset.check_files(self.indices)
         return self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
 
     def __getitem__(self, position: int) -> Any:
@@ -536,8 +542,8 @@ class TokenWindows(Arrays):
     def __reduce__(self) -> tuple:
         return (_token_windows, (self.tokens, self.length, self.step, self.id_key))
 
-    def check_files(self) -> None:
-        self.tokens.check_file()
+    def check_files(self, indices: int | np.ndarray | None = None) -> None:
+        self.tokens.check_file()  # one stream, one file
 
     def _file_columns(self) -> list[Column]:
         return [self.tokens] if self.tokens.on_disk() else []

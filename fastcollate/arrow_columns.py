@@ -70,10 +70,10 @@ class ArrowArrays(Arrays):
     def _handed_out(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self._copied(samples, list(self.columns))  # every row, in a file or not: Arrow's are read-only
 
-    def check_files(self) -> None:
+    def check_files(self, indices: int | np.ndarray | None = None) -> None:
         if self._refusal is not None:
             raise MappedFileError(self._refusal)
-        super().check_files()
+        super().check_files(indices)
 
 
 def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
@@ -218,13 +218,14 @@ def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) ->
             null_rows[name] = nulls
     arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
     arrays._null_rows = {key: null_rows[name] for key, name in chosen.items() if len(null_rows[name])}
-    addresses = {
-        name: [chunk.first.data_ptr() for chunk in column.chunks if chunk.first.numel()]
-        for name, column in arrays.columns.items()
-    }
-    watched = WatchedFile.of([address for found in addresses.values() for address in found])
-    for name, column in arrays.columns.items():
-        column.watched = list({id(watched[a]): watched[a] for a in addresses[name] if a in watched}.values())
+    chunks = [chunk for column in arrays.columns.values() for chunk in column.chunks]
+    at = {id(chunk): chunk.first.data_ptr() for chunk in chunks if chunk.first.numel()}
+    watched = WatchedFile.of(list(at.values()))
+    for chunk in chunks:  # each chunk its file: a batch checks the files of the chunks it reads
+        found = watched.get(at.get(id(chunk)))
+        chunk.watched = [found] if found is not None else []
+    for column in arrays.columns.values():
+        column.watched = list({id(w): w for chunk in column.chunks for w in chunk.watched}.values())
     return arrays
 
 

@@ -105,7 +105,7 @@ class Assembler:
         arrays = None
         if isinstance(batch, ArrayBatch):
             arrays = batch.dataset
-            arrays.check_files()  # before anything reads a mapped file, gathered or walked
+            arrays.check_files(batch.indices)  # before anything reads a mapped file, gathered or walked
             plan = self._gathered_plan(batch)
             if plan is not None:
                 return self._nested(self._execute(plan, arrays))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._ext import _C
+from .arrow_layout import layout_digest
 
 __all__ = [
     "FileIdentity", "MappedFile", "MappedFileError", "WatchedFile", "is_read_fault", "read_fault_error",
@@ -59,6 +60,8 @@ class FileIdentity:
     size: int
     mtime_ns: int
     generation: int | None = None  # ext4, xfs, btrfs: a reused inode number gets another
+    # An Arrow file's message headers (fastcollate.arrow_layout): where its record batches and buffers lie.
+    layout: bytes | None = None
 
     @classmethod
     def of(cls, descriptor: int) -> FileIdentity:
@@ -318,14 +321,19 @@ class WatchedFile:
     """A file another library mapped (pyarrow maps Arrow files, and Hugging Face datasets through it),
     whose bytes a column reads through that mapping. No descriptor is kept (a dataset may span thousands
     of files): each check stats the mapping's own file through /proc/self/map_files, or, where that is
-    not permitted, the path while it still names that file. A file that shrank, or was written since
-    (its offsets, read when the column was made, would no longer fit its values), is named before a
-    read; a read that faults anyway is named after it.
+    not permitted, the path while it still names that file. A file that shrank, or whose size changed (its
+    offsets, read when the column was made, would no longer fit its values), is named before a read; a
+    read that faults anyway is named after it.
+
+    Content decides, not timestamps: a file whose modification time changed but whose size did not (a
+    ``touch``, as scratch file systems' purges make users do) has its Arrow message headers read again
+    (fastcollate.arrow_layout) and is read on if its record batches and buffers are where they were, as
+    pyarrow reads on; its new time is then remembered. Another layout is refused, naming the file.
 
     ``of(addresses)`` finds the files mapped at those addresses (one ``/proc/self/maps`` read), one object
     a file. ``expect(identities)`` refuses, on every check, a file that is none of the files
     ``identities`` describe (a process that opened a dataset's files again by path, which now name
-    others).
+    others, or hold other layouts).
     """
 
     def __init__(self, region: tuple[int, int, int, int, str]) -> None:
@@ -336,7 +344,12 @@ class WatchedFile:
         status = self._stat()
         if status is None:
             raise FileNotFoundError(self.path)
-        self.identity = FileIdentity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        found = FileIdentity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        # Read now, when the dataset is made, for a touched file to be compared with: a file's headers
+        # are a few hundred bytes a record batch (1,000 files of one record batch each: about 20 ms). The
+        # other way, the layout derived from the table's buffer addresses, would cost nothing here, but a
+        # spawned worker, whose table is read from the file as it is now, would have nothing to compare.
+        self.identity = dataclasses.replace(found, layout=self._layout(found))
 
     @classmethod
     def of(cls, addresses: list[int]) -> dict[int, WatchedFile]:
@@ -373,20 +386,49 @@ class WatchedFile:
             return None  # the path names another file now; the mapping still reads the one it mapped
         return status
 
-    def _unchanged(self, identity: FileIdentity) -> bool:
-        mine = self.identity
-        return (mine.device, mine.inode, mine.size, mine.mtime_ns) == (
-            identity.device, identity.inode, identity.size, identity.mtime_ns,
-        )
+    def _layout(self, identity: FileIdentity) -> bytes | None:
+        """The file's layout (arrow_layout.layout_digest) as it is now; None when it is no Arrow file, or
+        cannot be opened: the mapping's own file, else the path while it names ``identity``'s inode."""
+        for where in (self._mapping, self.path):
+            try:
+                descriptor = os.open(where, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                status = os.fstat(descriptor)
+                if (status.st_dev, status.st_ino) == (identity.device, identity.inode):
+                    return layout_digest(descriptor, status.st_size)
+            finally:
+                os.close(descriptor)
+        return None
 
     def expect(self, identities: list[FileIdentity]) -> None:
-        if not any(self._unchanged(identity) for identity in identities):
-            self._refusal = (
-                f"its file {self.path} ({self.identity}) is not one the dataset was made from, as it was "
-                "then: it was replaced or written since, and this process (a spawned or forkserver worker, "
-                "or an unpickled copy) opened it again by path. Make the dataset again after changing its "
-                "files, or start workers by fork"
-            )
+        mine = self.identity
+        same = [i for i in identities if (i.device, i.inode, i.size) == (mine.device, mine.inode, mine.size)]
+        # The same layout where both are known (a touched file is read on), else the same time.
+        if any(i.layout == mine.layout if None not in (i.layout, mine.layout) else i.mtime_ns == mine.mtime_ns
+               for i in same):
+            return
+        if same:
+            self._refusal = self._relaid(same[0], mine)
+            return
+        self._refusal = (
+            f"its file {self.path} ({mine}) is not one the dataset was made from, as it was "
+            "then: it was replaced or written since, and this process (a spawned or forkserver worker, "
+            "or an unpickled copy) opened it again by path. Make the dataset again after changing its "
+            "files, or start workers by fork"
+        )
+
+    def _relaid(self, then: FileIdentity, now: FileIdentity) -> str:
+        if then.layout is None or now.layout is None:
+            why = "no Arrow message headers could be read to compare its layout with then"
+        else:
+            why = "its Arrow message headers differ from then"
+        return (
+            f"its file {self.path} was written since the dataset was made (then {then}; now {now}), and "
+            f"{why}: its record batches and buffers may no longer be where the dataset found them. Keep a "
+            "dataset's files as they are while it is read (touching them is fine), or load it again"
+        )
 
     def unreadable(self) -> str | None:
         if self._refusal is not None:
@@ -394,20 +436,29 @@ class WatchedFile:
         status = self._stat()
         if status is None:
             return None
-        if status.st_size < self.identity.size:
+        known = self.identity
+        if (status.st_size, status.st_mtime_ns) == (known.size, known.mtime_ns):
+            return None
+        now = FileIdentity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        if status.st_size < known.size:
             return (
-                f"its file {self.path} shrank to {status.st_size} bytes from {self.identity.size}: it was "
+                f"its file {self.path} shrank to {status.st_size} bytes from {known.size}: it was "
                 "truncated or rewritten in place while mapped (reading past its end would kill the "
                 "process). Keep a dataset's files as they are while it is read, or load the dataset again"
             )
-        if (status.st_size, status.st_mtime_ns) != (self.identity.size, self.identity.mtime_ns):
+        if status.st_size != known.size:
             return (
-                f"its file {self.path} was written since the dataset was made (then {self.identity}; now "
-                f"{status.st_size} bytes, modified at {status.st_mtime_ns} ns): its rows may no longer be "
-                "where the dataset found them. Keep a dataset's files as they are while it is read, or load "
-                "the dataset again"
+                f"its file {self.path} was written since the dataset was made (then {known}; now {now}): "
+                "its rows may no longer be where the dataset found them. Keep a dataset's files as they "
+                "are while it is read, or load the dataset again"
             )
-        return None
+        layout = self._layout(now) if known.layout is not None else None
+        if layout is not None and layout == known.layout:
+            self.identity = dataclasses.replace(known, mtime_ns=now.mtime_ns)  # touched: not read again
+            return None
+        # Refused for good: its rows moved, and its headers are not read again on every batch.
+        self._refusal = self._relaid(known, dataclasses.replace(now, layout=layout))
+        return self._refusal
 
     def check(self, column: str) -> None:
         why = self.unreadable()

@@ -55,6 +55,31 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
         assert group["rounds_of_unequal_work"] == []  # the same seeded shuffle: the same batches
 
 
+def test_the_many_files_case_reports_its_batches_and_its_rows_read_one_by_one(tmp_path):
+    out = tmp_path / "hf.json"
+    code = hf_ratios.main(["--cases", "many_files", "--files", "30", "--rows", "600", "--batch-sizes", "8",
+                           "--workers", "0", "--rounds", "1", "--batches", "2", "--data-dir",
+                           str(tmp_path / "data"), "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert list(report["datasets"]) == ["tokens, 30 files"]
+    assert len(report["datasets"]["tokens, 30 files"]["files"]) == 30
+    case = report["cases"]["many_files"]
+    assert case["from_hf"]["chunks"] == 30, "a record batch a file"
+    (group,) = case["groups"]
+    assert group["failures"] == {} and {"HF", "swapped", "Arrays"} <= set(group)
+    reads = case["row_reads"]
+    assert reads["failures"] == {} and reads["rows_per_round"] == hf_ratios.CASES["many_files"].row_reads
+    assert reads["Arrays"]["ratio_min"] <= reads["Arrays"]["ratio"] <= reads["Arrays"]["ratio_max"]
+    rounds = {(n, k) for n in ("HF", "Arrays") for k in (0, 1)}  # the warm-up (round 0) included
+    assert {(r["path"], r["round"]) for r in reads["runs"]} == rounds
+
+
+def test_the_many_files_case_runs_only_when_named():
+    assert hf_ratios.parse([]).cases == hf_ratios.parse(["--quick"]).cases == ["packed", "tabular"]
+    assert hf_ratios.parse(["--quick", "--cases", "many_files"]).cases == ["many_files"]
+
+
 def test_a_batch_unlike_hf_names_each_difference():
     reference = {"input_ids": torch.arange(6)[None], "cu_seq_lens_q": torch.tensor([0, 6], dtype=torch.int32),
                  "max_length_q": 6}

@@ -420,8 +420,12 @@ def _rebuilt(
             "workers by fork"
         )
         return arrays
+    by_file: dict[tuple, list] = {}  # a dataset of thousands of files: each compared with its own identities
+    for identity in identities:
+        by_file.setdefault((identity.device, identity.inode, identity.size), []).append(identity)
     for watched in arrays._watched():
-        watched.expect(identities)
+        mine = watched.identity
+        watched.expect(by_file.get((mine.device, mine.inode, mine.size), []))
     for index_map in arrays._index_maps:  # read when made: a file that is not the one read before is refused
         why = index_map.unreadable()
         if why is not None:

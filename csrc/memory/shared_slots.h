@@ -16,6 +16,10 @@
 //   bits 32-63 the sequence number of the slot's current batch
 // A slot may be claimed only when it is free and its writer's bit is clear, so neither a batch the
 // consumer keeps nor one a worker keeps is ever overwritten.
+//
+// After the slot table, a registry of workers: each worker's pid, its loader's key and that loader's
+// bound. A claim takes a slot below the sum of the bounds of the loaders with a worker registered, so
+// loaders that share the pool (a train and an eval loader on one collate) each have their share.
 #pragma once
 
 #include <ATen/ATen.h>

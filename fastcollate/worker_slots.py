@@ -169,9 +169,9 @@ class SlotPool:
             "bound",
             f"all {s.bound} shared slots are held ({s.lent} by batches the main process still holds, "
             f"{s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
-            f"{s.writing} being written); {where}. Drop batches sooner, or raise Assembler(max_shared_slots=...): "
-            f"the bound is its value for each loader whose workers are alive ({loaders} now), by default "
-            "2 x num_workers + 4, which assumes prefetch_factor 2.",
+            f"{s.writing} being written); {where}. Drop batches sooner, or raise "
+            "Assembler(max_shared_slots=...): the bound is its value for each loader whose workers are alive "
+            f"({loaders} now), by default 2 x num_workers + 4, which assumes prefetch_factor 2.",
             stacklevel=4,
         )
 

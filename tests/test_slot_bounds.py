@@ -27,7 +27,7 @@ def fallbacks_so_far(collate: Assembler) -> int:
     return 0 if stats is None else stats.fresh_fallbacks
 
 
-def train_with_evaluations(collate: Assembler, context: str, epochs: int = 2) -> tuple[DataLoader, DataLoader]:
+def train_with_evaluations(collate: Assembler, context: str, epochs: int = 2) -> tuple[DataLoader, ...]:
     """A training loop's schedule: a few train steps, then a whole evaluation, and again; both loaders on
     one collate with persistent workers and the default prefetch. Each batch is dropped when the next
     one comes, as a loop variable is. Every sample is delivered once per epoch, over a slot."""
@@ -87,7 +87,7 @@ def test_a_loader_whose_workers_ended_leaves_the_bound():
     gc.collect()
 
 
-def test_a_worker_s_bound_is_set_by_max_shared_slots_for_each_loader():
+def test_max_shared_slots_bounds_each_loader_and_the_pool_sums_them():
     collate = assemble.using(max_shared_slots=3)
     common = dict(num_workers=1, persistent_workers=True, collate_fn=collate, timeout=60)
     first = DataLoader(Numbered(8), batch_size=4, **common)
@@ -122,7 +122,8 @@ def test_two_loaders_whose_batches_are_all_kept_stop_at_the_sum_of_their_bounds_
     # In a subprocess, so that the workers' warnings reach stderr as they would for a user.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
-        [sys.executable, "-c", TWO_LOADERS_KEPT.format(root=root)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", TWO_LOADERS_KEPT.format(root=root)], capture_output=True, text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     kept, in_slots, fallbacks, bound = (int(v) for v in done.stdout.split())

@@ -63,7 +63,8 @@ def _history(train_dataset, collator, output_dir, eval_dataset=None, **arguments
 
 
 def _losses(train_dataset, collator, output_dir, **arguments) -> list[float]:
-    return [entry["loss"] for entry in _history(train_dataset, collator, output_dir, **arguments) if "loss" in entry]
+    history = _history(train_dataset, collator, output_dir, **arguments)
+    return [entry["loss"] for entry in history if "loss" in entry]
 
 
 def _saved_rows(path, count: int, seed: int):
@@ -92,7 +93,7 @@ def test_trainer_takes_hugging_face_s_steps_on_arrays_from_hf(tmp_path):
     assert ours == theirs
 
 
-def test_trainer_evaluating_every_two_steps_on_persistent_workers_keeps_both_loaders_in_shared_slots(tmp_path):
+def test_trainer_evaluating_every_two_steps_on_persistent_workers_never_falls_back(tmp_path):
     # The train workers' prefetched batches wait in slots while the eval loader runs: with one bound for
     # both loaders the eval workers found it reached and fell back, with a RuntimeWarning.
     train = _saved_rows(tmp_path / "train", 64, seed=0)

@@ -635,7 +635,7 @@ int64_t SharedSlots::reclaim_dead_writers() {
     auto& pid = header_->writer(i).pid;
     int64_t current = pid.load(std::memory_order_acquire);
     if (current > 0 && process_is_gone(current)) {
-      pid.compare_exchange_strong(current, 0, std::memory_order_acq_rel);  // unless its pid was reused since
+      pid.compare_exchange_strong(current, 0, std::memory_order_acq_rel);  // not an entry being filled in
     }
   }
   return reclaimed;

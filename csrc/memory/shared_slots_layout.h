@@ -107,9 +107,9 @@ struct SharedSlots::Header {
   // a worker alive. Filled in while `pid` is -1, then published by storing the pid; 0 is an unused entry.
   struct Writer {
     std::atomic<int64_t> pid;
-    std::atomic<uint64_t> loader;   // the loader's key: its DataLoader iterator's base seed
-    std::atomic<int64_t> workers;   // that loader's num_workers
-    std::atomic<int64_t> bound;     // the slots that loader's workers may use at once
+    std::atomic<uint64_t> loader;  // the loader's key: its DataLoader iterator's base seed
+    std::atomic<int64_t> workers;  // that loader's num_workers
+    std::atomic<int64_t> bound;    // the slots that loader's workers may use at once
   };
   Writer& writer(int64_t index) {
     return reinterpret_cast<Writer*>(reinterpret_cast<char*>(this) + slot_layout::kSlotsOffset +

@@ -140,7 +140,9 @@ void bind_shared_slots(py::module_& m) {
       .def_readonly("mappings", &Stats::mappings)
       .def_readonly("registrations", &Stats::registrations)
       .def_readonly("registration_failures", &Stats::registration_failures)
-      .def_readonly("registered_bytes", &Stats::registered_bytes);
+      .def_readonly("registered_bytes", &Stats::registered_bytes)
+      .def_readonly("loaders", &Stats::loaders)
+      .def_readonly("bound", &Stats::bound);
   py::class_<SharedSlots, std::shared_ptr<SharedSlots>>(m, "SharedSlots")
       .def_static("create", &SharedSlots::create, py::arg("capacity"))
       .def_static("attach", &SharedSlots::attach, py::arg("fd"), "Takes over `fd`")
@@ -150,16 +152,16 @@ void bind_shared_slots(py::module_& m) {
       .def_property_readonly("capacity", &SharedSlots::capacity)
       .def(
           "claim",
-          [](SharedSlots& pool, int64_t nbytes, int64_t bound) -> py::object {
+          [](SharedSlots& pool, int64_t nbytes, int64_t bound, uint64_t loader, int64_t loader_workers) -> py::object {
             at::Tensor buffer;
             ClaimRefusal refusal;
             {
               py::gil_scoped_release no_gil;  // the first claim of a slot maps and faults in its pages
-              buffer = pool.claim(nbytes, bound, refusal);
+              buffer = pool.claim(nbytes, bound, loader, loader_workers, refusal);
             }
             return py::make_tuple(buffer.defined() ? py::cast(buffer) : py::none(), refusal.cause, refusal.detail);
           },
-          py::arg("nbytes"), py::arg("bound"))
+          py::arg("nbytes"), py::arg("bound"), py::arg("loader") = 0, py::arg("loader_workers") = 0)
       .def("count_fresh_fallback", &SharedSlots::count_fresh_fallback)
       .def("undeliver", &SharedSlots::undeliver, py::arg("slot"), py::arg("seq"))
       .def(

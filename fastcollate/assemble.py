@@ -45,9 +45,11 @@ class Assembler:
         shared_slots: DataLoader workers write batches into slots shared with the main process (no copy,
             no new mapping per batch); False, or ``FASTCOLLATE_SHARED_SLOTS=0``, gives each batch fresh
             shared memory instead, as default_collate does.
-        max_shared_slots: the most slots the workers use at once; None for
+        max_shared_slots: the most slots one DataLoader's workers use at once; None for
             ``2 x num_workers + 4`` (DataLoader's default prefetch_factor, DeviceLoader's default depth and
-            two batches the consumer holds). Past it a batch gets fresh shared memory, with one warning.
+            two batches the consumer holds). Loaders sharing the Assembler (a Trainer's train and eval
+            loaders) each get theirs: the workers share a bound that is the sum over the loaders whose
+            workers are alive. Past it a batch gets fresh shared memory, with one warning.
 
     Instances are picklable (they cross to spawned workers, with the shared slots' descriptor); the
     compiled state is rebuilt there.

@@ -18,6 +18,14 @@ pinned memory. With them (csrc/memory/shared_slots.cpp):
   dropped and a worker writes the next one there (torch's pinned allocator guards only its own blocks
   that way), so with ``pin_memory=True`` DataLoader pins a copy, as it does for ``default_collate``.
 
+The bound: each DataLoader's workers may use ``Assembler(max_shared_slots=...)`` slots (by default
+``2 x num_workers + 4``), and the pool's bound is the sum over the loaders whose workers are alive. A
+worker registers in the pool's header at its first claim, with its loader's key (the iterator's base seed,
+the same in each of its workers) and bound, and a dead worker's entry is forgotten when slots are taken
+back. So a train and an eval loader on one collate, with persistent workers, do not crowd each other out
+(the train workers' prefetched batches wait in slots while the eval loader runs), and a consumer that
+keeps every batch still stops at the bound.
+
 A batch falls back to fresh shared memory, with correct data, when every slot is held, when the pool's
 file cannot grow (a file-size limit), when a slot cannot be mapped (an address-space limit), when the
 pool could not be made, or when it is switched off (``Assembler(shared_slots=False)`` or
@@ -51,15 +59,17 @@ from .staging import active_ring
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
 
 SWITCH = "FASTCOLLATE_SHARED_SLOTS"
-# The header's room. Slots cost memory only once a batch is written into one, and workers take the
-# lowest free one, so the slots in use stay as few as the batches alive at once.
-DEFAULT_CAPACITY = 64
+# The header's room, for the bounds of every loader sharing the pool. Slots cost memory only once a batch
+# is written into one, and workers take the lowest free one, so the slots in use stay as few as the
+# batches alive at once.
+DEFAULT_CAPACITY = 128
+LOADER_KEY_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class SharedSlotStats:
     """A pool's state. ``lent`` slots hold batches this process still uses; ``fresh_fallbacks`` counts
-    batches that found every slot held and went to fresh shared memory instead."""
+    batches that found every slot held (all ``bound`` of them) and went to fresh shared memory instead."""
 
     capacity: int
     free: int
@@ -78,6 +88,8 @@ class SharedSlotStats:
     registrations: int
     registration_failures: int
     registered_bytes: int  # bytes of this process's slot mappings page-locked now (DeviceLoader's)
+    loaders: int  # DataLoaders with a worker alive that has claimed a slot
+    bound: int  # the slots their workers may use at once: the sum of each loader's bound
 
 
 def slots_switched_on(requested: bool) -> bool:
@@ -130,30 +142,36 @@ class SlotPool:
         return self.handed_over or self.native.owner_pid == os.getppid()
 
     def claim(self, nbytes: int, max_slots: int | None) -> torch.Tensor | None:
-        """A buffer over a free slot for a batch of ``nbytes``, or None (counted, and said once)."""
+        """A buffer over a free slot for a batch of ``nbytes``, or None (counted, and said once). In a
+        DataLoader worker, its loader's bound counts toward the pool's (see the module's docstring)."""
         info = get_worker_info()
+        workers = info.num_workers if info is not None else 0  # 0 outside a worker: no loader to register
         # DataLoader keeps at most prefetch_factor (2 by default) batches per worker in flight; DeviceLoader
         # holds `depth` (2 by default) more while they copy, and the consumer one or two.
-        bound = max_slots or 2 * (info.num_workers if info is not None else 1) + 4
-        buffer, cause, detail = self.native.claim(nbytes, bound)
+        bound = max_slots or 2 * max(workers, 1) + 4
+        # The iterator's base seed: the same in each of its workers, drawn anew for each iterator.
+        loader = (info.seed - info.id) & LOADER_KEY_MASK if info is not None else 0
+        buffer, cause, detail = self.native.claim(nbytes, bound, loader, workers)
         if buffer is None:
             self.native.count_fresh_fallback()
-            self._warn_fallback(bound, cause, detail)
+            self._warn_fallback(cause, detail)
         return buffer
 
-    def _warn_fallback(self, bound: int, cause: str, detail: str) -> None:
+    def _warn_fallback(self, cause: str, detail: str) -> None:
         where = f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower)"
         if cause != "bound":
             warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
                       "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
         s = self.native.stats()
+        loaders = f"{s.loaders} loader{'s' if s.loaders != 1 else ''}"
         warn_once(
             "bound",
-            f"all {min(bound, s.capacity)} shared slots are held ({s.lent} by batches the main process still "
-            f"holds, {s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
+            f"all {s.bound} shared slots are held ({s.lent} by batches the main process still holds, "
+            f"{s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
             f"{s.writing} being written); {where}. Drop batches sooner, or raise "
-            "Assembler(max_shared_slots=...) (its default, 2 x num_workers + 4, assumes prefetch_factor 2).",
+            "Assembler(max_shared_slots=...): the bound is its value for each loader whose workers are alive "
+            f"({loaders} now), by default 2 x num_workers + 4, which assumes prefetch_factor 2.",
             stacklevel=4,
         )
 

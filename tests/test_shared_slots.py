@@ -122,8 +122,8 @@ def test_the_switch_forces_fresh_shared_memory(monkeypatch):
 
 
 def test_several_loaders_share_one_assembler_at_once():
-    # Each worker bounds the slots by its own loader (2 x workers + 4); two loaders at once need both.
-    collate = assemble.using(max_shared_slots=14)
+    # Each loader's workers bring their own bound (2 x workers + 4): the two at once share 8 + 6 slots.
+    collate = assemble.using()
     first = DataLoader(Numbered(48), batch_size=8, num_workers=2, collate_fn=collate)
     second = DataLoader(Numbered(48), batch_size=8, num_workers=1, collate_fn=collate, shuffle=True)
     ids = []
@@ -133,6 +133,7 @@ def test_several_loaders_share_one_assembler_at_once():
             assert _C.shared_slot_kind(batch["x"]) == RECEIVED
             ids += batch["id"].tolist()
     assert sorted(ids) == sorted(list(range(48)) * 2)
+    assert collate.shared_slot_stats().fresh_fallbacks == 0
 
 
 FULL_POOL = textwrap.dedent("""

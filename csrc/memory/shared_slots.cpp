@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <new>
@@ -144,7 +145,7 @@ std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
   TORCH_CHECK(capacity >= 1 && capacity <= 4096, "SharedSlots: capacity must be in [1, 4096], got ", capacity);
   const int fd = ::memfd_create("fastcollate-slots", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   TORCH_CHECK(fd >= 0, "fastcollate: memfd_create failed (", std::strerror(errno), ")");
-  const size_t header_bytes = round_up_page(kSlotsOffset + static_cast<size_t>(capacity) * sizeof(Header::Slot));
+  const size_t header_bytes = header_bytes_for(capacity);
   void* header = MAP_FAILED;
   // Sealed against shrinking: whoever holds the descriptor (a worker, a program it started) can no longer
   // truncate the file under a batch still in use, which would read zeros or raise SIGBUS. It can still
@@ -160,15 +161,18 @@ std::shared_ptr<SharedSlots> SharedSlots::create(int64_t capacity) {
     TORCH_CHECK(false, "fastcollate: could not make the shared slots' file (", std::strerror(error), ")");
   }
   auto* fields = new (header) Header{};
+  fields->capacity = static_cast<uint32_t>(capacity);  // before writer(i), which is placed by it
   for (int64_t i = 0; i < capacity; ++i) {
     new (&fields->slot(i)) Header::Slot{};
+  }
+  for (int64_t i = 0; i < kMaxWriters; ++i) {
+    new (&fields->writer(i)) Header::Writer{};
   }
   std::random_device entropy;
   fields->token = static_cast<int64_t>(((uint64_t{entropy()} << 32) | entropy()) >> 1);
   fields->owner_pid = ::getpid();
   fields->max_batch_bytes = kMaxBatchBytes;
   fields->file_end.store(header_bytes);
-  fields->capacity = static_cast<uint32_t>(capacity);
   fields->version = kVersion;
   fields->magic = kMagic;
   std::shared_ptr<SharedSlots> pool(new SharedSlots(fd, header, header_bytes));
@@ -188,7 +192,7 @@ std::shared_ptr<SharedSlots> SharedSlots::attach(int fd) {
   }
   const auto* peek = static_cast<const Header*>(first);
   const bool valid = peek->magic == kMagic && peek->version == kVersion && peek->capacity >= 1;
-  const size_t header_bytes = round_up_page(kSlotsOffset + peek->capacity * sizeof(Header::Slot));
+  const size_t header_bytes = header_bytes_for(peek->capacity);
   ::munmap(first, kPage);
   if (!valid) {
     ::close(fd);
@@ -287,24 +291,104 @@ int grow_file(int fd, uint64_t target) {
 
 }  // namespace
 
-at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, ClaimRefusal& refusal) {
+bool SharedSlots::register_writer(uint64_t loader, int64_t workers, int64_t bound) {
+  const int64_t me = ::getpid();
+  const Registration wanted{me, loader, workers, bound};
+  if (registered_.pid == me && registered_.loader == loader && registered_.workers == workers &&
+      registered_.bound == bound) {
+    return true;  // the per-batch case
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    Header::Writer* entry = nullptr;
+    for (int64_t i = 0; i < kMaxWriters && entry == nullptr; ++i) {
+      if (header_->writer(i).pid.load(std::memory_order_acquire) == me) {
+        entry = &header_->writer(i);  // this process's, with other values; or a dead worker's, its pid reused
+        entry->pid.store(-1, std::memory_order_release);
+      }
+    }
+    for (int64_t i = 0; i < kMaxWriters && entry == nullptr; ++i) {
+      int64_t unused = 0;
+      if (header_->writer(i).pid.compare_exchange_strong(unused, -1, std::memory_order_acq_rel)) {
+        entry = &header_->writer(i);
+      }
+    }
+    if (entry != nullptr) {
+      entry->loader.store(loader, std::memory_order_relaxed);
+      entry->workers.store(workers, std::memory_order_relaxed);
+      entry->bound.store(bound, std::memory_order_relaxed);
+      entry->pid.store(me, std::memory_order_release);
+      registered_ = wanted;
+      return true;
+    }
+    if (attempt == 0) {
+      reclaim_dead_writers();  // forgets the registrations of workers that died
+    }
+  }
+  return false;
+}
+
+SharedSlots::LoadersBound SharedSlots::loaders_bound() const {
+  struct Entry {
+    uint64_t loader;
+    int64_t workers;
+    int64_t bound;
+    bool counted;
+  };
+  std::array<Entry, kMaxWriters> entries;
+  size_t count = 0;
+  for (int64_t i = 0; i < kMaxWriters; ++i) {
+    const auto& writer = header_->writer(i);
+    if (writer.pid.load(std::memory_order_acquire) > 0) {
+      entries[count++] = {writer.loader.load(std::memory_order_relaxed),
+                          std::max<int64_t>(writer.workers.load(std::memory_order_relaxed), 1),
+                          writer.bound.load(std::memory_order_relaxed), false};
+    }
+  }
+  LoadersBound out;
+  for (size_t i = 0; i < count; ++i) {
+    if (entries[i].counted) {
+      continue;
+    }
+    int64_t members = 0;
+    for (size_t j = i; j < count; ++j) {
+      if (entries[j].loader == entries[i].loader && entries[j].workers == entries[i].workers &&
+          entries[j].bound == entries[i].bound) {
+        entries[j].counted = true;
+        ++members;
+      }
+    }
+    const int64_t loaders = (members + entries[i].workers - 1) / entries[i].workers;
+    out.loaders += loaders;
+    out.slots += loaders * entries[i].bound;
+  }
+  return out;
+}
+
+at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, uint64_t loader, int64_t loader_workers,
+                              ClaimRefusal& refusal) {
   TORCH_CHECK(nbytes >= 0, "SharedSlots.claim: nbytes must be >= 0, got ", nbytes);
   const size_t need = round_up_page(static_cast<size_t>(nbytes));
   if (need > header_->max_batch_bytes) {
     refusal = {"too large", "a batch of " + std::to_string(nbytes) + " bytes is larger than a slot takes"};
     return {};
   }
-  bound = std::clamp<int64_t>(bound, 1, capacity());
   const int64_t me = ::getpid();
   std::lock_guard<std::mutex> lock(writer_mutex_);
+  const bool counted = loader_workers > 0 && register_writer(loader, loader_workers, bound);
   int64_t chosen = -1;
   uint32_t seq = 0;
   for (int attempt = 0; attempt < 2 && chosen < 0; ++attempt) {
+    // Read at each claim: another loader's workers may have started or ended since.
+    int64_t limit = bound;
+    if (loader_workers > 0) {
+      limit = counted ? loaders_bound().slots : std::max(loaders_bound().slots, bound);
+    }
+    limit = std::clamp<int64_t>(limit, 1, capacity());
     // Lowest index first, so the slots in use stay as few as the batches in flight. Among the free ones:
     // first those this process already maps and that are large enough (no new mapping), then those large
     // enough (a slot grows only when a larger batch arrives), then any.
     for (int pass = 0; pass < 3 && chosen < 0; ++pass) {
-      for (int64_t i = 0; i < bound && chosen < 0; ++i) {
+      for (int64_t i = 0; i < limit && chosen < 0; ++i) {
         auto& entry = header_->slot(i);
         uint64_t word = entry.word.load(std::memory_order_acquire);
         if (state_of(word) != kFree || writer_holds(word)) {
@@ -547,6 +631,13 @@ int64_t SharedSlots::reclaim_dead_writers() {
     }
   }
   header_->reclaimed.fetch_add(reclaimed, std::memory_order_relaxed);
+  for (int64_t i = 0; i < kMaxWriters; ++i) {
+    auto& pid = header_->writer(i).pid;
+    int64_t current = pid.load(std::memory_order_acquire);
+    if (current > 0 && process_is_gone(current)) {
+      pid.compare_exchange_strong(current, 0, std::memory_order_acq_rel);  // not an entry being filled in
+    }
+  }
   return reclaimed;
 }
 
@@ -583,6 +674,9 @@ SharedSlotStats SharedSlots::stats() const {
   out.mappings = mappings_.load();
   out.registrations = registrations_.load();
   out.registration_failures = registration_failures_.load();
+  const LoadersBound loaders = loaders_bound();
+  out.loaders = loaders.loaders;
+  out.bound = std::min(loaders.slots, capacity());
   // Only the owner receives (and so page-locks). A worker forked while a thread here was receiving
   // inherits reader_mutex_ locked, so it must not take it: its inherited mappings are not locked in it.
   if (owner_pid() == ::getpid()) {

@@ -16,6 +16,10 @@
 //   bits 32-63 the sequence number of the slot's current batch
 // A slot may be claimed only when it is free and its writer's bit is clear, so neither a batch the
 // consumer keeps nor one a worker keeps is ever overwritten.
+//
+// After the slot table, a registry of workers: each worker's pid, its loader's key and that loader's
+// bound. A claim takes a slot below the sum of the bounds of the loaders with a worker registered, so
+// loaders that share the pool (a train and an eval loader on one collate) each have their share.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,6 +53,8 @@ struct SharedSlotStats {
   int64_t registrations = 0;          // of those, registered with CUDA (page-locked)
   int64_t registration_failures = 0;  // mappings left pageable because page-locking them failed
   int64_t registered_bytes = 0;       // bytes of this process's mappings page-locked now
+  int64_t loaders = 0;                // loaders with a registered worker alive (a claim registers its worker)
+  int64_t bound = 0;                  // the sum of their bounds: the slots their workers may use at once
 };
 
 // Why claim() gave no slot: `cause` is "bound" (every slot below the bound is held, after taking back
@@ -74,9 +80,13 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   int64_t owner_pid() const;  // the process that made it
   int64_t capacity() const;
 
-  // Writer side (a worker). A 1-D uint8 tensor of `nbytes` over the lowest free slot below `bound`
-  // (one this process maps and large enough first), or an undefined tensor and why in `refusal`.
-  at::Tensor claim(int64_t nbytes, int64_t bound, ClaimRefusal& refusal);
+  // Writer side (a worker). A 1-D uint8 tensor of `nbytes` over the lowest free slot below the bound (one
+  // this process maps and large enough first), or an undefined tensor and why in `refusal`. `bound` is
+  // what the worker's loader may use. With `loader_workers` > 0 this process registers as a worker of
+  // `loader` (its key) with `loader_workers` workers, and the claim's bound is the sum over the loaders
+  // with a registered worker alive (loaders_bound), so loaders sharing the pool do not crowd each other
+  // out; with 0 it is `bound` itself.
+  at::Tensor claim(int64_t nbytes, int64_t bound, uint64_t loader, int64_t loader_workers, ClaimRefusal& refusal);
   // Counts a batch that went to fresh shared memory because claim() found no slot.
   void count_fresh_fallback();
 
@@ -89,8 +99,17 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   at::Tensor receive(int64_t slot, int64_t seq, int64_t nbytes, at::ScalarType dtype, int64_t offset,
                      at::IntArrayRef sizes, at::IntArrayRef strides, int64_t pin_device);
 
-  // Frees every slot whose writer died while writing it or before it was received; returns how many.
+  // Frees every slot whose writer died while writing it or before it was received, and forgets dead
+  // workers' registrations; returns how many slots.
   int64_t reclaim_dead_writers();
+  // The loaders registered with a worker alive (or dead and not yet forgotten: reclaim_dead_writers), and
+  // the sum of their bounds. Two loaders with one key (their iterators drew the same base seed) are told
+  // apart by counting workers: one loader's bound for each `workers` of them.
+  struct LoadersBound {
+    int64_t loaders = 0;
+    int64_t slots = 0;
+  };
+  LoadersBound loaders_bound() const;
   SharedSlotStats stats() const;
   int64_t registration_failures() const { return registration_failures_.load(); }  // cheap: read per batch
   std::string describe_slot(int64_t slot) const;
@@ -118,6 +137,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   std::shared_ptr<Mapping> mapping_for(std::vector<std::shared_ptr<Mapping>>& maps, int64_t slot, size_t bytes);
   // Unmaps the least recently written idle writer mappings past `keep` (caller holds writer_mutex_).
   void trim_writer_mappings(size_t keep);
+  // Registers this process as a worker of `loader` in the header's registry, once (caller holds
+  // writer_mutex_); false when the registry has no room, even after forgetting dead workers.
+  bool register_writer(uint64_t loader, int64_t workers, int64_t bound);
 
   int fd_;
   Header* header_;
@@ -128,6 +150,12 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   mutable std::mutex reader_mutex_;  // mutable: stats() reads the pinned mappings under it
   std::mutex writer_mutex_;
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
+  struct Registration {
+    int64_t pid = 0;  // the process that registered: a forked child registers itself
+    uint64_t loader = 0;
+    int64_t workers = 0;
+    int64_t bound = 0;
+  } registered_;  // under writer_mutex_
   std::vector<std::shared_ptr<Mapping>> reader_maps_;
   std::vector<std::shared_ptr<Mapping>> pinned_maps_;
   std::vector<std::weak_ptr<Mapping>> received_mappings_;  // every reader mapping made, for the fork handler

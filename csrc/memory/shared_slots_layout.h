@@ -1,7 +1,7 @@
-// The shared-slots file's layout, which every process that maps it agrees on: the header, the slot table
-// and the 64-bit state word that each slot's state machine lives in (its bits are described in
-// shared_slots.h; the transitions, each a compare-and-swap on it, are in shared_slots.cpp, which alone
-// includes this file).
+// The shared-slots file's layout, which every process that maps it agrees on: the header, the slot table,
+// the writer registry and the 64-bit state word that each slot's state machine lives in (its bits are
+// described in shared_slots.h; the transitions, each a compare-and-swap on it, are in shared_slots.cpp,
+// which alone includes this file).
 #pragma once
 
 #include <algorithm>
@@ -18,11 +18,14 @@ namespace fastcollate {
 namespace slot_layout {
 
 constexpr uint64_t kMagic = 0x73746f6c73636621ULL;  // "!fcslots"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kPage = 4096;
 // The largest batch a slot takes (a larger one takes the fresh-shared-memory path).
 constexpr uint64_t kMaxBatchBytes = uint64_t{1} << 38;  // 256 GiB
 constexpr size_t kSlotsOffset = 128;
+// Worker processes one pool can count (the registry after the slot table). A worker that finds no room
+// uses its own loader's bound, or the registered sum if larger.
+constexpr int64_t kMaxWriters = 64;
 
 enum State : uint64_t { kFree = 0, kWriting = 1, kDelivered = 2, kLent = 3 };
 constexpr uint64_t kStateMask = 3;
@@ -99,8 +102,30 @@ struct SharedSlots::Header {
   Slot& slot(int64_t index) {
     return reinterpret_cast<Slot*>(reinterpret_cast<char*>(this) + slot_layout::kSlotsOffset)[index];
   }
+
+  // A worker process and the loader it serves, so that the pool's bound is the sum over the loaders with
+  // a worker alive. Filled in while `pid` is -1, then published by storing the pid; 0 is an unused entry.
+  struct Writer {
+    std::atomic<int64_t> pid;
+    std::atomic<uint64_t> loader;  // the loader's key: its DataLoader iterator's base seed
+    std::atomic<int64_t> workers;  // that loader's num_workers
+    std::atomic<int64_t> bound;    // the slots that loader's workers may use at once
+  };
+  Writer& writer(int64_t index) {
+    return reinterpret_cast<Writer*>(reinterpret_cast<char*>(this) + slot_layout::kSlotsOffset +
+                                     capacity * sizeof(Slot))[index];
+  }
 };
 static_assert(sizeof(SharedSlots::Header) <= slot_layout::kSlotsOffset, "the slot table starts after the header");
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "state words are shared between processes");
+namespace slot_layout {
+// The header, the slot table and the writer registry: what create() maps and attach() maps again.
+inline size_t header_bytes_for(int64_t capacity) {
+  return round_up_page(kSlotsOffset + static_cast<size_t>(capacity) * sizeof(SharedSlots::Header::Slot) +
+                       static_cast<size_t>(kMaxWriters) * sizeof(SharedSlots::Header::Writer));
+}
+}  // namespace slot_layout
+
+static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "state words and the registry are shared between processes");
 
 }  // namespace fastcollate

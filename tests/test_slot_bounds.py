@@ -1,0 +1,133 @@
+"""The shared slots' bound with several loaders on one collate (fastcollate.worker_slots): each loader's
+workers get their own bound, so a train loader's prefetched batches do not crowd out an eval loader's,
+and the pool's bound is still a bound: the sum over the loaders whose workers are alive."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+from torch.utils.data import DataLoader
+
+from fastcollate import Assembler, assemble
+from fastcollate._ext import _C
+from tests.helpers.fault_datasets import Numbered
+
+RECEIVED = _C.SLOT_KIND_RECEIVED
+
+
+def fallbacks_so_far(collate: Assembler) -> int:
+    stats = collate.shared_slot_stats()
+    return 0 if stats is None else stats.fresh_fallbacks
+
+
+def train_with_evaluations(collate: Assembler, context: str, epochs: int = 2) -> tuple[DataLoader, ...]:
+    """A training loop's schedule: a few train steps, then a whole evaluation, and again; both loaders on
+    one collate with persistent workers and the default prefetch. Each batch is dropped when the next
+    one comes, as a loop variable is. Every sample is delivered once per epoch, over a slot."""
+    common = dict(num_workers=2, persistent_workers=True, collate_fn=collate, multiprocessing_context=context,
+                  timeout=60)
+    train = DataLoader(Numbered(48), batch_size=4, shuffle=True, **common)
+    evaluation = DataLoader(Numbered(20), batch_size=4, **common)
+    for _ in range(epochs):
+        trained = []
+        for step, batch in enumerate(train):
+            assert _C.shared_slot_kind(batch["x"]) == RECEIVED
+            trained += batch["id"].tolist()
+            if step % 4 == 1:
+                evaluated = []
+                for held in evaluation:
+                    assert _C.shared_slot_kind(held["x"]) == RECEIVED
+                    evaluated += held["id"].tolist()
+                assert sorted(evaluated) == list(range(20))
+        assert sorted(trained) == list(range(48))
+    return train, evaluation
+
+
+@pytest.mark.parametrize(
+    ("context", "configured"),
+    [("fork", False), ("fork", True), ("spawn", True)],
+    ids=["fork-assemble", "fork-using", "spawn-using"],
+)
+def test_train_and_eval_loaders_taking_turns_on_one_collate_never_fall_back(context, configured):
+    collate = assemble.using() if configured else assemble
+    before = fallbacks_so_far(collate)
+    with warnings.catch_warnings():
+        # Forked workers inherit the filter, so a fallback there raises through the loader; spawned ones
+        # start with Python's defaults, and the pool's counter says what they did.
+        warnings.simplefilter("error")
+        train, evaluation = train_with_evaluations(collate, context)
+    stats = collate.shared_slot_stats()
+    assert stats.fresh_fallbacks == before
+    assert stats.loaders == 2 and stats.bound == 2 * (2 * 2 + 4)
+    del train, evaluation
+
+
+def test_a_loader_whose_workers_ended_leaves_the_bound():
+    collate = assemble.using()
+    common = dict(num_workers=2, collate_fn=collate, timeout=60)
+    persistent = DataLoader(Numbered(16), batch_size=4, persistent_workers=True, **common)
+    assert len(list(persistent)) == 4
+    short_lived = DataLoader(Numbered(8), batch_size=4, **common)
+    for batch in short_lived:
+        assert collate.shared_slot_stats().loaders == 2
+    del batch
+    deadline = time.monotonic() + 20  # the workers of an ended epoch exit when the loader joins them
+    while collate.shared_slot_stats().loaders != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = collate.shared_slot_stats()
+    assert (stats.loaders, stats.bound) == (1, 2 * 2 + 4)
+    del persistent
+    gc.collect()
+
+
+def test_max_shared_slots_bounds_each_loader_and_the_pool_sums_them():
+    collate = assemble.using(max_shared_slots=3)
+    common = dict(num_workers=1, persistent_workers=True, collate_fn=collate, timeout=60)
+    first = DataLoader(Numbered(8), batch_size=4, **common)
+    second = DataLoader(Numbered(8), batch_size=4, **common)
+    assert len(list(first)) == len(list(second)) == 2
+    stats = collate.shared_slot_stats()
+    assert (stats.loaders, stats.bound, stats.fresh_fallbacks) == (2, 6, 0)
+    del first, second
+
+
+TWO_LOADERS_KEPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from torch.utils.data import DataLoader
+    from fastcollate import assemble
+    from fastcollate._ext import _C
+    from tests.helpers.fault_datasets import Numbered
+    collate = assemble.using(max_shared_slots=2)
+    common = dict(batch_size=8, num_workers=1, persistent_workers=True, collate_fn=collate, timeout=60)
+    first = DataLoader(Numbered(48, shape=(64,)), **common)
+    second = DataLoader(Numbered(48, shape=(64,)), **common)
+    kept = [batch for pair in zip(first, second) for batch in pair]
+    assert all(torch.equal(b["x"], b["id"].float()[:, None].expand(8, 64)) for b in kept)
+    in_slots = sum(_C.shared_slot_kind(b["x"]) == _C.SLOT_KIND_RECEIVED for b in kept)
+    stats = collate.shared_slot_stats()
+    print(len(kept), in_slots, stats.fresh_fallbacks, stats.bound)
+""")
+
+
+def test_two_loaders_whose_batches_are_all_kept_stop_at_the_sum_of_their_bounds_and_say_so():
+    # In a subprocess, so that the workers' warnings reach stderr as they would for a user.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_LOADERS_KEPT.format(root=root)], capture_output=True, text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    kept, in_slots, fallbacks, bound = (int(v) for v in done.stdout.split())
+    assert bound == 4 and kept == 12
+    assert 2 <= in_slots <= 4 and fallbacks == kept - in_slots
+    assert 1 <= done.stderr.count("fastcollate: all 4 shared slots are held (") <= 2, done.stderr
+    assert "2 loaders" in done.stderr and "for each loader" in done.stderr

@@ -19,6 +19,7 @@ that shrinks under a mapping is named before a read, and a read that faults anyw
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import warnings
@@ -118,7 +119,9 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
     _refuse_nulls_read(arrays, "Arrays.from_hf")
     for key, dtype in hf_formats.dtypes_handed_out(dataset, chosen, arrays).items():
         arrays.columns[key].dtype = dtype
-    arrays._source = (from_hf, dataset, chosen, id_key)  # as chosen now: the dataset's format may change
+    # The view as read now: set_format and set_transform change the dataset in place, and a spawned worker
+    # makes the Arrays again from what this pickles. A shallow copy keeps the format (those rebind it).
+    arrays._source = (from_hf, copy.copy(dataset), chosen, id_key)
     return arrays
 
 

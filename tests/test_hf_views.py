@@ -127,6 +127,23 @@ def test_a_dataset_with_a_transform_is_refused_naming_the_transform_and_what_to_
         Arrays.from_hf(transformed(saved))
 
 
+def test_a_format_set_after_from_hf_changes_neither_the_arrays_nor_their_pickled_copies(tmp_path):
+    # set_format and set_transform change the dataset in place; Arrays reads the view it was made from, in
+    # this process and in each spawned worker, which makes it again from the pickled dataset.
+    Dataset.from_dict(_rows(10), features=FEATURES).save_to_disk(str(tmp_path / "data"))
+    dataset = datasets.load_from_disk(str(tmp_path / "data"))
+    arrays = Arrays.from_hf(dataset, ["label", "pair"])
+    dataset.set_format("torch")
+    assert dataset[0]["label"].dtype == torch.int64
+    copy = pickle.loads(pickle.dumps(arrays))
+    for read in (arrays, copy):
+        assert read[0]["label"].dtype == torch.int32 and read[0]["pair"].dtype == torch.float16
+        assert assemble(read.__getitems__([1, 2]))["label"].dtype == torch.int32
+    dataset.set_transform(lambda batch: {"label": [x + 10 for x in batch["label"]]})  # unpicklable too
+    copy = pickle.loads(pickle.dumps(arrays))
+    assert copy[3]["label"].item() == 3 and copy[3]["label"].dtype == torch.int32
+
+
 def test_a_format_that_hands_out_no_tensors_or_other_options_is_refused(saved):
     for kind in ("pandas", "arrow"):
         with pytest.raises(TypeError, match=f"format is '{kind}', whose rows are not tensors"):

@@ -50,12 +50,18 @@ def saved(tmp_path_factory):
     return datasets.load_from_disk(path)
 
 
+def _tensor(value) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        value = value.astype(value.dtype.newbyteorder("="))  # the values, in the byte order a tensor holds
+    return torch.as_tensor(value)
+
+
 def _same(ours: dict, theirs: dict) -> None:
     """Value for value, and dtype for dtype where Hugging Face hands out arrays (Python objects have none:
     the stored dtype stands)."""
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
-        expected = torch.as_tensor(value)
+        expected = _tensor(value)
         if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             assert ours[key].dtype == expected.dtype, (key, ours[key].dtype, expected.dtype)
         else:
@@ -71,8 +77,12 @@ def _same(ours: dict, theirs: dict) -> None:
         {"type": "torch", "dtype": torch.float64},
         {"type": "numpy", "dtype": "float16"},
         {"type": "torch", "columns": ["label", "pair"], "output_all_columns": True},
+        {"type": "torch", "dtype": None},  # dtype=None overrides the widening: the stored dtypes
+        {"type": "numpy", "dtype": None},
+        {"type": "numpy", "dtype": ">i4"},  # big-endian rows: the values in the native order
     ],
-    ids=["torch", "numpy", "torch float64", "numpy float16", "torch two columns"],
+    ids=["torch", "numpy", "torch float64", "numpy float16", "torch two columns", "torch None", "numpy None",
+         "numpy big-endian"],
 )
 def test_a_formatted_dataset_hands_out_what_hugging_face_hands_out_key_for_key(saved, form):
     dataset = saved.with_format(**form)
@@ -82,7 +92,7 @@ def test_a_formatted_dataset_hands_out_what_hugging_face_hands_out_key_for_key(s
     indices = [3, 9, 40]
     hf_rows = [dataset[i] for i in indices]
     expected = {  # arrays stacked; Python objects as lists, which have no dtype of their own
-        key: torch.stack([torch.as_tensor(row[key]) for row in hf_rows])
+        key: torch.stack([_tensor(row[key]) for row in hf_rows])
         if isinstance(hf_rows[0][key], (torch.Tensor, np.ndarray, np.generic))
         else [row[key] for row in hf_rows]
         for key in hf_rows[0]
@@ -150,6 +160,12 @@ def test_a_format_that_hands_out_no_tensors_or_other_options_is_refused(saved):
             Arrays.from_hf(saved.with_format(kind))
     with pytest.raises(TypeError, match=r"'torch' format has options \['device'\].*DeviceLoader"):
         Arrays.from_hf(saved.with_format("torch", device="cpu"))
+
+
+def test_a_format_dtype_that_is_no_tensor_dtype_is_refused_when_arrays_are_made(saved):
+    for kind, dtype in (("torch", np.float16), ("torch", "float16"), ("numpy", object), ("numpy", "U5")):
+        with pytest.raises(TypeError, match=rf"'{kind}' format has dtype=.*, which .*: set the format"):
+            Arrays.from_hf(saved.with_format(kind, dtype=dtype))
 
 
 def test_negative_indices_count_from_the_end_as_in_hugging_face(saved):

@@ -264,8 +264,10 @@ def _null_rows(array: Any) -> np.ndarray:
             levels.append((None, node.type.list_size))
             node = _fixed_values(node)
         elif pa.types.is_list(node.type) or pa.types.is_large_list(node.type):
-            levels.append((node.offsets.to_numpy(zero_copy_only=False), None))
-            node = node.values
+            offsets = node.offsets.to_numpy(zero_copy_only=False)
+            levels.append((offsets - offsets[0], None))
+            # A sliced chunk's (a contiguous select's) own values: .values holds every row's of its parent
+            node = node.values.slice(offsets[0], offsets[-1] - offsets[0])
         else:
             break
     return np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)

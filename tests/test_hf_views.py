@@ -209,6 +209,22 @@ def test_a_null_in_a_row_the_view_filtered_out_is_never_read(tmp_path):
     assert Arrays.from_hf(dataset.select([4, 0]), ["x", "pair"])[0]["pair"].tolist() == [5, 5]
 
 
+def test_a_null_in_a_list_outside_a_contiguous_selection_is_never_read(tmp_path):
+    # A contiguous select, shard or unshuffled split slices the table (no index map): the nulls of the
+    # lists before and after the slice are none of its rows.
+    rows = {"t": [[1, 2], [3, None], [5], [6, 7], [8], [9, None], [10]]}
+    Dataset.from_dict(rows, features=Features({"t": Sequence(Value("int32"))})).save_to_disk(str(tmp_path / "d"))
+    dataset = datasets.load_from_disk(str(tmp_path / "d"))
+    for view in (dataset.select(range(2, 5)), dataset.select(range(1)), dataset.select(range(6, 7)),
+                 dataset.shard(3, 1, contiguous=True)):
+        assert view._indices is None, "a slice of the table"
+        arrays = Arrays.from_hf(view)
+        assert [arrays[i]["t"].tolist() for i in range(len(arrays))] == view["t"]
+    train = dataset.train_test_split(test_size=2, shuffle=False)["train"]  # rows 0 to 4: row 1's null
+    with pytest.raises(ValueError, match=r"column 't' has 1 missing values .*sample 1 \(row 1 of the table\)"):
+        Arrays.from_hf(train)
+
+
 def test_an_image_or_audio_column_is_refused_as_encoded_media_with_how_to_decode_it():
     png = {"bytes": b"\x89PNG\r\n\x1a\n", "path": None}
     images = Dataset.from_dict(

@@ -240,7 +240,7 @@ def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        pieces = [_tensors(_piece(key, chunk, who)) for chunk in chunks]
+        pieces = [_tensors(_piece(key, chunk, who, start)) for start, chunk in zip(starts, chunks)]
     return pieces, np.concatenate(nulls).astype(np.int64)
 
 
@@ -298,9 +298,9 @@ def _tensors(piece: np.ndarray | Ragged) -> torch.Tensor | Ragged:
     return torch.from_numpy(piece)
 
 
-def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
-    """One Arrow chunk as Arrays reads it: rows (an array whose dim 0 is the row) or Ragged, over the
-    chunk's own buffers."""
+def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
+    """One Arrow chunk (the column's rows from ``start``) as Arrays reads it: rows (an array whose dim 0 is
+    the row) or Ragged, over the chunk's own buffers."""
     import pyarrow as pa
 
     where = f"{who}: column {key!r}"
@@ -337,6 +337,13 @@ def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
         if fixed is None and depth == 0:
             return Ragged(within, offsets.astype(np.int64) - offsets[0])
         if fixed is None or (np.diff(offsets) != fixed).any():
+            nulls = _null_rows(array)
+            if fixed is not None and len(nulls):  # a null list holds no values: the rows are not a grid
+                raise ValueError(
+                    f"{where} ({array.type}) has a null list in row {start + int(nulls[0])} of the table, "
+                    f"which leaves its rows without the values its shape declares: fill the nulls, or drop "
+                    "their rows and save the dataset again (Dataset.filter, then save_to_disk)"
+                )
             raise TypeError(
                 f"{where} ({array.type}) holds lists within lists whose lengths are not declared: only a "
                 "row's first dim may vary (ragged). Declare the inner lengths with a feature "

@@ -341,7 +341,7 @@ def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
             if fixed is not None and len(nulls):  # a null list holds no values: the rows are not a grid
                 raise ValueError(
                     f"{where} ({array.type}) has a null list in row {start + int(nulls[0])} of the table, "
-                    f"which leaves its rows without the values its shape declares: fill the nulls, or drop "
+                    "which leaves its rows without the values its shape declares: fill the nulls, or drop "
                     "their rows and save the dataset again (Dataset.filter, then save_to_disk)"
                 )
             raise TypeError(

@@ -5,7 +5,8 @@ encoded media) is refused, naming it and saying what to do, rather than read as 
 Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) and ``"numpy"`` hand out the
 stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
 ``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
-applies to every column it formats. Columns outside ``with_format(columns=...)`` come as stored.
+applies to every column it formats (``dtype=None`` hands out the stored dtypes, the torch format's uint16
+and uint32 as int64). Columns outside ``with_format(columns=...)`` come as stored.
 """
 
 from __future__ import annotations

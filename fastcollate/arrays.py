@@ -425,7 +425,15 @@ class Arrays(Dataset):
         return [column] if column.on_disk() else []
 
     def _checked(self, index: Any) -> int:
-        if isinstance(index, (torch.Tensor, np.integer)):
+        if isinstance(index, torch.Tensor):
+            if index.dim() or index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+                # int() would truncate 3.7 to 3, read True as 1, and take [4] as 4: another sample, silently
+                raise TypeError(
+                    f"Arrays: an index must be an int, got a {index.dtype} tensor of shape "
+                    f"{tuple(index.shape)}: index with an integer scalar, or pass a batch to __getitems__"
+                )
+            index = int(index)
+        elif isinstance(index, np.integer):
             index = int(index)
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"Arrays: an index must be an int, got {type(index).__name__}")

@@ -19,6 +19,7 @@ that shrinks under a mapping is named before a read, and a read that faults anyw
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import warnings
@@ -118,7 +119,9 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
     _refuse_nulls_read(arrays, "Arrays.from_hf")
     for key, dtype in hf_formats.dtypes_handed_out(dataset, chosen, arrays).items():
         arrays.columns[key].dtype = dtype
-    arrays._source = (from_hf, dataset, chosen, id_key)  # as chosen now: the dataset's format may change
+    # The view as read now: set_format and set_transform change the dataset in place, and a spawned worker
+    # makes the Arrays again from what this pickles. A shallow copy keeps the format (those rebind it).
+    arrays._source = (from_hf, copy.copy(dataset), chosen, id_key)
     return arrays
 
 
@@ -237,7 +240,7 @@ def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        pieces = [_tensors(_piece(key, chunk, who)) for chunk in chunks]
+        pieces = [_tensors(_piece(key, chunk, who, start)) for start, chunk in zip(starts, chunks)]
     return pieces, np.concatenate(nulls).astype(np.int64)
 
 
@@ -261,8 +264,10 @@ def _null_rows(array: Any) -> np.ndarray:
             levels.append((None, node.type.list_size))
             node = _fixed_values(node)
         elif pa.types.is_list(node.type) or pa.types.is_large_list(node.type):
-            levels.append((node.offsets.to_numpy(zero_copy_only=False), None))
-            node = node.values
+            offsets = node.offsets.to_numpy(zero_copy_only=False)
+            levels.append((offsets - offsets[0], None))
+            # A sliced chunk's (a contiguous select's) own values: .values holds every row's of its parent
+            node = node.values.slice(offsets[0], offsets[-1] - offsets[0])
         else:
             break
     return np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
@@ -293,9 +298,9 @@ def _tensors(piece: np.ndarray | Ragged) -> torch.Tensor | Ragged:
     return torch.from_numpy(piece)
 
 
-def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
-    """One Arrow chunk as Arrays reads it: rows (an array whose dim 0 is the row) or Ragged, over the
-    chunk's own buffers."""
+def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
+    """One Arrow chunk (the column's rows from ``start``) as Arrays reads it: rows (an array whose dim 0 is
+    the row) or Ragged, over the chunk's own buffers."""
     import pyarrow as pa
 
     where = f"{who}: column {key!r}"
@@ -332,6 +337,13 @@ def _piece(key: str, array: Any, who: str) -> np.ndarray | Ragged:
         if fixed is None and depth == 0:
             return Ragged(within, offsets.astype(np.int64) - offsets[0])
         if fixed is None or (np.diff(offsets) != fixed).any():
+            nulls = _null_rows(array)
+            if fixed is not None and len(nulls):  # a null list holds no values: the rows are not a grid
+                raise ValueError(
+                    f"{where} ({array.type}) has a null list in row {start + int(nulls[0])} of the table, "
+                    "which leaves its rows without the values its shape declares: fill the nulls, or drop "
+                    "their rows and save the dataset again (Dataset.filter, then save_to_disk)"
+                )
             raise TypeError(
                 f"{where} ({array.type}) holds lists within lists whose lengths are not declared: only a "
                 "row's first dim may vary (ragged). Declare the inner lengths with a feature "

@@ -5,7 +5,8 @@ encoded media) is refused, naming it and saying what to do, rather than read as 
 Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) and ``"numpy"`` hand out the
 stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
 ``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
-applies to every column it formats. Columns outside ``with_format(columns=...)`` come as stored.
+applies to every column it formats (``dtype=None`` hands out the stored dtypes, the torch format's uint16
+and uint32 as int64). Columns outside ``with_format(columns=...)`` come as stored.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def dtypes_handed_out(dataset: Any, chosen: dict[str, str], arrays: Any) -> dict
     if kind in _AS_STORED:
         return {}
     formatted = set(form.get("columns") or dataset.column_names)
-    forced = (form.get("format_kwargs") or {}).get("dtype")
-    if forced is not None and kind == "numpy":
-        forced = torch.from_numpy(np.empty(0, dtype=np.dtype(forced))).dtype
+    options = form.get("format_kwargs") or {}
+    forced = _forced(kind, options.get("dtype"))
+    # dtype=None given replaces Hugging Face's default dtypes too: the stored ones are handed out
+    widen = _widened if "dtype" not in options else _kept if kind == "torch" else lambda dtype: dtype
     out = {}
     for key, name in chosen.items():
         if name not in formatted:
@@ -101,10 +103,37 @@ def dtypes_handed_out(dataset: Any, chosen: dict[str, str], arrays: Any) -> dict
         is_array = column.ragged or column.first.dim() > 1
         if kind == "numpy" and not is_array:
             continue  # numpy scalars are handed out as they are stored
-        held = forced or _widened(stored)
+        held = forced or widen(stored)
         if held != stored:
             out[key] = held
     return out
+
+
+def _forced(kind: str, dtype: Any) -> torch.dtype | None:
+    """The torch dtype of a format's ``dtype=`` (None: not given), refused where Hugging Face's rows would
+    be no tensors, or fail (its torch format takes a torch.dtype alone)."""
+    if dtype is None:
+        return None
+    if kind == "torch":
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        why = "which is no torch.dtype (torch.tensor(..., dtype=) takes torch.float16, not numpy's or a str)"
+    else:
+        try:
+            # A byte order is not a tensor's: '>i4' rows hold int32 values
+            return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype).newbyteorder("="))).dtype
+        except TypeError as error:
+            why = f"which has no tensor dtype ({error})"
+    raise TypeError(
+        f"Arrays.from_hf: the dataset's {kind!r} format has dtype={dtype!r}, {why}: set the format with the "
+        "dtype of a number (e.g. dataset.with_format('torch', dtype=torch.float32)), or without dtype="
+    )
+
+
+def _kept(dtype: torch.dtype) -> torch.dtype:
+    """What the torch format hands out with dtype=None: the stored dtype, but uint16 and uint32 widened to
+    int64 before they become tensors."""
+    return torch.int64 if dtype in (torch.uint16, torch.uint32) else dtype
 
 
 def _widened(dtype: torch.dtype) -> torch.dtype:

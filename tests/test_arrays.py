@@ -179,6 +179,19 @@ def test_bad_columns_and_indices_are_refused_with_the_column_or_the_index_named(
         dataset[-7]
 
 
+def test_a_tensor_index_that_is_no_integer_scalar_is_refused_not_truncated():
+    dataset = Arrays(a=np.arange(6) * 10)
+    assert dataset[torch.tensor(4)]["a"].item() == 40
+    assert dataset[torch.tensor(-1, dtype=torch.int8)]["a"].item() == 50
+    for index, what in [
+        (torch.tensor(3.7), "torch.float32 tensor of shape ()"),
+        (torch.tensor(True), "torch.bool tensor of shape ()"),
+        (torch.tensor([4]), r"torch.int64 tensor of shape \(1,\)"),
+    ]:
+        with pytest.raises(TypeError, match=f"an index must be an int, got a {what}.*__getitems__"):
+            dataset[index]
+
+
 def test_the_gather_op_checks_every_index_before_writing_a_byte():
     source = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     out = torch.full((3, 2), -7.0)

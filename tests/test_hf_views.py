@@ -50,12 +50,18 @@ def saved(tmp_path_factory):
     return datasets.load_from_disk(path)
 
 
+def _tensor(value) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        value = value.astype(value.dtype.newbyteorder("="))  # the values, in the byte order a tensor holds
+    return torch.as_tensor(value)
+
+
 def _same(ours: dict, theirs: dict) -> None:
     """Value for value, and dtype for dtype where Hugging Face hands out arrays (Python objects have none:
     the stored dtype stands)."""
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
-        expected = torch.as_tensor(value)
+        expected = _tensor(value)
         if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             assert ours[key].dtype == expected.dtype, (key, ours[key].dtype, expected.dtype)
         else:
@@ -71,8 +77,12 @@ def _same(ours: dict, theirs: dict) -> None:
         {"type": "torch", "dtype": torch.float64},
         {"type": "numpy", "dtype": "float16"},
         {"type": "torch", "columns": ["label", "pair"], "output_all_columns": True},
+        {"type": "torch", "dtype": None},  # dtype=None overrides the widening: the stored dtypes
+        {"type": "numpy", "dtype": None},
+        {"type": "numpy", "dtype": ">i4"},  # big-endian rows: the values in the native order
     ],
-    ids=["torch", "numpy", "torch float64", "numpy float16", "torch two columns"],
+    ids=["torch", "numpy", "torch float64", "numpy float16", "torch two columns", "torch None", "numpy None",
+         "numpy big-endian"],
 )
 def test_a_formatted_dataset_hands_out_what_hugging_face_hands_out_key_for_key(saved, form):
     dataset = saved.with_format(**form)
@@ -82,7 +92,7 @@ def test_a_formatted_dataset_hands_out_what_hugging_face_hands_out_key_for_key(s
     indices = [3, 9, 40]
     hf_rows = [dataset[i] for i in indices]
     expected = {  # arrays stacked; Python objects as lists, which have no dtype of their own
-        key: torch.stack([torch.as_tensor(row[key]) for row in hf_rows])
+        key: torch.stack([_tensor(row[key]) for row in hf_rows])
         if isinstance(hf_rows[0][key], (torch.Tensor, np.ndarray, np.generic))
         else [row[key] for row in hf_rows]
         for key in hf_rows[0]
@@ -127,12 +137,35 @@ def test_a_dataset_with_a_transform_is_refused_naming_the_transform_and_what_to_
         Arrays.from_hf(transformed(saved))
 
 
+def test_a_format_set_after_from_hf_changes_neither_the_arrays_nor_their_pickled_copies(tmp_path):
+    # set_format and set_transform change the dataset in place; Arrays reads the view it was made from, in
+    # this process and in each spawned worker, which makes it again from the pickled dataset.
+    Dataset.from_dict(_rows(10), features=FEATURES).save_to_disk(str(tmp_path / "data"))
+    dataset = datasets.load_from_disk(str(tmp_path / "data"))
+    arrays = Arrays.from_hf(dataset, ["label", "pair"])
+    dataset.set_format("torch")
+    assert dataset[0]["label"].dtype == torch.int64
+    copy = pickle.loads(pickle.dumps(arrays))
+    for read in (arrays, copy):
+        assert read[0]["label"].dtype == torch.int32 and read[0]["pair"].dtype == torch.float16
+        assert assemble(read.__getitems__([1, 2]))["label"].dtype == torch.int32
+    dataset.set_transform(lambda batch: {"label": [x + 10 for x in batch["label"]]})  # unpicklable too
+    copy = pickle.loads(pickle.dumps(arrays))
+    assert copy[3]["label"].item() == 3 and copy[3]["label"].dtype == torch.int32
+
+
 def test_a_format_that_hands_out_no_tensors_or_other_options_is_refused(saved):
     for kind in ("pandas", "arrow"):
         with pytest.raises(TypeError, match=f"format is '{kind}', whose rows are not tensors"):
             Arrays.from_hf(saved.with_format(kind))
     with pytest.raises(TypeError, match=r"'torch' format has options \['device'\].*DeviceLoader"):
         Arrays.from_hf(saved.with_format("torch", device="cpu"))
+
+
+def test_a_format_dtype_that_is_no_tensor_dtype_is_refused_when_arrays_are_made(saved):
+    for kind, dtype in (("torch", np.float16), ("torch", "float16"), ("numpy", object), ("numpy", "U5")):
+        with pytest.raises(TypeError, match=rf"'{kind}' format has dtype=.*, which .*: set the format"):
+            Arrays.from_hf(saved.with_format(kind, dtype=dtype))
 
 
 def test_negative_indices_count_from_the_end_as_in_hugging_face(saved):
@@ -174,6 +207,37 @@ def test_a_null_in_a_row_the_view_filtered_out_is_never_read(tmp_path):
     with pytest.raises(ValueError, match=r"column 'pair' has 1 missing values.*sample 1 \(row 3"):
         Arrays.from_hf(dataset.select([0, 3]), ["pair"])
     assert Arrays.from_hf(dataset.select([4, 0]), ["x", "pair"])[0]["pair"].tolist() == [5, 5]
+
+
+def test_a_null_in_a_list_outside_a_contiguous_selection_is_never_read(tmp_path):
+    # A contiguous select, shard or unshuffled split slices the table (no index map): the nulls of the
+    # lists before and after the slice are none of its rows.
+    rows = {"t": [[1, 2], [3, None], [5], [6, 7], [8], [9, None], [10]]}
+    features = Features({"t": Sequence(Value("int32"))})
+    Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "d"))
+    dataset = datasets.load_from_disk(str(tmp_path / "d"))
+    for view in (dataset.select(range(2, 5)), dataset.select(range(1)), dataset.select(range(6, 7)),
+                 dataset.shard(3, 1, contiguous=True)):
+        assert view._indices is None, "a slice of the table"
+        arrays = Arrays.from_hf(view)
+        assert [arrays[i]["t"].tolist() for i in range(len(arrays))] == view["t"]
+    train = dataset.train_test_split(test_size=2, shuffle=False)["train"]  # rows 0 to 4: row 1's null
+    with pytest.raises(ValueError, match=r"column 't' has 1 missing values .*sample 1 \(row 1 of the"):
+        Arrays.from_hf(train)
+
+
+def test_a_null_in_an_array2d_column_is_named_as_a_null_not_as_undeclared_lengths(tmp_path):
+    grid = [[1, 2], [3, 4]]
+    features = Features(
+        {"g": datasets.Array2D((2, 2), "int32"), "s": Sequence(Sequence(Value("int32"), length=2))}
+    )
+    rows = {"g": [grid, grid, None, grid], "s": [grid, grid, grid, [[1, 2], None]]}
+    Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "d"))
+    dataset = datasets.load_from_disk(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"column 'g' .* has a null list in row 2 of the table.*fill"):
+        Arrays.from_hf(dataset, ["g"])
+    with pytest.raises(ValueError, match=r"column 's' has 1 missing values .*sample 3 \(row 3 of the"):
+        Arrays.from_hf(dataset, ["s"])
 
 
 def test_an_image_or_audio_column_is_refused_as_encoded_media_with_how_to_decode_it():

@@ -175,8 +175,8 @@ def _reader_of(path: str) -> str:
         kind = "It is a Parquet file: read it with pyarrow.parquet.read_table(path) and pass the table"
     elif name.endswith((".json", ".jsonl", ".csv", ".tsv", ".txt")) or head[:1] in (b"{", b"["):
         kind = (
-            "It looks like JSON or CSV: load it with datasets.load_dataset('json' or 'csv', data_files=path), "
-            "then Arrays.from_hf(dataset['train']), which reads the Arrow cache it writes"
+            "It looks like JSON or CSV: load it with datasets.load_dataset('json' or 'csv', "
+            "data_files=path), then Arrays.from_hf(dataset['train']), which reads the Arrow cache it writes"
         )
     else:
         kind = "Arrow IPC files are written by pyarrow.ipc.new_file / new_stream and Dataset.save_to_disk"
@@ -236,11 +236,12 @@ def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
     """The column's chunks as tensors, and the rows (of the column) that hold a null."""
     chunks = [chunk for chunk in column.chunks if len(chunk)] or [column.combine_chunks()]
     starts = np.cumsum([0] + [len(chunk) for chunk in chunks])
-    nulls = [start + _null_rows(chunk) for start, chunk in zip(starts, chunks)]
+    nulls = [start + _null_rows(chunk) for start, chunk in zip(starts, chunks, strict=False)]
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        pieces = [_tensors(_piece(key, chunk, who, start)) for start, chunk in zip(starts, chunks)]
+        pairs = zip(starts, chunks, strict=False)  # starts has one entry more: the column's end
+        pieces = [_tensors(_piece(key, chunk, who, start)) for start, chunk in pairs]
     return pieces, np.concatenate(nulls).astype(np.int64)
 
 
@@ -258,7 +259,10 @@ def _null_rows(array: Any) -> np.ndarray:
         if node.null_count:
             positions = np.flatnonzero(node.is_null().to_numpy(zero_copy_only=False))
             for offsets, size in reversed(levels):  # back up to the chunk's rows
-                positions = positions // size if offsets is None else np.searchsorted(offsets, positions, "right") - 1
+                if offsets is None:
+                    positions = positions // size
+                else:
+                    positions = np.searchsorted(offsets, positions, "right") - 1
             found.append(positions)
         if pa.types.is_fixed_size_list(node.type):
             levels.append((None, node.type.list_size))
@@ -287,8 +291,8 @@ def _refuse_nulls_read(arrays: ArrowArrays, who: str) -> None:
             row = sample if arrays.rows_of is None else int(arrays.rows_of[sample])
             raise ValueError(
                 f"{who}: column {key!r} has {len(reading)} missing values (nulls) in the rows the dataset "
-                f"reads, the first in sample {sample} (row {row} of the table): a tensor has no null. Fill or "
-                "drop them first (Dataset.filter, or pyarrow.compute.fill_null)"
+                f"reads, the first in sample {sample} (row {row} of the table): a tensor has no null. Fill "
+                "or drop them first (Dataset.filter, or pyarrow.compute.fill_null)"
             )
 
 

@@ -48,9 +48,9 @@ def refuse_what_arrays_cannot_hand_out(dataset: Any) -> list[str] | None:
     unknown = sorted(set(options) - {"dtype"})
     if unknown:
         raise TypeError(
-            f"Arrays.from_hf: the dataset's {kind!r} format has options {unknown} that Arrays does not follow "
-            "(it hands out CPU tensors, and follows dtype= alone): set the format without them, and move "
-            "batches with fastcollate.DeviceLoader"
+            f"Arrays.from_hf: the dataset's {kind!r} format has options {unknown} that Arrays does not "
+            "follow (it hands out CPU tensors, and follows dtype= alone): set the format without them, and "
+            "move batches with fastcollate.DeviceLoader"
         )
     return form.get("columns")
 
@@ -62,8 +62,9 @@ def refuse_encoded_media(features: Any, chosen: dict[str, str]) -> None:
         media = _media(features.get(name))
         if media is not None:
             raise TypeError(
-                f"Arrays.from_hf: column {name!r} (for key {key!r}) holds encoded media ({media}): each row is a "
-                "file's bytes or path, which Hugging Face decodes as a row is read. Decode it into arrays with "
+                f"Arrays.from_hf: column {name!r} (for key {key!r}) holds encoded media ({media}): each "
+                "row is a file's bytes or path, which Hugging Face decodes as a row is read. Decode it into "
+                "arrays with "
                 "Dataset.map (e.g. {'pixels': np.asarray(row['image'])}, stored as an Array3D feature), or "
                 "leave it out (columns=[...]) and collate decoded rows with fastcollate.assemble"
             )

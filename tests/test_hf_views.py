@@ -175,7 +175,7 @@ def test_negative_indices_count_from_the_end_as_in_hugging_face(saved):
     batch = assemble(arrays.__getitems__([-1, 0, -50]))
     assert batch["label"].tolist() == [row["label"] for row in theirs]
     assert batch["input_ids"].tolist() == [row["input_ids"] for row in theirs]
-    with pytest.raises(IndexError, match=r"index -51 \(batch position 1\) is out of range for a dataset of 50"):
+    with pytest.raises(IndexError, match=r"index -51 \(batch position 1\) is out of range for a dataset"):
         arrays.__getitems__([-50, -51])
     with pytest.raises(IndexError, match="index -51 is out of range"):
         arrays[-51]
@@ -244,13 +244,16 @@ def test_an_image_or_audio_column_is_refused_as_encoded_media_with_how_to_decode
     png = {"bytes": b"\x89PNG\r\n\x1a\n", "path": None}
     images = Dataset.from_dict(
         {"image": [png], "frames": [[png]], "y": [1]},
-        features=Features({"image": datasets.Image(), "frames": Sequence(datasets.Image()), "y": Value("int64")}),
+        features=Features(
+            {"image": datasets.Image(), "frames": Sequence(datasets.Image()), "y": Value("int64")}
+        ),
     )
     with pytest.raises(TypeError, match=r"column 'image' .* holds encoded media \(Image\).*Dataset.map"):
         Arrays.from_hf(images)
     with pytest.raises(TypeError, match=r"column 'frames' .* holds encoded media \(Image\)"):
         Arrays.from_hf(images, ["frames"])
-    sound = Dataset.from_dict({"audio": [{"bytes": b"RIFF", "path": None}]}).cast_column("audio", datasets.Audio())
+    sound = Dataset.from_dict({"audio": [{"bytes": b"RIFF", "path": None}]})
+    sound = sound.cast_column("audio", datasets.Audio())
     with pytest.raises(TypeError, match=r"column 'audio' .* holds encoded media \(Audio\)"):
         Arrays.from_hf(sound)
     assert Arrays.from_hf(images, ["y"])[0]["y"].item() == 1  # left out, the rest is read
@@ -279,7 +282,8 @@ def test_an_index_map_file_rewritten_under_a_reopened_dataset_is_refused_naming_
     pickled = pickle.dumps(arrays)
     again = pickle.loads(pickled)  # the same file: read on, the same rows
     first = list(range(20))
-    assert torch.equal(assemble(again.__getitems__(first))["score"], assemble(arrays.__getitems__(first))["score"])
+    read = assemble(arrays.__getitems__(first))["score"]
+    assert torch.equal(assemble(again.__getitems__(first))["score"], read)
     other = dataset.train_test_split(test_size=0.5, seed=1, load_from_cache_file=False, **names)["train"]
     assert other["score"] != train["score"], "the rewritten map selects other rows"
     rebuilt = pickle.loads(pickled)

@@ -75,9 +75,9 @@ def test_a_loader_whose_workers_ended_leaves_the_bound():
     persistent = DataLoader(Numbered(16), batch_size=4, persistent_workers=True, **common)
     assert len(list(persistent)) == 4
     short_lived = DataLoader(Numbered(8), batch_size=4, **common)
-    for batch in short_lived:
+    for _batch in short_lived:
         assert collate.shared_slot_stats().loaders == 2
-    del batch
+    del _batch
     deadline = time.monotonic() + 20  # the workers of an ended epoch exit when the loader joins them
     while collate.shared_slot_stats().loaders != 1 and time.monotonic() < deadline:
         time.sleep(0.05)

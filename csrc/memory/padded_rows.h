@@ -36,8 +36,8 @@ inline int64_t padded_length(int64_t longest, int64_t multiple) {
 
 // Adds the fill of one row's padding with `pad` (positions of `step_elements` elements of `element_size`
 // bytes, the row at `row`) and returns where its values go: the caller copies them there.
-inline unsigned char* add_row_padding(CopyJobs& jobs, unsigned char* row, const PaddedRow& span,
-                                      size_t step_elements, size_t element_size, uint64_t pad) {
+inline unsigned char* add_row_padding(CopyJobs& jobs, unsigned char* row, const PaddedRow& span, size_t step_elements,
+                                      size_t element_size, uint64_t pad) {
   const size_t step_bytes = step_elements * element_size;
   if (span.pad_length > 0) {
     jobs.fills.push_back({row + static_cast<size_t>(span.pad_start) * step_bytes,
@@ -51,8 +51,8 @@ inline unsigned char* add_row_padding(CopyJobs& jobs, unsigned char* row, const 
 inline void add_mask_row(CopyJobs& jobs, unsigned char* mask_row, const PaddedRow& span, int64_t length,
                          size_t element_size, uint64_t one) {
   if (length > 0) {
-    jobs.fills.push_back({mask_row + static_cast<size_t>(span.start) * element_size, static_cast<size_t>(length),
-                          element_size, one});
+    jobs.fills.push_back(
+        {mask_row + static_cast<size_t>(span.start) * element_size, static_cast<size_t>(length), element_size, one});
   }
   if (span.pad_length > 0) {
     jobs.fills.push_back({mask_row + static_cast<size_t>(span.pad_start) * element_size,

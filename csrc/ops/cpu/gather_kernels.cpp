@@ -243,8 +243,7 @@ RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const
 }
 
 void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const at::Scalar& value,
-                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths,
-                                  bool left) {
+                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths, bool left) {
   const int64_t batch = static_cast<int64_t>(spans.data.size());
   const int64_t longest = out.size(1);
   for (int64_t b = 0; b < batch; ++b) {

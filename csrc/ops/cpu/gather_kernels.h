@@ -48,8 +48,7 @@ RowSpans ragged_spans(const at::Tensor& values, const at::Tensor& offsets, const
 // The same from spans already found, of `source`'s dtype; out, mask and lengths shaped as above. `left`
 // puts the padding before each row's values instead (padded_rows.h).
 void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const at::Scalar& value,
-                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths,
-                                  bool left);
+                                  const at::Tensor& out, const at::Tensor& mask, const at::Tensor& lengths, bool left);
 
 // The same rows back to back into out ([total, *fixed dims]), row b at cu_seq_lens[b].
 void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,

@@ -6,7 +6,9 @@
 
 from ._ext import _C  # noqa: F401, I001  (first: a missing build says how to fix it)
 from . import audit
-from .arrays import Arrays, Chunked, Ragged, TokenWindows
+from .arrays import Arrays
+from .columns import Chunked, Ragged
+from .token_windows import TokenWindows
 from .assemble import Assembler, assemble
 from .audit import AuditReport, Ledger, TagWorker
 from .contract import Contract, Field, Packing

@@ -32,7 +32,8 @@ import torch
 
 from . import hf_formats
 from ._ext import _C
-from .arrays import Arrays, Chunked, Column, ColumnChoice, Ragged
+from .arrays import Arrays, ColumnChoice
+from .columns import Chunked, Column, Ragged
 from .mapped_files import MappedFileError, WatchedFile
 
 __all__ = ["from_arrow", "from_hf"]

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ._ext import _C
-from .columns import Chunked, Column, Ragged, _column
+from .columns import Column, _column
 from .mapped_files import MappedFileError, is_read_fault
 from .touched_files import FilesOfRows
 

@@ -253,26 +253,27 @@ def _null_rows(array: Any) -> np.ndarray:
 
     if isinstance(array, pa.ExtensionArray):
         array = array.storage
-    levels: list[tuple[np.ndarray | None, int | None]] = []  # how each level's positions map to its parent's
+    parents: list[Any] = []  # the list levels above the current one, read only when a null is found
     found = []
     node = array
     while True:
         if node.null_count:
             positions = np.flatnonzero(node.is_null().to_numpy(zero_copy_only=False))
-            for offsets, size in reversed(levels):  # back up to the chunk's rows
-                if offsets is None:
-                    positions = positions // size
+            for parent in reversed(parents):  # back up to the chunk's rows
+                if pa.types.is_fixed_size_list(parent.type):
+                    positions = positions // parent.type.list_size
                 else:
-                    positions = np.searchsorted(offsets, positions, "right") - 1
+                    offsets = parent.offsets.to_numpy(zero_copy_only=False)
+                    positions = np.searchsorted(offsets - offsets[0], positions, "right") - 1
             found.append(positions)
         if pa.types.is_fixed_size_list(node.type):
-            levels.append((None, node.type.list_size))
+            parents.append(node)
             node = _fixed_values(node)
         elif pa.types.is_list(node.type) or pa.types.is_large_list(node.type):
-            offsets = node.offsets.to_numpy(zero_copy_only=False)
-            levels.append((offsets - offsets[0], None))
+            parents.append(node)
             # A sliced chunk's (a contiguous select's) own values: .values holds every row's of its parent
-            node = node.values.slice(offsets[0], offsets[-1] - offsets[0])
+            first, last = node.offsets[0].as_py(), node.offsets[len(node)].as_py()
+            node = node.values.slice(first, last - first)
         else:
             break
     return np.unique(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)

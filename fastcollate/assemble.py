@@ -88,9 +88,8 @@ class Assembler:
         Runs when workers start: before a fork, and when pickled for a spawned worker."""
         if not worker_slots.slots_switched_on(self.shared_slots):
             return None
-        capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
         with worker_slots.preparing:
-            self._slots = worker_slots.for_workers(self._slots, capacity)
+            self._slots = worker_slots.for_workers(self._slots, worker_slots.capacity_for(self.max_shared_slots))
             return self._slots
 
     def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:

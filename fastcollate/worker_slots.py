@@ -59,11 +59,17 @@ from .staging import active_ring
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
 
 SWITCH = "FASTCOLLATE_SHARED_SLOTS"
-# The header's room, for the bounds of every loader sharing the pool. Slots cost memory only once a batch
-# is written into one, and workers take the lowest free one, so the slots in use stay as few as the
-# batches alive at once.
-DEFAULT_CAPACITY = 128
+MAX_CAPACITY = 4096  # the most slots a pool's header has room for (SharedSlots::create)
+REGISTRY_ENTRIES = 64  # the workers a pool's registry counts (kMaxWriters in shared_slots_layout.h)
+DEFAULT_BOUND_PER_WORKER = 6  # a loader's default bound, 2 x num_workers + 4, is at most 6 a worker
 LOADER_KEY_MASK = (1 << 64) - 1
+
+
+def capacity_for(max_shared_slots: int | None) -> int:
+    """The header's room: the bounds of every loader the registry counts, each registered worker adding at
+    most one loader's bound. Slots cost memory only once a batch is written into one, and workers take the
+    lowest free one, so the slots in use stay as few as the batches alive at once."""
+    return min(MAX_CAPACITY, REGISTRY_ENTRIES * (max_shared_slots or DEFAULT_BOUND_PER_WORKER))
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,19 @@ def test_two_loaders_whose_batches_are_all_kept_stop_at_the_sum_of_their_bounds_
     assert 2 <= in_slots <= 4 and fallbacks == kept - in_slots
     assert 1 <= done.stderr.count("fastcollate: all 4 shared slots are held (") <= 2, done.stderr
     assert "2 loaders" in done.stderr and "for each loader" in done.stderr
+
+
+def test_loaders_whose_bounds_add_up_past_128_slots_each_keep_every_batch_within_their_own():
+    collate = assemble.using(max_shared_slots=70)
+    common = dict(batch_size=1, num_workers=1, persistent_workers=True, collate_fn=collate, timeout=60)
+    first = DataLoader(Numbered(66), **common)
+    second = DataLoader(Numbered(66), **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inherited by the forked workers: a fallback raises through the loader
+        kept = list(first) + list(second)
+    assert [int(b["id"]) for b in kept] == list(range(66)) * 2
+    assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in kept)
+    stats = collate.shared_slot_stats()
+    assert (stats.loaders, stats.bound, stats.lent, stats.fresh_fallbacks) == (2, 140, 132, 0)
+    del kept, first, second
+

@@ -64,8 +64,11 @@ class Assembler:
         shared_slots: bool = True,
         max_shared_slots: int | None = None,
     ) -> None:
-        if max_shared_slots is not None and max_shared_slots < 1:
-            raise ValueError(f"Assembler: max_shared_slots must be >= 1 or None, got {max_shared_slots}")
+        if max_shared_slots is not None and not 1 <= max_shared_slots <= worker_slots.MAX_CAPACITY:
+            raise ValueError(
+                f"Assembler: max_shared_slots must be in [1, {worker_slots.MAX_CAPACITY}] (a pool's room) or None, "
+                f"got {max_shared_slots}"
+            )
         self.contract = contract
         self.id_key = id_key or (contract.id if contract is not None and contract.id else "id")
         self.ring = ring

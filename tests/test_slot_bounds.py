@@ -147,3 +147,8 @@ def test_loaders_whose_bounds_add_up_past_128_slots_each_keep_every_batch_within
     assert (stats.loaders, stats.bound, stats.lent, stats.fresh_fallbacks) == (2, 140, 132, 0)
     del kept, first, second
 
+
+def test_max_shared_slots_past_a_pools_room_is_refused_when_the_collate_is_made():
+    with pytest.raises(ValueError, match=r"max_shared_slots must be in \[1, 4096\].*got 5000"):
+        assemble.using(max_shared_slots=5000)
+

@@ -152,3 +152,46 @@ def test_max_shared_slots_past_a_pools_room_is_refused_when_the_collate_is_made(
     with pytest.raises(ValueError, match=r"max_shared_slots must be in \[1, 4096\].*got 5000"):
         assemble.using(max_shared_slots=5000)
 
+
+REGISTRY_FULL = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from fastcollate.worker_slots import REGISTRY_ENTRIES, SlotPool
+    pool = SlotPool.create(128)
+
+    def worker_of_its_own_loader(loader):
+        # A process that claims one slot as the only worker of `loader` (bound 1) and keeps it.
+        ready, said = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            buffer, cause, detail = pool.native.claim(64, 1, loader, 1)
+            os.write(said, b"slot" if buffer is not None else cause.encode())
+            time.sleep(120)
+            os._exit(0)
+        answer = os.read(ready, 16).decode()
+        return pid, answer
+
+    workers = [worker_of_its_own_loader(1000 + i) for i in range(REGISTRY_ENTRIES + 1)]
+    print(*(answer for _, answer in workers))
+    stats = pool.native.stats()
+    print(stats.loaders, stats.writing)
+    for pid, _ in workers:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    pool.native.reclaim_dead_writers()
+    stats = pool.native.stats()
+    print(stats.loaders, stats.bound, stats.free)
+""")
+
+
+def test_a_worker_the_registry_has_no_room_for_still_gets_its_loaders_share_and_killed_workers_leave():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTRY_FULL.format(root=root)], capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    answers, (loaders, writing), after_kill = (line.split() for line in done.stdout.splitlines())
+    assert answers == ["slot"] * (64 + 1)  # the one past the registry's 64 entries adds its own bound
+    assert (int(loaders), int(writing)) == (64, 65)
+    assert [int(v) for v in after_kill] == [0, 0, 128]  # SIGKILLed: their slots and entries taken back
+

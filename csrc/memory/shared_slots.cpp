@@ -327,15 +327,18 @@ bool SharedSlots::register_writer(uint64_t loader, int64_t workers, int64_t boun
   return false;
 }
 
-SharedSlots::LoadersBound SharedSlots::loaders_bound() const {
+SharedSlots::LoadersBound SharedSlots::loaders_bound(uint64_t loader, int64_t workers, int64_t bound) const {
   struct Entry {
     uint64_t loader;
     int64_t workers;
     int64_t bound;
     bool counted;
   };
-  std::array<Entry, kMaxWriters> entries;
+  std::array<Entry, kMaxWriters + 1> entries;
   size_t count = 0;
+  if (workers > 0) {
+    entries[count++] = {loader, workers, bound, false};
+  }
   for (int64_t i = 0; i < kMaxWriters; ++i) {
     const auto& writer = header_->writer(i);
     if (writer.pid.load(std::memory_order_acquire) > 0) {
@@ -378,10 +381,11 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, uint64_t loader, in
   int64_t chosen = -1;
   uint32_t seq = 0;
   for (int attempt = 0; attempt < 2 && chosen < 0; ++attempt) {
-    // Read at each claim: another loader's workers may have started or ended since.
+    // Read at each claim: another loader's workers may have started or ended since. A worker the registry
+    // had no room for counts itself in, so its loader still has its share.
     int64_t limit = bound;
     if (loader_workers > 0) {
-      limit = counted ? loaders_bound().slots : std::max(loaders_bound().slots, bound);
+      limit = (counted ? loaders_bound() : loaders_bound(loader, loader_workers, bound)).slots;
     }
     limit = std::clamp<int64_t>(limit, 1, capacity());
     // Lowest index first, so the slots in use stay as few as the batches in flight. Among the free ones:

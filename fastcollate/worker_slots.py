@@ -165,19 +165,22 @@ class SlotPool:
 
     def _warn_fallback(self, cause: str, detail: str) -> None:
         where = f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower)"
-        if cause != "bound":
+        if cause not in ("bound", "room"):
             warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
                       "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
-        s = self.native.stats()
-        loaders = f"{s.loaders} loader{'s' if s.loaders != 1 else ''}"
+        loaders = self.native.stats().loaders
+        loaders = f"{loaders} loader{'s' if loaders != 1 else ''}"
+        if cause == "room":
+            warn_once(cause, f"{detail}; {where}. Drop batches sooner, or have fewer loaders' workers alive at "
+                      f"once ({loaders} now; persistent_workers=False on a loader used now and then).",
+                      stacklevel=4)
+            return
         warn_once(
-            "bound",
-            f"all {s.bound} shared slots are held ({s.lent} by batches the main process still holds, "
-            f"{s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
-            f"{s.writing} being written); {where}. Drop batches sooner, or raise "
-            "Assembler(max_shared_slots=...): the bound is its value for each loader whose workers are alive "
-            f"({loaders} now), by default 2 x num_workers + 4, which assumes prefetch_factor 2.",
+            cause,
+            f"{detail}; {where}. Drop batches sooner, or raise Assembler(max_shared_slots=...): the bound is "
+            f"its value for each loader whose workers are alive ({loaders} now), by default "
+            "2 x num_workers + 4, which assumes prefetch_factor 2.",
             stacklevel=4,
         )
 

@@ -15,8 +15,9 @@ import warnings
 import pytest
 from torch.utils.data import DataLoader
 
-from fastcollate import Assembler, assemble
+from fastcollate import Assembler, assemble, worker_slots
 from fastcollate._ext import _C
+from fastcollate.worker_slots import SlotPool
 from tests.helpers.fault_datasets import Numbered
 
 RECEIVED = _C.SLOT_KIND_RECEIVED
@@ -195,3 +196,26 @@ def test_a_worker_the_registry_has_no_room_for_still_gets_its_loaders_share_and_
     assert (int(loaders), int(writing)) == (64, 65)
     assert [int(v) for v in after_kill] == [0, 0, 128]  # SIGKILLed: their slots and entries taken back
 
+
+def test_a_refusal_counts_the_slots_below_the_bound_it_used_not_the_whole_pool():
+    pool = SlotPool.create(16)
+    held = [pool.native.claim(64, 4)[0] for _ in range(4)]  # slots 0-3, as a loader with a larger bound
+    buffer, cause, detail = pool.native.claim(64, 2)
+    assert buffer is None and cause == "bound"
+    assert detail == ("all 2 shared slots are held (0 by batches the main process still holds, 0 by batches "
+                      "workers keep, 0 sent and not yet received, 2 being written)")
+    del held
+
+
+def test_bounds_adding_up_past_the_pools_room_say_so_and_advise_fewer_loaders_not_a_larger_bound():
+    pool = SlotPool.create(4)
+    held = [pool.claim(64, 8) for _ in range(4)]
+    worker_slots._warned.discard((os.getpid(), "room"))
+    with pytest.warns(RuntimeWarning) as said:
+        assert pool.claim(64, 8) is None
+    message = str(said[0].message)
+    assert message.startswith("fastcollate: all 4 shared slots of the pool (its loaders' bounds add up to 8) are "
+                              "held (0 by batches the main process still holds")
+    assert "fewer loaders' workers alive at once" in message and "raise" not in message
+    assert pool.native.stats().fresh_fallbacks == 1
+    del held

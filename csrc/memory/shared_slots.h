@@ -58,7 +58,8 @@ struct SharedSlotStats {
 };
 
 // Why claim() gave no slot: `cause` is "bound" (every slot below the bound is held, after taking back
-// those of writers that died), "file" (the pool's file could not grow: a file-size limit), "mapping"
+// those of writers that died), "room" (the same, with the loaders' bounds adding up past the capacity:
+// a larger bound cannot help), "file" (the pool's file could not grow: a file-size limit), "mapping"
 // (mmap failed: an address-space limit) or "too large"; `detail` says it with the numbers.
 struct ClaimRefusal {
   std::string cause;
@@ -141,6 +142,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // Registers this process as a worker of `loader` in the header's registry, once (caller holds
   // writer_mutex_); false when the registry has no room, even after forgetting dead workers.
   bool register_writer(uint64_t loader, int64_t workers, int64_t bound);
+  // Why a claim found no slot below `limit` (the bound it used; `wanted` before the capacity clamped it):
+  // what holds those slots.
+  std::string held_below(int64_t limit, int64_t wanted) const;
 
   int fd_;
   Header* header_;

@@ -66,8 +66,8 @@ class Assembler:
     ) -> None:
         if max_shared_slots is not None and not 1 <= max_shared_slots <= worker_slots.MAX_CAPACITY:
             raise ValueError(
-                f"Assembler: max_shared_slots must be in [1, {worker_slots.MAX_CAPACITY}] (a pool's room) or None, "
-                f"got {max_shared_slots}"
+                f"Assembler: max_shared_slots must be in [1, {worker_slots.MAX_CAPACITY}] (a pool's room) "
+                f"or None, got {max_shared_slots}"
             )
         self.contract = contract
         self.id_key = id_key or (contract.id if contract is not None and contract.id else "id")
@@ -91,8 +91,9 @@ class Assembler:
         Runs when workers start: before a fork, and when pickled for a spawned worker."""
         if not worker_slots.slots_switched_on(self.shared_slots):
             return None
+        capacity = worker_slots.capacity_for(self.max_shared_slots)
         with worker_slots.preparing:
-            self._slots = worker_slots.for_workers(self._slots, worker_slots.capacity_for(self.max_shared_slots))
+            self._slots = worker_slots.for_workers(self._slots, capacity)
             return self._slots
 
     def shared_slot_stats(self) -> worker_slots.SharedSlotStats | None:

@@ -169,11 +169,11 @@ class SlotPool:
             warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
                       "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
-        loaders = self.native.stats().loaders
-        loaders = f"{loaders} loader{'s' if loaders != 1 else ''}"
+        alive = self.native.stats().loaders
+        loaders = f"{alive} loader{'s' if alive != 1 else ''}"
         if cause == "room":
-            warn_once(cause, f"{detail}; {where}. Drop batches sooner, or have fewer loaders' workers alive at "
-                      f"once ({loaders} now; persistent_workers=False on a loader used now and then).",
+            warn_once(cause, f"{detail}; {where}. Drop batches sooner, or have fewer loaders' workers alive "
+                      f"at once ({loaders} now; persistent_workers=False on a loader used now and then).",
                       stacklevel=4)
             return
         warn_once(

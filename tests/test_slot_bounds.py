@@ -140,7 +140,7 @@ def test_loaders_whose_bounds_add_up_past_128_slots_each_keep_every_batch_within
     first = DataLoader(Numbered(66), **common)
     second = DataLoader(Numbered(66), **common)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # inherited by the forked workers: a fallback raises through the loader
+        warnings.simplefilter("error")  # the forked workers inherit it: a fallback raises through the loader
         kept = list(first) + list(second)
     assert [int(b["id"]) for b in kept] == list(range(66)) * 2
     assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in kept)
@@ -214,8 +214,8 @@ def test_bounds_adding_up_past_the_pools_room_say_so_and_advise_fewer_loaders_no
     with pytest.warns(RuntimeWarning) as said:
         assert pool.claim(64, 8) is None
     message = str(said[0].message)
-    assert message.startswith("fastcollate: all 4 shared slots of the pool (its loaders' bounds add up to 8) are "
-                              "held (0 by batches the main process still holds")
+    assert message.startswith("fastcollate: all 4 shared slots of the pool (its loaders' bounds add up to 8) "
+                              "are held (0 by batches the main process still holds")
     assert "fewer loaders' workers alive at once" in message and "raise" not in message
     assert pool.native.stats().fresh_fallbacks == 1
     del held

@@ -64,8 +64,11 @@ class Assembler:
         shared_slots: bool = True,
         max_shared_slots: int | None = None,
     ) -> None:
-        if max_shared_slots is not None and max_shared_slots < 1:
-            raise ValueError(f"Assembler: max_shared_slots must be >= 1 or None, got {max_shared_slots}")
+        if max_shared_slots is not None and not 1 <= max_shared_slots <= worker_slots.MAX_CAPACITY:
+            raise ValueError(
+                f"Assembler: max_shared_slots must be in [1, {worker_slots.MAX_CAPACITY}] (a pool's room) "
+                f"or None, got {max_shared_slots}"
+            )
         self.contract = contract
         self.id_key = id_key or (contract.id if contract is not None and contract.id else "id")
         self.ring = ring
@@ -88,7 +91,7 @@ class Assembler:
         Runs when workers start: before a fork, and when pickled for a spawned worker."""
         if not worker_slots.slots_switched_on(self.shared_slots):
             return None
-        capacity = max(worker_slots.DEFAULT_CAPACITY, self.max_shared_slots or 0)
+        capacity = worker_slots.capacity_for(self.max_shared_slots)
         with worker_slots.preparing:
             self._slots = worker_slots.for_workers(self._slots, capacity)
             return self._slots

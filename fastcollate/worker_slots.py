@@ -59,11 +59,17 @@ from .staging import active_ring
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
 
 SWITCH = "FASTCOLLATE_SHARED_SLOTS"
-# The header's room, for the bounds of every loader sharing the pool. Slots cost memory only once a batch
-# is written into one, and workers take the lowest free one, so the slots in use stay as few as the
-# batches alive at once.
-DEFAULT_CAPACITY = 128
+MAX_CAPACITY = 4096  # the most slots a pool's header has room for (SharedSlots::create)
+REGISTRY_ENTRIES = 64  # the workers a pool's registry counts (kMaxWriters in shared_slots_layout.h)
+DEFAULT_BOUND_PER_WORKER = 6  # a loader's default bound, 2 x num_workers + 4, is at most 6 a worker
 LOADER_KEY_MASK = (1 << 64) - 1
+
+
+def capacity_for(max_shared_slots: int | None) -> int:
+    """The header's room: the bounds of every loader the registry counts, each registered worker adding at
+    most one loader's bound. Slots cost memory only once a batch is written into one, and workers take the
+    lowest free one, so the slots in use stay as few as the batches alive at once."""
+    return min(MAX_CAPACITY, REGISTRY_ENTRIES * (max_shared_slots or DEFAULT_BOUND_PER_WORKER))
 
 
 @dataclass(frozen=True)
@@ -159,19 +165,22 @@ class SlotPool:
 
     def _warn_fallback(self, cause: str, detail: str) -> None:
         where = f"worker pid {os.getpid()} writes batches into fresh shared memory instead (slower)"
-        if cause != "bound":
+        if cause not in ("bound", "room"):
             warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
                       "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
-        s = self.native.stats()
-        loaders = f"{s.loaders} loader{'s' if s.loaders != 1 else ''}"
+        alive = self.native.stats().loaders
+        loaders = f"{alive} loader{'s' if alive != 1 else ''}"
+        if cause == "room":
+            warn_once(cause, f"{detail}; {where}. Drop batches sooner, or have fewer loaders' workers alive "
+                      f"at once ({loaders} now; persistent_workers=False on a loader used now and then).",
+                      stacklevel=4)
+            return
         warn_once(
-            "bound",
-            f"all {s.bound} shared slots are held ({s.lent} by batches the main process still holds, "
-            f"{s.kept_by_writers} by batches workers keep, {s.delivered} sent and not yet received, "
-            f"{s.writing} being written); {where}. Drop batches sooner, or raise "
-            "Assembler(max_shared_slots=...): the bound is its value for each loader whose workers are alive "
-            f"({loaders} now), by default 2 x num_workers + 4, which assumes prefetch_factor 2.",
+            cause,
+            f"{detail}; {where}. Drop batches sooner, or raise Assembler(max_shared_slots=...): the bound is "
+            f"its value for each loader whose workers are alive ({loaders} now), by default "
+            "2 x num_workers + 4, which assumes prefetch_factor 2.",
             stacklevel=4,
         )
 

@@ -15,8 +15,9 @@ import warnings
 import pytest
 from torch.utils.data import DataLoader
 
-from fastcollate import Assembler, assemble
+from fastcollate import Assembler, assemble, worker_slots
 from fastcollate._ext import _C
+from fastcollate.worker_slots import SlotPool
 from tests.helpers.fault_datasets import Numbered
 
 RECEIVED = _C.SLOT_KIND_RECEIVED
@@ -131,3 +132,90 @@ def test_two_loaders_whose_batches_are_all_kept_stop_at_the_sum_of_their_bounds_
     assert 2 <= in_slots <= 4 and fallbacks == kept - in_slots
     assert 1 <= done.stderr.count("fastcollate: all 4 shared slots are held (") <= 2, done.stderr
     assert "2 loaders" in done.stderr and "for each loader" in done.stderr
+
+
+def test_loaders_whose_bounds_add_up_past_128_slots_each_keep_every_batch_within_their_own():
+    collate = assemble.using(max_shared_slots=70)
+    common = dict(batch_size=1, num_workers=1, persistent_workers=True, collate_fn=collate, timeout=60)
+    first = DataLoader(Numbered(66), **common)
+    second = DataLoader(Numbered(66), **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the forked workers inherit it: a fallback raises through the loader
+        kept = list(first) + list(second)
+    assert [int(b["id"]) for b in kept] == list(range(66)) * 2
+    assert all(_C.shared_slot_kind(b["x"]) == RECEIVED for b in kept)
+    stats = collate.shared_slot_stats()
+    assert (stats.loaders, stats.bound, stats.lent, stats.fresh_fallbacks) == (2, 140, 132, 0)
+    del kept, first, second
+
+
+def test_max_shared_slots_past_a_pools_room_is_refused_when_the_collate_is_made():
+    with pytest.raises(ValueError, match=r"max_shared_slots must be in \[1, 4096\].*got 5000"):
+        assemble.using(max_shared_slots=5000)
+
+
+REGISTRY_FULL = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from fastcollate.worker_slots import REGISTRY_ENTRIES, SlotPool
+    pool = SlotPool.create(128)
+
+    def worker_of_its_own_loader(loader):
+        # A process that claims one slot as the only worker of `loader` (bound 1) and keeps it.
+        ready, said = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            buffer, cause, detail = pool.native.claim(64, 1, loader, 1)
+            os.write(said, b"slot" if buffer is not None else cause.encode())
+            time.sleep(120)
+            os._exit(0)
+        answer = os.read(ready, 16).decode()
+        return pid, answer
+
+    workers = [worker_of_its_own_loader(1000 + i) for i in range(REGISTRY_ENTRIES + 1)]
+    print(*(answer for _, answer in workers))
+    stats = pool.native.stats()
+    print(stats.loaders, stats.writing)
+    for pid, _ in workers:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    pool.native.reclaim_dead_writers()
+    stats = pool.native.stats()
+    print(stats.loaders, stats.bound, stats.free)
+""")
+
+
+def test_a_worker_the_registry_has_no_room_for_still_gets_its_loaders_share_and_killed_workers_leave():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTRY_FULL.format(root=root)], capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    answers, (loaders, writing), after_kill = (line.split() for line in done.stdout.splitlines())
+    assert answers == ["slot"] * (64 + 1)  # the one past the registry's 64 entries adds its own bound
+    assert (int(loaders), int(writing)) == (64, 65)
+    assert [int(v) for v in after_kill] == [0, 0, 128]  # SIGKILLed: their slots and entries taken back
+
+
+def test_a_refusal_counts_the_slots_below_the_bound_it_used_not_the_whole_pool():
+    pool = SlotPool.create(16)
+    held = [pool.native.claim(64, 4)[0] for _ in range(4)]  # slots 0-3, as a loader with a larger bound
+    buffer, cause, detail = pool.native.claim(64, 2)
+    assert buffer is None and cause == "bound"
+    assert detail == ("all 2 shared slots are held (0 by batches the main process still holds, 0 by batches "
+                      "workers keep, 0 sent and not yet received, 2 being written)")
+    del held
+
+
+def test_bounds_adding_up_past_the_pools_room_say_so_and_advise_fewer_loaders_not_a_larger_bound():
+    pool = SlotPool.create(4)
+    held = [pool.claim(64, 8) for _ in range(4)]
+    worker_slots._warned.discard((os.getpid(), "room"))
+    with pytest.warns(RuntimeWarning) as said:
+        assert pool.claim(64, 8) is None
+    message = str(said[0].message)
+    assert message.startswith("fastcollate: all 4 shared slots of the pool (its loaders' bounds add up to 8) "
+                              "are held (0 by batches the main process still holds")
+    assert "fewer loaders' workers alive at once" in message and "raise" not in message
+    assert pool.native.stats().fresh_fallbacks == 1
+    del held

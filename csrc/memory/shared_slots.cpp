@@ -291,6 +291,34 @@ int grow_file(int fd, uint64_t target) {
 
 }  // namespace
 
+std::string SharedSlots::held_below(int64_t limit, int64_t wanted) const {
+  int64_t lent = 0, kept = 0, delivered = 0, writing = 0;
+  for (int64_t i = 0; i < limit; ++i) {
+    const uint64_t word = header_->slot(i).word.load(std::memory_order_acquire);
+    switch (state_of(word)) {
+      case kFree:
+        kept += writer_holds(word) ? 1 : 0;
+        break;
+      case kWriting:
+        ++writing;
+        break;
+      case kDelivered:
+        ++delivered;
+        break;
+      case kLent:
+        ++lent;
+        break;
+    }
+  }
+  // Counted below `limit` only: slots above it may hold batches from when the bound was larger.
+  return "all " + std::to_string(limit) + " shared slots" +
+         (wanted > limit ? " of the pool (its loaders' bounds add up to " + std::to_string(wanted) + ")"
+                         : std::string()) +
+         " are held (" + std::to_string(lent) + " by batches the main process still holds, " +
+         std::to_string(kept) + " by batches workers keep, " + std::to_string(delivered) +
+         " sent and not yet received, " + std::to_string(writing) + " being written)";
+}
+
 bool SharedSlots::register_writer(uint64_t loader, int64_t workers, int64_t bound) {
   const int64_t me = ::getpid();
   const Registration wanted{me, loader, workers, bound};
@@ -327,15 +355,18 @@ bool SharedSlots::register_writer(uint64_t loader, int64_t workers, int64_t boun
   return false;
 }
 
-SharedSlots::LoadersBound SharedSlots::loaders_bound() const {
+SharedSlots::LoadersBound SharedSlots::loaders_bound(uint64_t loader, int64_t workers, int64_t bound) const {
   struct Entry {
     uint64_t loader;
     int64_t workers;
     int64_t bound;
     bool counted;
   };
-  std::array<Entry, kMaxWriters> entries;
+  std::array<Entry, kMaxWriters + 1> entries;
   size_t count = 0;
+  if (workers > 0) {
+    entries[count++] = {loader, workers, bound, false};
+  }
   for (int64_t i = 0; i < kMaxWriters; ++i) {
     const auto& writer = header_->writer(i);
     if (writer.pid.load(std::memory_order_acquire) > 0) {
@@ -377,13 +408,15 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, uint64_t loader, in
   const bool counted = loader_workers > 0 && register_writer(loader, loader_workers, bound);
   int64_t chosen = -1;
   uint32_t seq = 0;
+  int64_t wanted = bound;
+  int64_t limit = bound;
   for (int attempt = 0; attempt < 2 && chosen < 0; ++attempt) {
-    // Read at each claim: another loader's workers may have started or ended since.
-    int64_t limit = bound;
+    // Read at each claim: another loader's workers may have started or ended since. A worker the registry
+    // had no room for counts itself in, so its loader still has its share.
     if (loader_workers > 0) {
-      limit = counted ? loaders_bound().slots : std::max(loaders_bound().slots, bound);
+      wanted = (counted ? loaders_bound() : loaders_bound(loader, loader_workers, bound)).slots;
     }
-    limit = std::clamp<int64_t>(limit, 1, capacity());
+    limit = std::clamp<int64_t>(wanted, 1, capacity());
     // Lowest index first, so the slots in use stay as few as the batches in flight. Among the free ones:
     // first those this process already maps and that are large enough (no new mapping), then those large
     // enough (a slot grows only when a larger batch arrives), then any.
@@ -414,7 +447,7 @@ at::Tensor SharedSlots::claim(int64_t nbytes, int64_t bound, uint64_t loader, in
     }
   }
   if (chosen < 0) {
-    refusal = {"bound", ""};
+    refusal = {wanted > capacity() ? "room" : "bound", held_below(limit, wanted)};
     return {};
   }
   auto& entry = header_->slot(chosen);

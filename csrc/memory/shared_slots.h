@@ -58,7 +58,8 @@ struct SharedSlotStats {
 };
 
 // Why claim() gave no slot: `cause` is "bound" (every slot below the bound is held, after taking back
-// those of writers that died), "file" (the pool's file could not grow: a file-size limit), "mapping"
+// those of writers that died), "room" (the same, with the loaders' bounds adding up past the capacity:
+// a larger bound cannot help), "file" (the pool's file could not grow: a file-size limit), "mapping"
 // (mmap failed: an address-space limit) or "too large"; `detail` says it with the numbers.
 struct ClaimRefusal {
   std::string cause;
@@ -84,8 +85,8 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // this process maps and large enough first), or an undefined tensor and why in `refusal`. `bound` is
   // what the worker's loader may use. With `loader_workers` > 0 this process registers as a worker of
   // `loader` (its key) with `loader_workers` workers, and the claim's bound is the sum over the loaders
-  // with a registered worker alive (loaders_bound), so loaders sharing the pool do not crowd each other
-  // out; with 0 it is `bound` itself.
+  // with a registered worker alive and its own (loaders_bound), so loaders sharing the pool do not crowd
+  // each other out; with 0 it is `bound` itself.
   at::Tensor claim(int64_t nbytes, int64_t bound, uint64_t loader, int64_t loader_workers, ClaimRefusal& refusal);
   // Counts a batch that went to fresh shared memory because claim() found no slot.
   void count_fresh_fallback();
@@ -104,12 +105,13 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   int64_t reclaim_dead_writers();
   // The loaders registered with a worker alive (or dead and not yet forgotten: reclaim_dead_writers), and
   // the sum of their bounds. Two loaders with one key (their iterators drew the same base seed) are told
-  // apart by counting workers: one loader's bound for each `workers` of them.
+  // apart by counting workers: one loader's bound for each `workers` of them. With `workers` > 0, one more
+  // worker of `loader` is counted: one the registry had no room for.
   struct LoadersBound {
     int64_t loaders = 0;
     int64_t slots = 0;
   };
-  LoadersBound loaders_bound() const;
+  LoadersBound loaders_bound(uint64_t loader = 0, int64_t workers = 0, int64_t bound = 0) const;
   SharedSlotStats stats() const;
   int64_t registration_failures() const { return registration_failures_.load(); }  // cheap: read per batch
   std::string describe_slot(int64_t slot) const;
@@ -140,6 +142,9 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   // Registers this process as a worker of `loader` in the header's registry, once (caller holds
   // writer_mutex_); false when the registry has no room, even after forgetting dead workers.
   bool register_writer(uint64_t loader, int64_t workers, int64_t bound);
+  // Why a claim found no slot below `limit` (the bound it used; `wanted` before the capacity clamped it):
+  // what holds those slots.
+  std::string held_below(int64_t limit, int64_t wanted) const;
 
   int fd_;
   Header* header_;

@@ -24,7 +24,7 @@ constexpr size_t kPage = 4096;
 constexpr uint64_t kMaxBatchBytes = uint64_t{1} << 38;  // 256 GiB
 constexpr size_t kSlotsOffset = 128;
 // Worker processes one pool can count (the registry after the slot table). A worker that finds no room
-// uses its own loader's bound, or the registered sum if larger.
+// counts itself in at each claim, so its loader's bound is still added to the registered sum.
 constexpr int64_t kMaxWriters = 64;
 
 enum State : uint64_t { kFree = 0, kWriting = 1, kDelivered = 2, kLent = 3 };

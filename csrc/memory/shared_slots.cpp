@@ -314,9 +314,9 @@ std::string SharedSlots::held_below(int64_t limit, int64_t wanted) const {
   return "all " + std::to_string(limit) + " shared slots" +
          (wanted > limit ? " of the pool (its loaders' bounds add up to " + std::to_string(wanted) + ")"
                          : std::string()) +
-         " are held (" + std::to_string(lent) + " by batches the main process still holds, " +
-         std::to_string(kept) + " by batches workers keep, " + std::to_string(delivered) +
-         " sent and not yet received, " + std::to_string(writing) + " being written)";
+         " are held (" + std::to_string(lent) + " by batches the main process still holds, " + std::to_string(kept) +
+         " by batches workers keep, " + std::to_string(delivered) + " sent and not yet received, " +
+         std::to_string(writing) + " being written)";
 }
 
 bool SharedSlots::register_writer(uint64_t loader, int64_t workers, int64_t bound) {

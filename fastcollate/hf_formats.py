@@ -93,8 +93,12 @@ def dtypes_handed_out(dataset: Any, chosen: dict[str, str], arrays: Any) -> dict
     formatted = set(form.get("columns") or dataset.column_names)
     options = form.get("format_kwargs") or {}
     forced = _forced(kind, options.get("dtype"))
-    # dtype=None given replaces Hugging Face's default dtypes too: the stored ones are handed out
-    widen = _widened if "dtype" not in options else _kept if kind == "torch" else lambda dtype: dtype
+    if "dtype" not in options:
+        widen = _widened
+    elif kind == "torch":  # dtype=None given replaces Hugging Face's default dtypes: the stored ones go out
+        widen = _kept
+    else:
+        widen = _as_stored
     out = {}
     for key, name in chosen.items():
         if name not in formatted:
@@ -135,6 +139,10 @@ def _kept(dtype: torch.dtype) -> torch.dtype:
     """What the torch format hands out with dtype=None: the stored dtype, but uint16 and uint32 widened to
     int64 before they become tensors."""
     return torch.int64 if dtype in (torch.uint16, torch.uint32) else dtype
+
+
+def _as_stored(dtype: torch.dtype) -> torch.dtype:
+    return dtype
 
 
 def _widened(dtype: torch.dtype) -> torch.dtype:

@@ -9,7 +9,7 @@ import torch
 
 from fastcollate import Contract, Field, assemble
 
-from .helpers.tokenizers import WORDS, word_level_tokenizer
+from .helpers.tokenizers import WORDS, token_rows, word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
@@ -22,18 +22,11 @@ def tokenizer():
 
 def tokenized_samples(tokenizer, count=12, pairs=False, seed=0):
     """What a tokenizing Dataset's __getitem__ returns: int64 tensors and an int label."""
-    rng = random.Random(seed)
-
-    def text():
-        return " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))
-
     samples = []
-    for _ in range(count):
-        encoded = tokenizer(text(), text() if pairs else None, return_token_type_ids=pairs,
-                            return_attention_mask=False)
-        sample = {key: torch.tensor(ids, dtype=torch.int64) for key, ids in encoded.items()}
-        sample["labels"] = rng.randrange(2)
-        samples.append(sample)
+    for row in token_rows(tokenizer, count=count, seed=seed, pairs=pairs):
+        labels = row.pop("labels")
+        tensors = {key: torch.tensor(ids, dtype=torch.int64) for key, ids in row.items()}
+        samples.append({**tensors, "labels": labels})
     return samples
 
 

@@ -7,7 +7,6 @@ key, and the same whether it is walked per sample (tensors, lists of ints) or ga
 from __future__ import annotations
 
 import os
-import random
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 import fastcollate
 from fastcollate import Arrays, Contract, ContractError, Field, Ragged, gather
 
-from .helpers.tokenizers import WORDS, word_level_tokenizer
+from .helpers.tokenizers import token_rows, word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("tokenizers", reason="tokenizers is not installed")
@@ -35,21 +34,6 @@ SOURCES = ["tensors", "lists of ints", "Arrays over Ragged", "Arrays.from_hf"]
 @pytest.fixture(scope="module")
 def tokenizers():
     return {side: word_level_tokenizer(padding_side=side) for side in ("right", "left")}
-
-
-def token_rows(tokenizer, count=12, seed=0, pairs=False):
-    """Tokenized texts as Python lists (input_ids, and token_type_ids for pairs), and a label each."""
-    rng = random.Random(seed)
-
-    def text():
-        return " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))
-
-    rows = []
-    for _ in range(count):
-        encoded = tokenizer(text(), text() if pairs else None, return_token_type_ids=pairs,
-                            return_attention_mask=False)
-        rows.append({**encoded, "labels": rng.randrange(2)})
-    return rows
 
 
 def hf_collator(tokenizers, convention):

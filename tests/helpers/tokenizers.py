@@ -3,6 +3,8 @@ are compared against."""
 
 from __future__ import annotations
 
+import random
+
 WORDS = [f"w{i}" for i in range(40)]
 
 
@@ -26,3 +28,18 @@ def word_level_tokenizer(**options):
         tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
         **options,
     )
+
+
+def token_rows(tokenizer, count=12, seed=0, pairs=False):
+    """Tokenized texts as Python lists (input_ids, and token_type_ids for pairs), and a label each."""
+    rng = random.Random(seed)
+
+    def text():
+        return " ".join(rng.choices(WORDS, k=rng.randint(1, 20)))
+
+    rows = []
+    for _ in range(count):
+        encoded = tokenizer(text(), text() if pairs else None, return_token_type_ids=pairs,
+                            return_attention_mask=False)
+        rows.append({**encoded, "labels": rng.randrange(2)})
+    return rows

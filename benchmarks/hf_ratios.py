@@ -361,19 +361,24 @@ def time_rounds(kind: str, epochs: dict[str, Callable], batches: int, rounds: in
         names = [name for name in epochs if name not in failures]
         order.shuffle(names)
         for name in names:
-            units = 0
-            start = time.perf_counter()
-            try:
-                for batch in epochs[name](batches):
-                    units += units_of(kind, batch)
-                    del batch
-            except Exception as error:
-                failures[name] = failed(error)
-                continue
-            seconds = time.perf_counter() - start
-            runs.append({"round": round_index, "warmup": round_index == 0, "path": name, "seconds": seconds,
-                         "batches": batches, "units": units, "units_per_s": units / seconds})
+            timed_run(runs, failures, name, round_index, batches,
+                      lambda epoch=epochs[name]: sum(units_of(kind, batch) for batch in epoch(batches)))
     return runs
+
+
+def timed_run(runs: list[dict], failures: dict[str, str], name: str, round_index: int, batches: int,
+              work: Callable[[], int]) -> None:
+    """Times ``work`` (which returns the units it delivered) as path ``name``'s run in round ``round_index``,
+    added to ``runs``; a path that raises is recorded in ``failures`` instead."""
+    start = time.perf_counter()
+    try:
+        units = work()
+    except Exception as error:
+        failures[name] = failed(error)
+        return
+    seconds = time.perf_counter() - start
+    runs.append({"round": round_index, "warmup": round_index == 0, "path": name, "seconds": seconds,
+                 "batches": batches, "units": units, "units_per_s": units / seconds})
 
 
 def summarize(runs: list[dict], failures: dict[str, str]) -> dict[str, Any]:
@@ -419,18 +424,15 @@ def time_row_reads(reads: dict[str, Callable[[int], Any]], length: int, rows: in
         names = [name for name in reads if name not in failures]
         order.shuffle(names)
         for name in names:
-            read = reads[name]
-            start = time.perf_counter()
-            try:
-                for index in indices:
-                    read(index)
-            except Exception as error:
-                failures[name] = failed(error)
-                continue
-            seconds = time.perf_counter() - start
-            runs.append({"round": round_index, "warmup": round_index == 0, "path": name, "seconds": seconds,
-                         "batches": rows, "units": rows, "units_per_s": rows / seconds})
+            timed_run(runs, failures, name, round_index, rows,
+                      lambda read=reads[name], indices=indices: _read_all(read, indices))
     return {"rows_per_round": rows, "runs": runs, **summarize(runs, failures)}
+
+
+def _read_all(read: Callable[[int], Any], indices: list[int]) -> int:
+    for index in indices:
+        read(index)
+    return len(indices)
 
 
 def loader(path: Contender, batch: int, workers: int, seed: int, malloc: str) -> DataLoader:

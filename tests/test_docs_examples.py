@@ -104,6 +104,14 @@ def left_padded_to_eight(lines: list[str]) -> None:
     ], lines
 
 
+def walk_and_gather_agree(lines: list[str]) -> None:
+    assert lines == [
+        "[[1, 2, 3], [4, 0, 0]] [[True, True, True], [True, False, False]] [3, 1]",
+        "['id', 'x', 'x_lengths', 'x_mask'] True",  # the gathered batch is the walked one
+        "ContractTypeError 7 x",
+    ], lines
+
+
 def pipeline_batches(lines: list[str]) -> None:
     assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
 
@@ -117,6 +125,7 @@ RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
     ("docs/usage.md", "# + return_seq_idx=True"): packed_keys,
     ("docs/usage.md", "TokenBudgetBatches(lengths"): token_budget_delivers_every_sample,
     ("docs/usage.md", 'copy_of="input_ids"'): labels_copied_from_input_ids,
+    ("docs/how-it-works.md", "rows.__getitems__([0, 1])"): walk_and_gather_agree,
     ("docs/integrations.md", "PipelineBuilder"): pipeline_batches,
     ("docs/integrations.md", "nodes.ParallelMapper"): pipeline_batches,
 }

@@ -112,6 +112,10 @@ def walk_and_gather_agree(lines: list[str]) -> None:
     ], lines
 
 
+def worker_epoch_audited(lines: list[str]) -> None:
+    assert lines[:2] == ["delivered against reference: OK", "  delivered 100 samples; reference has 100 ids"], lines
+
+
 def pipeline_batches(lines: list[str]) -> None:
     assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
 
@@ -127,6 +131,7 @@ RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
     ("docs/usage.md", 'copy_of="input_ids"'): labels_copied_from_input_ids,
     ("docs/how-it-works.md", "rows.__getitems__([0, 1])"): walk_and_gather_agree,
     ("docs/integrations.md", "PipelineBuilder"): pipeline_batches,
+    ("docs/measuring.md", "ledger.watch(DataLoader"): worker_epoch_audited,
     ("docs/integrations.md", "nodes.ParallelMapper"): pipeline_batches,
 }
 

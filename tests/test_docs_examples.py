@@ -113,7 +113,8 @@ def walk_and_gather_agree(lines: list[str]) -> None:
 
 
 def worker_epoch_audited(lines: list[str]) -> None:
-    assert lines[:2] == ["delivered against reference: OK", "  delivered 100 samples; reference has 100 ids"], lines
+    assert lines[:2] == ["delivered against reference: OK",
+                         "  delivered 100 samples; reference has 100 ids"], lines  # every id once
 
 
 def pipeline_batches(lines: list[str]) -> None:
@@ -131,8 +132,8 @@ RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
     ("docs/usage.md", 'copy_of="input_ids"'): labels_copied_from_input_ids,
     ("docs/how-it-works.md", "rows.__getitems__([0, 1])"): walk_and_gather_agree,
     ("docs/integrations.md", "PipelineBuilder"): pipeline_batches,
-    ("docs/measuring.md", "ledger.watch(DataLoader"): worker_epoch_audited,
     ("docs/integrations.md", "nodes.ParallelMapper"): pipeline_batches,
+    ("docs/measuring.md", "ledger.watch(DataLoader"): worker_epoch_audited,
 }
 
 COMPILE_ONLY: dict[tuple[str, str], str] = {

@@ -9,9 +9,10 @@
 
 #include "collate/contract_rules.h"
 #include "collate/node.h"
+#include "fill/gather_kernels.h"
+#include "fill/packed_rows.h"
+#include "fill/padded_rows.h"
 #include "memory/copy_kernels.h"
-#include "memory/padded_rows.h"
-#include "ops/cpu/gather_kernels.h"
 
 namespace fastcollate {
 
@@ -148,16 +149,10 @@ RangeMisfit first_range_misfit(const ColumnFill& fill, const ValueRange& range) 
 }
 
 void write_separators(const Node& node, uint64_t pattern) {
-  const at::Tensor& out = node.out;
-  const size_t element_size = out.element_size();
-  const int64_t token = c10::multiply_integers(out.sizes().slice(2));
-  auto* base = static_cast<unsigned char*>(out.data_ptr());
+  const PackedRows rows(node.out.select(0, 0), node.starts.data());
   CopyJobs jobs;
   for (size_t b = 0; b + 1 < node.starts.size(); ++b) {
-    if (node.starts[b] < node.starts[b + 1]) {  // an empty sample has no first token
-      jobs.fills.push_back({base + static_cast<size_t>(node.starts[b] * token) * element_size,
-                            static_cast<size_t>(token), element_size, pattern});
-    }
+    rows.add_separator(jobs, b, pattern);
   }
   jobs.run();
 }
@@ -183,11 +178,9 @@ void gather_column(const ColumnFill& fill) {
       }
       return;
     }
-    case Kind::Packed: {
-      const std::vector<int32_t> cu(node.starts.begin(), node.starts.end());
-      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), cu.data(), node.out.select(0, 0));
+    case Kind::Packed:
+      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), node.starts.data(), node.out.select(0, 0));
       return;
-    }
     case Kind::Ids:
       return;
   }
@@ -361,7 +354,6 @@ std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& col
   node->lengths_name = field.lengths_name;
   node->mask = laid_out(layout.plan, column.key, Node::Kind::Numbers, field.mask_dtype, {layout.size, longest});
   node->lengths = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kLong, {layout.size});
-  node->lengths->ints = lengths;
   return node;
 }
 
@@ -411,7 +403,6 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
     }
     if (!field.cu_seq_lens_names.empty()) {
       node->cu_seq_lens = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kInt, {layout.size + 1});
-      node->cu_seq_lens->ints = layout.starts;
     }
   }
   return node;

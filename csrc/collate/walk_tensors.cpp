@@ -11,8 +11,8 @@
 #include "collate/messages.h"
 #include "collate/plan.h"
 #include "collate/walk.h"
+#include "fill/padded_rows.h"
 #include "memory/copy_kernels.h"
-#include "memory/padded_rows.h"
 
 namespace fastcollate {
 

@@ -38,9 +38,9 @@ except ImportError:  # run from a checkout without an install
     import fastcollate
 
 from fastcollate import Arrays, Contract, Field, TokenWindows
-from fastcollate.bench.malloc import samples_on_the_heap
-from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
-from fastcollate.terminal import fit_to_terminal
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
+from fastcollate.tools.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import collate_cases  # noqa: E402
 from collate_cases import CASES, FLOOR, Case, build_case, outputs_equal  # noqa: E402
 
-from fastcollate.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio  # noqa: E402
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = "exp(4M floats), compute-bound control"
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         f"built {info['extension_mtime']}; load average {os.getloadavg()[0]:.2f} "
         f"on {info['logical_cpus']} CPUs")
     cases = [build_case(key) for key in args.cases]
-    ring = collate_cases.fastcollate.staging.main_process_ring()
+    ring = collate_cases.fastcollate.transfer.staging.main_process_ring()
     initial_threads = torch.get_num_threads()
 
     results: list[dict] = []

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 import fastcollate
-from fastcollate.bench.malloc import malloc_settings
-from fastcollate.terminal import fit_to_terminal
+from fastcollate.tools.bench.malloc import malloc_settings
+from fastcollate.tools.terminal import fit_to_terminal
 
 __all__ = ["header_line", "report_header"]
 

@@ -25,7 +25,7 @@ import torch
 
 import fastcollate
 from fastcollate import StagingRing
-from fastcollate.bench.datasets import PRESETS
+from fastcollate.tools.bench.datasets import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)

@@ -28,10 +28,10 @@ except ImportError:  # run from a checkout without an install: the package sits 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fastcollate
 
-from fastcollate.bench.batches import to_device
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.loaders import close_loader
-from fastcollate.transforms import apply_to_fields
+from fastcollate.tools.bench.batches import to_device
+from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.loaders import close_loader
+from fastcollate.transfer.transforms import apply_to_fields
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 WORKERS = [w for w in (0, 1, 2, 4) if w <= max(CPUS, 1)]

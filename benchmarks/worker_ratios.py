@@ -35,10 +35,10 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate._ext import _C
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.malloc import samples_on_the_heap
-from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
-from fastcollate.terminal import fit_to_terminal
+from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
+from fastcollate.tools.terminal import fit_to_terminal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
@@ -266,7 +266,7 @@ def receive_cost_ms(name: str, repeats: int = 200) -> dict:
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from fastcollate.worker_slots import SlotPool, install_reducer
+    from fastcollate.transfer.worker_slots import SlotPool, install_reducer
 
     preset = PRESETS[name]
     dataset = preset.make_dataset(preset.batch_size, 0)

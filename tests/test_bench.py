@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import chart, command, configs
-from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
-from fastcollate.bench.correctness import Delivered, compare_to_reference
-from fastcollate.bench.datasets import (
+from fastcollate.tools.bench import chart, command, configs
+from fastcollate.tools.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
+from fastcollate.tools.bench.correctness import Delivered, compare_to_reference
+from fastcollate.tools.bench.datasets import (
     PRESETS,
     FashionLike,
     ImageNetLike,
@@ -30,9 +30,9 @@ from fastcollate.bench.datasets import (
     TokenSequences,
     cache_dir,
 )
-from fastcollate.bench.epoch import run_epoch
-from fastcollate.bench.pinned_copy import pinned_copy_gbps
-from fastcollate.ids import IdentifiedSample, guess_target_path
+from fastcollate.tools.bench.epoch import run_epoch
+from fastcollate.tools.bench.pinned_copy import pinned_copy_gbps
+from fastcollate.collate.ids import IdentifiedSample, guess_target_path
 from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,7 +432,7 @@ def test_compare_to_reference_compares_targets_by_value_across_dtypes():
 def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
     code = (
         "import sys, fastcollate.bench; "
-        "print(sorted(m for m in sys.modules if m == 'matplotlib' or m.startswith('fastcollate.bench.')))"
+        "print(sorted(m for m in sys.modules if m == 'matplotlib' or m.startswith('fastcollate.tools.bench.')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -443,14 +443,45 @@ def test_the_core_and_the_doctor_load_nothing_of_the_bench():
     # The core and the audit stand without the measuring tools: the doctor shares only the factory
     # loader with the bench, and that lives outside both.
     code = (
-        "import sys, fastcollate, fastcollate.audit.doctor, fastcollate.lightning, "
-        "fastcollate.index_batches, fastcollate.token_batches, fastcollate.worker_slots, "
-        "fastcollate.thread_pipelines; "
-        "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['fastcollate', 'bench']))"
+        "import sys, fastcollate, fastcollate.audit, fastcollate.tools.audit.doctor, fastcollate.lightning, "
+        "fastcollate.data.index_batches, fastcollate.data.token_batches, fastcollate.transfer.worker_slots, "
+        "fastcollate.integrations.thread_pipelines; "
+        "print(sorted(m for m in sys.modules if m.split('.')[:3] == ['fastcollate', 'tools', 'bench']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_importing_fastcollate_loads_no_tool_until_one_is_named():
+    # The audit, bench, doctor and CLI are tools: the collate and its data load without them, and the
+    # audit's names that fastcollate exports load it on first use.
+    code = (
+        "import sys, fastcollate; "
+        "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
+        "or m in ('fastcollate.audit', 'fastcollate.bench', 'fastcollate.lightning')); "
+        "print(tools()); "
+        "ledger = fastcollate.Ledger; "
+        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, 'fastcollate.tools.bench' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, after = proc.stdout.strip().splitlines()
+    assert before == "[]"
+    assert after == "fastcollate.tools.audit.ledger True False"
+
+
+def test_the_public_module_paths_are_the_moved_modules_themselves():
+    # In a fresh interpreter: a test here may hide lightning to see the bench run without it.
+    code = (
+        "import fastcollate, fastcollate.audit, fastcollate.bench, fastcollate.lightning; "
+        "from fastcollate.tools import audit, bench; from fastcollate.integrations import lightning; "
+        "print(fastcollate.audit is audit, fastcollate.bench is bench, fastcollate.lightning is lightning); "
+        "fastcollate.nothing_here"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "True True True"
+    assert "module 'fastcollate' has no attribute 'nothing_here'" in proc.stderr
 
 
 def test_fastcollate_bench_main_is_still_the_bench_command(capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastcollate.bench import profile
+from fastcollate.tools.bench import profile
 from tests.helpers.charts import assert_legend_clear, kept_figures
 from tests.test_bench import assert_valid_png
 

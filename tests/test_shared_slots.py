@@ -1,4 +1,4 @@
-"""Slots shared with DataLoader workers (fastcollate.worker_slots): the same batches as default_collate
+"""Slots shared with DataLoader workers (fastcollate.transfer.worker_slots): the same batches as default_collate
 under every start method, the switch, what is left behind (slots, descriptors, /dev/shm) after faults,
 each write received at most once, and the fallback when every slot is held."""
 
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Assembler, DeviceLoader, assemble
 from fastcollate._ext import _C
-from fastcollate.worker_slots import SlotPool
+from fastcollate.transfer.worker_slots import SlotPool
 from tests.conftest import CUDA
 from tests.helpers.fault_datasets import HangsAt, Numbered
 from tests.helpers.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream

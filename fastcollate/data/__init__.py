@@ -1,0 +1,4 @@
+"""Data gathered by index: ``Arrays`` over tensors, memmaps and Arrow files (``arrays``, ``columns``,
+``arrow_columns``, ``arrow_layout``, ``hf_formats``, ``mapped_files``, ``touched_files``,
+``token_windows``) and the samplers that batch their indices (``index_batches``, ``token_batches``)."""
+

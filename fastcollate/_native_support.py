@@ -1,8 +1,8 @@
 """The native walk's Python callback for the leaves it hands back to ``default_collate``.
 
 The walk (csrc/collate/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
-callbacks are public elsewhere: ``fastcollate.collate.errors`` (make_error, kind_of) and ``fastcollate.collate.tree``
-(rebuild_mapping, rebuild_sequence).
+callbacks are public elsewhere: ``fastcollate.collate.errors`` (make_error, kind_of) and
+``fastcollate.collate.tree`` (rebuild_mapping, rebuild_sequence).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_co
 
 import fastcollate
 from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows
-from fastcollate.collate import gather
 from fastcollate._ext import _C
+from fastcollate.collate import gather
 from fastcollate.data.arrays import ArrayBatch
 
 from .helpers.chunks import chunked, cuts

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastcollate.collate.ids import IdentifiedSample, guess_target_path
 from fastcollate.tools.bench import chart, command, configs
 from fastcollate.tools.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
 from fastcollate.tools.bench.correctness import Delivered, compare_to_reference
@@ -32,7 +33,6 @@ from fastcollate.tools.bench.datasets import (
 )
 from fastcollate.tools.bench.epoch import run_epoch
 from fastcollate.tools.bench.pinned_copy import pinned_copy_gbps
-from fastcollate.collate.ids import IdentifiedSample, guess_target_path
 from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,7 +432,8 @@ def test_compare_to_reference_compares_targets_by_value_across_dtypes():
 def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
     code = (
         "import sys, fastcollate.bench; "
-        "print(sorted(m for m in sys.modules if m == 'matplotlib' or m.startswith('fastcollate.tools.bench.')))"
+        "print(sorted(m for m in sys.modules "
+        "if m == 'matplotlib' or m.startswith('fastcollate.tools.bench.')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -462,7 +463,8 @@ def test_importing_fastcollate_loads_no_tool_until_one_is_named():
         "or m in ('fastcollate.audit', 'fastcollate.bench', 'fastcollate.lightning')); "
         "print(tools()); "
         "ledger = fastcollate.Ledger; "
-        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, 'fastcollate.tools.bench' in sys.modules)"
+        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
+        "'fastcollate.tools.bench' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -337,7 +337,7 @@ def test_the_command_runs_from_python_dash_m(tmp_path):
     assert json.loads(path.read_text())["failure"]["sample_id"] == 3
 
 
-# --- the transfer step and the batch signature walk the batch as fastcollate.collate.tree does ---------------
+# --- the transfer step and the batch signature walk the batch as fastcollate.collate.tree does -----
 
 
 class Batch(UserDict):
@@ -366,7 +366,8 @@ def test_import_fastcollate_leaves_the_doctor_unimported():
     # The audit loads when it is named; even then the doctor, a command, stays unloaded.
     code = (
         "import sys, fastcollate; before = [m for m in sys.modules if m.startswith('fastcollate.tools')]; "
-        "fastcollate.audit; print(before, [m for m in sys.modules if m.startswith('fastcollate.tools.audit')])"
+        "fastcollate.audit; "
+        "print(before, [m for m in sys.modules if m.startswith('fastcollate.tools.audit')])"
     )
     command = [sys.executable, "-c", code]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""fastcollate.integrations.lightning: DeviceLoaderCallback under Lightning's Trainer, on the CPU (one check on a GPU).
+"""fastcollate.lightning: DeviceLoaderCallback under Lightning's Trainer, on the CPU (one check on a GPU).
 
 On the CPU the callback's DeviceLoaders pass batches through, so "no second copy" is checked as: the
 tensors that reach training_step are the very ones a DeviceLoader handed out (same data_ptr and device).

@@ -1,5 +1,5 @@
 """Packed batches from fastcollate.Arrays: ragged token columns packed straight from their values and
-offsets (fastcollate.collate.gather), with no sample objects. Each batch must equal what the per-sample walk packs
+offsets (fastcollate.gather), with no sample objects. Each batch must equal what the per-sample walk packs
 from the same samples, key for key, in the same order, dtype for dtype; what the column-wise path does not
 cover, and every refusal, goes the per-sample way, with its errors."""
 
@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble
-from fastcollate.collate import gather
-from fastcollate.transfer import ops
 from fastcollate._torch_compat import jagged_max_seqlen
+from fastcollate.collate import gather
 from fastcollate.collate.errors import ContractSizeError, ContractTypeError, ContractValueError
+from fastcollate.transfer import ops
 
 from .helpers.batches import assert_same_batch
 from .helpers.chunks import chunked, cuts

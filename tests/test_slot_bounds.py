@@ -1,4 +1,4 @@
-"""The shared slots' bound with several loaders on one collate (fastcollate.transfer.worker_slots): each loader's
+"""The shared slots' bound with several loaders on one collate (fastcollate.worker_slots): each loader's
 workers get their own bound, so a train loader's prefetched batches do not crowd out an eval loader's,
 and the pool's bound is still a bound: the sum over the loaders whose workers are alive."""
 
@@ -16,8 +16,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from fastcollate import Assembler, assemble
-from fastcollate.transfer import worker_slots
 from fastcollate._ext import _C
+from fastcollate.transfer import worker_slots
 from fastcollate.transfer.worker_slots import SlotPool
 from tests.helpers.fault_datasets import Numbered
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from fastcollate import Contract, Field, Packing, TokenBudgetBatches, assemble, audit
-from fastcollate.tools.audit import distributed
 from fastcollate.collate.errors import ContractSizeError
+from fastcollate.tools.audit import distributed
 
 
 def lengths_of(n, seed=0, low=16, high=2048):

@@ -1,5 +1,5 @@
-"""fastcollate.collate.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked against
-torch's own function type for type; its paths are the ones errors, ledgers and the doctor print."""
+"""fastcollate.collate.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked
+against torch's own function type for type; its paths are the ones errors, ledgers and the doctor print."""
 
 from __future__ import annotations
 

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from . import gather, jagged
-from ..transfer import worker_slots
 from .._ext import _C
 from .._torch_compat import new_shared_storage
 from ..data.arrays import ArrayBatch, Arrays
+from ..data.mapped_files import is_read_fault, read_fault_error
+from ..transfer import worker_slots
+from ..transfer.staging import StagingRing, active_ring, main_process_ring
+from . import gather, jagged
 from .contract import Contract
 from .errors import ContractEmptyError
-from ..data.mapped_files import is_read_fault, read_fault_error
-from ..transfer.staging import StagingRing, active_ring, main_process_ring
 
 __all__ = ["Assembler", "assemble"]
 

@@ -60,7 +60,8 @@ class FileIdentity:
     size: int
     mtime_ns: int
     generation: int | None = None  # ext4, xfs, btrfs: a reused inode number gets another
-    # An Arrow file's message headers (fastcollate.data.arrow_layout): where its record batches and buffers lie.
+    # An Arrow file's message headers (fastcollate.data.arrow_layout): where its record batches and
+    # buffers lie.
     layout: bytes | None = None
 
     @classmethod

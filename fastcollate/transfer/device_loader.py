@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from .._ext import _C
 from ..collate import jagged, tree
 from . import worker_slots
-from .._ext import _C
 from .hidden_tensors import copy_out_hidden
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
 from .staging import StagingRing, staging_in

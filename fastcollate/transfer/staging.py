@@ -80,8 +80,8 @@ class StagingRing:
     def assemble(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
         """Collates ``batch`` with ``collator`` (an Assembler's compiled one) into a slot of this ring: the
         walk and checks, a slot, then the copy with the GIL released. With ``small_fields_apart`` a small
-        field of a large batch gets storage of its own (fastcollate.transfer.small_fields), so that keeping it does
-        not keep the slot."""
+        field of a large batch gets storage of its own (fastcollate.transfer.small_fields), so that keeping
+        it does not keep the slot."""
         return self.execute(collator.plan(batch), small_fields_apart, stacklevel=4)  # this method's caller
 
     def execute(self, plan: _C.BatchPlan, small_fields_apart: bool = True, stacklevel: int = 5) -> Any:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ...collate import tree
 from ..._torch_compat import loader_workers
+from ...collate import tree
 from .epoch import Epoch
 from .failures import Failure, StageFailed, error_text, raised_at
 from .ledger import Ledger

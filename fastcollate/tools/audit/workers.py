@@ -38,7 +38,8 @@ class TagWorker:
 
     def __init__(self, collate_fn: Callable[[list], Any] | None = None) -> None:
         if collate_fn is None:
-            from ...collate.assemble import assemble  # imported late: the rest of the audit needs no native extension
+            # imported late: the rest of the audit needs no native extension
+            from ...collate.assemble import assemble
 
             collate_fn = assemble
         self.collate_fn = collate_fn

@@ -1,5 +1,6 @@
 """Moving and reading the batches a configuration delivers: to the device, their bytes, their size, and
-the ids and targets the reference check compares. Every walk over a batch's nesting is ``fastcollate.collate.tree``'s.
+the ids and targets the reference check compares. Every walk over a batch's nesting is
+``fastcollate.collate.tree``'s.
 """
 
 from __future__ import annotations

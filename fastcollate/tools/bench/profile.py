@@ -27,9 +27,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import Subset
 
+from ...transfer.transforms import apply_to_fields
 from ..cli import output_folder, run_verb
 from ..terminal import fit_to_terminal
-from ...transfer.transforms import apply_to_fields
 from .batches import to_device
 from .configs import Setup, Variant, resolve
 from .datasets import PRESETS

@@ -1,8 +1,9 @@
-"""The package's shape: its parts by concern, the tools loaded only when named, and the old module names
-kept as the moved modules themselves."""
+"""The package's shape: its parts by concern, the tools loaded only when named, the old module names kept
+as the moved modules themselves, and no module reaching into another's privates."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,33 @@ def test_a_name_that_never_was_a_module_is_still_not_found():
         __import__("fastcollate.nothing_here")
     with pytest.raises(ModuleNotFoundError, match="fastcollate.audit.nothing_here"):
         __import__("fastcollate.audit.nothing_here")
+
+
+def python_files(*folders: str) -> list[Path]:
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*.py"))
+
+
+def private_imports(path: Path) -> list[str]:
+    """Names starting with one underscore that ``path`` imports from another fastcollate module (the
+    private top-level modules, _C, _ext, _aliases, _native_support and _torch_compat, are the package's
+    own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fastcollate")):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name not in (
+                    "_C", "_ext", "_native_support", "_torch_compat", "_aliases"
+                ):
+                    found.append(f"{path.relative_to(ROOT)}: {node.module}.{alias.name}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    found = [line for path in python_files("fastcollate", "benchmarks") for line in private_imports(path)]
+    assert found == []
+
+
+def test_arrays_imports_nothing_of_arrow_columns():
+    tree = ast.parse((PACKAGE / "data" / "arrays.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any("arrow_columns" in (module or "") for module in imported)

@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import Dataset
 
 from .._ext import _C
-from .columns import Column, _column
+from .arguments import index_out_of_range
+from .columns import Column, column_over
 from .mapped_files import MappedFileError, is_read_fault
 from .touched_files import FilesOfRows
 
@@ -26,6 +27,9 @@ __all__ = ["ArrayBatch", "Arrays"]
 
 # Which columns of a table: every one, some by name, or {key: column name}.
 ColumnChoice = Sequence[str] | Mapping[str, str] | None
+# Arrays.from_hf and from_arrow, by name: fastcollate.data.arrow_columns, which subclasses Arrays, puts
+# them here when the data package loads it, so this module needs nothing of Arrow.
+ARROW_FACTORIES: dict[str, Any] = {}
 
 _UNTRACED = (
     "the column lies in a mapped file that fastcollate does not check (a torch tensor over a mapping, or a "
@@ -67,7 +71,8 @@ class Arrays(Dataset):
             )
         self.id_key = id_key
         # Read-only: assemble keeps each batch size's layout, which names these columns.
-        self.columns = types.MappingProxyType({name: _column(name, value) for name, value in given.items()})
+        columns = {name: column_over(name, value) for name, value in given.items()}
+        self.columns = types.MappingProxyType(columns)
         lengths = {name: len(column) for name, column in self.columns.items()}
         if len(set(lengths.values())) > 1:
             described = ", ".join(f"{name!r}: {n}" for name, n in lengths.items())
@@ -86,9 +91,7 @@ class Arrays(Dataset):
         become ragged, fixed-size lists and ``Array2D``..``Array5D`` rows of that shape, scalars 1-D.
         Pickled, it is the dataset's (which reopens its files by path), so spawned workers map the files
         again. See fastcollate.data.arrow_columns."""
-        from .arrow_columns import from_hf
-
-        return from_hf(dataset, columns, id_key)
+        return ARROW_FACTORIES["from_hf"](dataset, columns, id_key)
 
     @classmethod
     def from_arrow(
@@ -96,14 +99,7 @@ class Arrays(Dataset):
     ) -> Arrays:
         """The columns of a ``pyarrow.Table``, or of the Arrow IPC file at a path (memory-mapped, and
         pickled as its path), read where they lie, chunk by chunk. Columns map as in :meth:`from_hf`."""
-        from .arrow_columns import from_arrow
-
-        return from_arrow(table, columns, id_key)
-
-    def _read_through(self, rows_of: torch.Tensor) -> None:
-        """Sample ``i`` becomes row ``rows_of[i]`` (int64, within the columns) of every column."""
-        self.rows_of = rows_of
-        self._length = len(rows_of)
+        return ARROW_FACTORIES["from_arrow"](table, columns, id_key)
 
     def __len__(self) -> int:
         return self._length
@@ -207,7 +203,7 @@ class Arrays(Dataset):
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"Arrays: an index must be an int, got {type(index).__name__}")
         if not -self._length <= index < self._length:
-            raise IndexError(f"Arrays: index {index} is out of range for a dataset of {self._length} samples")
+            raise index_out_of_range(index, self._length)
         return index + self._length if index < 0 else index  # counted from the end, as in Python and HF
 
 
@@ -231,13 +227,9 @@ class ArrayBatch(Sequence):
             # Python ints beyond int64: numpy keeps them as objects
             beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
             if beyond is not None:
-                raise IndexError(
-                    f"Arrays: index {beyond} is out of range for a dataset of {len(dataset)} samples"
-                )
+                raise index_out_of_range(beyond, len(dataset))
         if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-            raise IndexError(
-                f"Arrays: index {int(array.max())} is out of range for a dataset of {len(dataset)} samples"
-            )
+            raise index_out_of_range(int(array.max()), len(dataset))
         if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
             raise TypeError(
                 f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
@@ -258,10 +250,7 @@ class ArrayBatch(Sequence):
         # Negative indices count from the end, as in Python and Hugging Face's __getitems__.
         first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
-            raise IndexError(
-                f"Arrays: index {int(indices[first])} (batch position {first}) is out of range for a dataset "
-                f"of {len(dataset)} samples"
-            )
+            raise index_out_of_range(int(indices[first]), len(dataset), position=first)
         self.dataset = dataset
         self._samples: list[dict[str, Any]] | None = None
 

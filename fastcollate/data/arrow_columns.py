@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import hf_formats
 from .._ext import _C
-from .arrays import Arrays, ColumnChoice
+from . import hf_formats
+from .arrays import ARROW_FACTORIES, Arrays, ColumnChoice
 from .columns import Chunked, Column, Ragged
 from .mapped_files import MappedFileError, WatchedFile
 
@@ -76,6 +76,11 @@ class ArrowArrays(Arrays):
         if self._refusal is not None:
             raise MappedFileError(self._refusal)
         super().check_files(indices)
+
+    def _read_through(self, rows_of: torch.Tensor) -> None:
+        """Sample ``i`` becomes row ``rows_of[i]`` (int64, within the columns) of every column."""
+        self.rows_of = rows_of
+        self._length = len(rows_of)
 
 
 def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
@@ -452,3 +457,6 @@ def _rebuilt(
                 f"select, shuffle, shard or train_test_split chose) cannot be trusted: {why}"
             )
     return arrays
+
+
+ARROW_FACTORIES.update(from_hf=from_hf, from_arrow=from_arrow)

@@ -199,7 +199,7 @@ class Column:
                 setattr(self, role, torch.empty_strided(shape, strides, dtype=dtype, device="meta"))
 
 
-def _column(name: str, value: Any) -> Column:
+def column_over(name: str, value: Any) -> Column:
     """The column ``name`` over ``value``; a Column already made (one column under two keys) is shared."""
     if isinstance(value, Column):
         shared = copy.copy(value)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from .arguments import distributed_split, flag, integer
 
 __all__ = ["IndexBatches"]
 
@@ -53,21 +54,17 @@ class IndexBatches(Sampler[np.ndarray]):
         world_size: int | None = None,
         sampler_drop_last: bool = False,
     ) -> None:
-        self.n = _integer("n", n, low=0)
-        self.batch_size = _integer("batch_size", batch_size, low=1)
-        self.shuffle = _flag("shuffle", shuffle)
-        self.drop_last = _flag("drop_last", drop_last)
-        self.sampler_drop_last = _flag("sampler_drop_last", sampler_drop_last)
-        self.seed = _integer("seed", seed)
+        self.n = integer("n", n, low=0)
+        self.batch_size = integer("batch_size", batch_size, low=1)
+        self.shuffle = flag("shuffle", shuffle)
+        self.drop_last = flag("drop_last", drop_last)
+        self.sampler_drop_last = flag("sampler_drop_last", sampler_drop_last)
+        self.seed = integer("seed", seed)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
-        if (rank is None) != (world_size is None):
-            raise ValueError(
-                f"rank and world_size: give both (a distributed split) or neither, got rank={rank!r}, "
-                f"world_size={world_size!r}"
-            )
-        if world_size is None:
+        split = distributed_split(rank, world_size)
+        if split is None:
             if sampler_drop_last:
                 raise ValueError(
                     "sampler_drop_last: is DistributedSampler's drop_last and needs rank and world_size; "
@@ -81,10 +78,7 @@ class IndexBatches(Sampler[np.ndarray]):
                     "permutation, which DistributedSampler seeds with seed + epoch; a generator's state "
                     "belongs to one process. Pass seed instead"
                 )
-            self.world_size = _integer("world_size", world_size, low=1)
-            self.rank = _integer("rank", rank, low=0)
-            if self.rank >= self.world_size:
-                raise ValueError(f"rank: must be in [0, world_size={self.world_size}), got {self.rank}")
+            self.rank, self.world_size = split
             self.distributed = True
         # DistributedSampler's num_samples: ceil(n / world) padded, or floor when it cuts the tail
         # (its ceil((n - world) / world) when n % world, which is n // world).
@@ -97,7 +91,7 @@ class IndexBatches(Sampler[np.ndarray]):
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` (and no generator) the permutation is seeded ``seed + epoch``.
         Call it before each epoch's ``iter()``, as for DistributedSampler."""
-        self.epoch = _integer("epoch", epoch)
+        self.epoch = integer("epoch", epoch)
 
     @property
     def sampler(self) -> IndexBatches:
@@ -145,20 +139,3 @@ class IndexBatches(Sampler[np.ndarray]):
         total = self.num_samples * self.world_size
         return np.ascontiguousarray(np.resize(order, total)[self.rank : total : self.world_size])
 
-
-def _integer(name: str, value: object, low: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected an integer, got a bool ({value})")
-    try:
-        number = operator.index(value)  # ints and numpy integers; not floats or strings
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} ({value!r})") from None
-    if low is not None and number < low:
-        raise ValueError(f"{name}: must be at least {low}, got {number}")
-    return number
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} ({value!r})")
-    return bool(value)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .index_batches import _flag, _integer
+from .arguments import distributed_split, flag, integer
 
 __all__ = ["TokenBudgetBatches"]
 
@@ -56,18 +56,10 @@ class TokenBudgetBatches(Sampler[list[int]]):
                 f"and dtype {self.lengths.dtype}"
             )
         self.lengths = self.lengths.astype(np.int64)
-        self.max_tokens = _integer("max_tokens", max_tokens, low=1)
-        self.shuffle = _flag("shuffle", shuffle)
-        self.seed = _integer("seed", seed)
-        if (rank is None) != (world_size is None):
-            raise ValueError(
-                f"rank and world_size: give both (a distributed split) or neither, got rank={rank!r}, "
-                f"world_size={world_size!r}"
-            )
-        self.world_size = 1 if world_size is None else _integer("world_size", world_size, low=1)
-        self.rank = 0 if rank is None else _integer("rank", rank, low=0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank: must be in [0, world_size={self.world_size}), got {self.rank}")
+        self.max_tokens = integer("max_tokens", max_tokens, low=1)
+        self.shuffle = flag("shuffle", shuffle)
+        self.seed = integer("seed", seed)
+        self.rank, self.world_size = distributed_split(rank, world_size) or (0, 1)
         negative = np.flatnonzero(self.lengths < 0)
         if negative.size:
             raise ValueError(
@@ -87,7 +79,7 @@ class TokenBudgetBatches(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` the order is seeded ``seed + epoch``. Call it before each
         epoch."""
-        self.epoch = _integer("epoch", epoch)
+        self.epoch = integer("epoch", epoch)
 
     @property
     def sampler(self) -> TokenBudgetBatches:

@@ -1,5 +1,6 @@
 """The package's shape: its parts by concern, the tools loaded only when named, the old module names kept
-as the moved modules themselves, and no module reaching into another's privates."""
+as the moved modules themselves, no module reaching into another's privates, and benchmarks/ importing
+its shared parts as a package."""
 
 from __future__ import annotations
 
@@ -85,3 +86,20 @@ def test_arrays_imports_nothing_of_arrow_columns():
     tree = ast.parse((PACKAGE / "data" / "arrays.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any("arrow_columns" in (module or "") for module in imported)
+
+
+def test_benchmarks_import_their_shared_parts_as_a_package_with_no_path_edits():
+    edits = [str(p.relative_to(ROOT)) for p in python_files("benchmarks") if "sys.path" in p.read_text()]
+    assert edits == []
+
+
+@pytest.mark.parametrize(
+    "script", ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios",
+               "peer_ratios", "ring_contention"]
+)
+def test_a_benchmark_script_runs_as_a_file_from_another_folder(script, tmp_path):
+    # As `python benchmarks/NAME.py` runs: its shared parts come from the package, not from its folder.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:")

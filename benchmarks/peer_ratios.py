@@ -50,7 +50,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import fastcollate
 from fastcollate.tools.bench.malloc import samples_on_the_heap
-from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, too_small_to_time
 from fastcollate.tools.benchmarks.report_header import header_line, report_header
 from fastcollate.tools.terminal import fit_to_terminal

@@ -25,7 +25,7 @@ import torch
 
 import fastcollate
 from fastcollate import StagingRing
-from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.benchmarks.report_header import header_line, report_header
 from fastcollate.tools.benchmarks.rounds import quartiles
 

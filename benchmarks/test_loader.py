@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 import fastcollate
 from fastcollate.tools.bench.batches import to_device
 from fastcollate.tools.bench.loaders import close_loader
-from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.transfer.transforms import apply_to_fields
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

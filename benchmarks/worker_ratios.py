@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 import fastcollate
 from fastcollate._ext import _C
 from fastcollate.tools.bench.malloc import samples_on_the_heap
-from fastcollate.tools.bench.datasets import PRESETS
+from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
 from fastcollate.tools.benchmarks.report_header import header_line, report_header
 from fastcollate.tools.benchmarks.rounds import quartiles

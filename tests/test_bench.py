@@ -24,7 +24,6 @@ from fastcollate.tools.bench import chart, command, configs
 from fastcollate.tools.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
 from fastcollate.tools.bench.correctness import Delivered, compare_to_reference
 from fastcollate.tools.bench.datasets import (
-    PRESETS,
     FashionLike,
     ImageNetLike,
     ManyFields,
@@ -33,6 +32,7 @@ from fastcollate.tools.bench.datasets import (
 )
 from fastcollate.tools.bench.epoch import run_epoch
 from fastcollate.tools.bench.pinned_copy import pinned_copy_gbps
+from fastcollate.tools.bench.presets import PRESETS
 from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -452,38 +452,6 @@ def test_the_core_and_the_doctor_load_nothing_of_the_bench():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
-
-
-def test_importing_fastcollate_loads_no_tool_until_one_is_named():
-    # The audit, bench, doctor and CLI are tools: the collate and its data load without them, and the
-    # audit's names that fastcollate exports load it on first use.
-    code = (
-        "import sys, fastcollate; "
-        "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
-        "or m in ('fastcollate.audit', 'fastcollate.bench', 'fastcollate.lightning')); "
-        "print(tools()); "
-        "ledger = fastcollate.Ledger; "
-        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
-        "'fastcollate.tools.bench' in sys.modules)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    before, after = proc.stdout.strip().splitlines()
-    assert before == "[]"
-    assert after == "fastcollate.tools.audit.ledger True False"
-
-
-def test_the_public_module_paths_are_the_moved_modules_themselves():
-    # In a fresh interpreter: a test here may hide lightning to see the bench run without it.
-    code = (
-        "import fastcollate, fastcollate.audit, fastcollate.bench, fastcollate.lightning; "
-        "from fastcollate.tools import audit, bench; from fastcollate.integrations import lightning; "
-        "print(fastcollate.audit is audit, fastcollate.bench is bench, fastcollate.lightning is lightning); "
-        "fastcollate.nothing_here"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.strip() == "True True True"
-    assert "module 'fastcollate' has no attribute 'nothing_here'" in proc.stderr
 
 
 def test_fastcollate_bench_main_is_still_the_bench_command(capsys):

@@ -14,8 +14,8 @@ import torch
 
 from fastcollate.tools.bench import chart, command, configs, report
 from fastcollate.tools.bench import machine as machine_module
-from fastcollate.tools.bench.datasets import PRESETS
 from fastcollate.tools.bench.epoch import run_epoch
+from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.terminal import fit_to_terminal
 from tests.helpers.bench_datasets import Slowed
 from tests.test_bench import bench_arguments

@@ -13,13 +13,13 @@ from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
-from ...collate import tree
 from ...collate.assemble import assemble
 from ...collate.contract import Contract
 from ...collate.errors import ContractError, sample_id
-from ...collate.ids import IdentifiedSample, guess_target_path, with_ids
+from ...collate.ids import guess_target_path, with_ids
 from ..terminal import TERMINAL_COLUMNS, fit_to_terminal
 from .checks import check, compare
+from .digests import top_level_fields
 from .epoch import Epoch
 from .failures import Failure, error_text
 from .record_sheet import (
@@ -40,7 +40,7 @@ from .report import AuditReport, Order
 from .setting_run import LoaderPlan, SettingRun, cuda_available, run_setting
 from .tracing import StepBoard, Stuck, TracedMap, TracedStream, alarm, timed, transform_owner
 
-__all__ = ["Doctor", "top_level_fields"]
+__all__ = ["Doctor"]
 
 SAMPLES_SETTING = "samples one by one"
 _INDENT = "   "  # a step's lines, under its numbered heading
@@ -496,10 +496,3 @@ class Doctor:
             "ok": status == EXIT_OK,
             "exit_status": status,
         }
-
-
-def top_level_fields(sample: Any, id_key: str) -> list[str]:
-    """What ``--targets all`` compares: every field of the sample but its id."""
-    if isinstance(sample, IdentifiedSample):
-        return ["sample"]  # with_ids' wrapper: the dataset's own sample is the one field
-    return [name for name, _ in tree.children(sample) or () if name != id_key]

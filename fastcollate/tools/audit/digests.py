@@ -1,6 +1,7 @@
 """Stable 64-bit digests: of string ids, of each sample's row in a collated field, and of (id, digest)
-pairs. Every value here is the same in every process, run and rank (no salted ``hash``): ledgers
-recorded elsewhere compare by them, so a change to any formula here breaks saved and gathered ledgers.
+pairs; and which fields ``--targets all`` digests. Every value here is the same in every process, run
+and rank (no salted ``hash``): ledgers recorded elsewhere compare by them, so a change to any formula
+here breaks saved and gathered ledgers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["digest_fields", "digest_rows", "pair_codes", "string_code"]
+from ...collate import tree
+from ...collate.ids import IdentifiedSample
+
+__all__ = ["digest_fields", "digest_rows", "pair_codes", "string_code", "top_level_fields"]
 
 
 def string_code(text: str | bytes) -> int:
@@ -117,3 +121,10 @@ def digest_fields(values: Iterable[Any], n: int) -> np.ndarray:
 def pair_codes(ids: np.ndarray, digests: np.ndarray) -> np.ndarray:
     """One 64-bit code per (id, target digest) pair."""
     return _combine(_mix(ids.view(np.uint64)), digests).view(np.int64)
+
+
+def top_level_fields(sample: Any, id_key: str) -> list[str]:
+    """What ``--targets all`` compares: every field of the sample but its id."""
+    if isinstance(sample, IdentifiedSample):
+        return ["sample"]  # with_ids' wrapper: the dataset's own sample is the one field
+    return [name for name, _ in tree.children(sample) or () if name != id_key]

@@ -29,10 +29,11 @@ from ..terminal import fit_to_terminal
 from .chart import write_chart
 from .configs import DEVICE_LOADER_DEPTH, PREFETCH_FACTOR, Setup, resolve
 from .correctness import compare_to_reference
-from .datasets import PRESETS, fingerprint
+from .datasets import fingerprint
 from .epoch import EpochRun, run_epoch
 from .machine import machine_info, versions
 from .pinned_copy import pinned_copy_gbps
+from .presets import PRESETS
 from .ratios import MIN_ROUNDS_ONE_SIDE, MIN_TIMED_BATCHES
 from .report import (
     NOT_DIFFERENT,

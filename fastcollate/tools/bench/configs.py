@@ -19,9 +19,9 @@ import fastcollate
 
 from ..cli import UsageError, at_least, loading
 from ..factory_spec import load_factory
-from .datasets import PRESETS
 from .machine import cuda_available, usable_cpus
 from .models import TrainStep
+from .presets import PRESETS
 
 __all__ = [
     "DEFAULT_WORKERS",

@@ -1,5 +1,5 @@
 """Times fastcollate.assemble against torch's default_collate (and the other baselines: plain copies,
-pad_sequence) on the cases of ``collate_cases.py``, interleaved in one process.
+pad_sequence) on the cases of ``fastcollate.tools.benchmarks.collate_cases``, interleaved in one process.
 
     python benchmarks/collate_ratios.py [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
                                         [--gc young|full] [--samples same|fresh] [--no-targets]

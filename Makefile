@@ -38,14 +38,15 @@ help:
 	$(PY) -c "import torch, numpy, pytest; print('using', torch.__version__, 'at', torch.__file__)"
 	touch $@
 
-# pip shows a build's own output only with -v: the whole log goes to .stamp-build.log, and the build's
-# decisions (toolkit, architectures, CPU-only or CUDA) are shown here, once each (pip runs setup.py
-# twice); a build that printed none fails.
+# pip shows a build's own output only with -v: the whole log goes to .stamp-build.log, and what it does is
+# shown as it goes (scripts/build_progress.awk): the build's decisions (toolkit, architectures, CPU-only or
+# CUDA), once each, then a line per compiled file; a build that printed no decision fails.
 .stamp-build: $(DEPS) $(SOURCES)
-	@echo "building fastcollate._C (the whole log: .stamp-build.log)"
-	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > .stamp-build.log 2>&1 \
+	@echo "building fastcollate._C, a few minutes (the whole log: .stamp-build.log)"
+	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee .stamp-build.log \
+		| awk -f scripts/build_progress.awk \
 		|| { tail -n 60 .stamp-build.log; echo "the build failed: the whole log is .stamp-build.log"; exit 1; }
-	@grep -h "\[fastcollate build\]" .stamp-build.log | sed 's/^ *//' | awk '!seen[$$0]++' | grep . \
+	@grep -q "\[fastcollate build\]" .stamp-build.log \
 		|| { echo "the build printed none of its decisions: see .stamp-build.log"; exit 1; }
 	$(PY) -c "import fastcollate" || (tail -n 60 .stamp-build.log; exit 1)
 	touch $@

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastcollate.bench.ratios import NOT_DIFFERENT
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT
 
 WIDTH = 100
 

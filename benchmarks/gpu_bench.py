@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import fastcollate
 from fastcollate import DeviceLoader, Normalize
-from fastcollate.bench.pinned_copy import pinned_copy_gbps
+from fastcollate.tools.bench.pinned_copy import pinned_copy_gbps
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -22,11 +22,7 @@ from pathlib import Path
 
 import torch
 
-try:
-    import fastcollate  # noqa: F401  (registers the ops)
-except ImportError:  # run from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import fastcollate  # noqa: F401
+import fastcollate  # noqa: F401  (registers the ops)
 
 SHAPES = ((8, 64), (256, 65), (4096, 64))  # rows x float32 columns a batch
 

@@ -1,5 +1,5 @@
 """What the contender before a call does to it: the packed case's assemble, torch.cat + arange and the
-copy floor, timed in rounds (collate_ratios.time_case) beside one neighbour at a time.
+copy floor, timed in rounds (collate_timing.time_case) beside one neighbour at a time.
 
     python benchmarks/packed_neighbours.py [--rounds 40] [--threads 1] [--json PATH]
 
@@ -15,9 +15,11 @@ import json
 import statistics
 import time
 
-import collate_cases as cases
-import collate_ratios
 import torch
+
+from fastcollate.tools.benchmarks import collate_cases as cases
+from fastcollate.tools.benchmarks import collate_contenders as contenders
+from fastcollate.tools.benchmarks.collate_timing import machine, time_case
 
 NEIGHBOUR_SECONDS = 0.084  # about one DataCollatorWithFlattening call on the packed batch
 
@@ -41,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     case = cases.build_case("packed")
     everyone = dict(case.contenders)
-    timed = ["assemble+contract", cases.PACKED_CAT, cases.FLOOR]
+    timed = ["assemble+contract", contenders.PACKED_CAT, cases.FLOOR]
     sweep_buffer = torch.empty(64 << 20, dtype=torch.uint8)
     neighbours = {"none": None, "sleep 84 ms": sleep, "busy 84 ms": busy,
                   "fill 64 MiB": lambda batch: sweep_buffer.fill_(1)}
-    if cases.PACKED_REFERENCE in everyone:
-        neighbours[cases.PACKED_REFERENCE] = everyone[cases.PACKED_REFERENCE]
-    info = collate_ratios.machine()
+    if contenders.PACKED_REFERENCE in everyone:
+        neighbours[contenders.PACKED_REFERENCE] = everyone[contenders.PACKED_REFERENCE]
+    info = machine()
     malloc = info["malloc"] or "glibc defaults"
     print(f"threads={args.threads}, {args.rounds} rounds; medians in ms; malloc: {malloc}")
     header = "".join(f"{name[:18]:>20s}" for name in timed)
@@ -57,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         case.contenders = {name: everyone[name] for name in timed}
         if neighbour is not None:
             case.contenders[label] = neighbour
-        times = collate_ratios.time_case(case, args.rounds, warmup=5)
+        times = time_case(case, args.rounds, warmup=5)
         med = {name: statistics.median(times[name]) * 1e3 for name in timed}
         results[label] = {"raw_seconds": times, "median_ms": med}
         print(f"  {label:28s}" + "".join(f"{med[name]:20.3f}" for name in timed)
               + f"   {med['assemble+contract'] / med[cases.FLOOR]:14.2f}"
-              + f"  {med[cases.PACKED_CAT] / med['assemble+contract']:12.2f}")
+              + f"  {med[contenders.PACKED_CAT] / med['assemble+contract']:12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             record = {"machine": info, "threads": args.threads, "rounds": args.rounds, "results": results}

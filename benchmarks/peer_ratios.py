@@ -49,13 +49,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import fastcollate
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.malloc import samples_on_the_heap
-from fastcollate.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, too_small_to_time
-from fastcollate.terminal import fit_to_terminal
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.presets import PRESETS
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, too_small_to_time
+from fastcollate.tools.benchmarks.report_header import header_line, report_header
+from fastcollate.tools.terminal import fit_to_terminal
 
 THREADS = 2
 PREFETCH = 2

@@ -25,11 +25,9 @@ import torch
 
 import fastcollate
 from fastcollate import StagingRing
-from fastcollate.bench.datasets import PRESETS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
-from worker_ratios import quartiles  # noqa: E402  (a sibling script, not a package)
+from fastcollate.tools.bench.presets import PRESETS
+from fastcollate.tools.benchmarks.report_header import header_line, report_header
+from fastcollate.tools.benchmarks.rounds import quartiles
 
 
 def timed_threads(threads: int, work) -> float:

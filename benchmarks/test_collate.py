@@ -1,6 +1,6 @@
-"""pytest-benchmark suite: each case of ``collate_cases.py`` collated by its reference (torch's
-default_collate, or pad_sequence + a Python mask) and by fastcollate.assemble, at one intra-op thread
-and at two.
+"""pytest-benchmark suite: each case of ``fastcollate.tools.benchmarks.collate_cases`` collated by its
+reference (torch's default_collate, or pad_sequence + a Python mask) and by fastcollate.assemble, at one
+intra-op thread and at two.
 
     pytest benchmarks --benchmark-group-by=group          # side by side per case and thread count
     pytest benchmarks --benchmark-skip                      # only the output-equality checks
@@ -16,15 +16,14 @@ import functools
 
 import pytest
 import torch
-from collate_cases import (
-    CASES,
+
+from fastcollate.tools.benchmarks.collate_cases import CASES, build_case, outputs_equal
+from fastcollate.tools.benchmarks.collate_contenders import (
     HF_PAD_SEQUENCE,
     HF_REFERENCE,
     PACKED_CAT,
     PACKED_REFERENCE,
-    build_case,
     have_transformers,
-    outputs_equal,
 )
 
 THREADS = (1, 2)

@@ -13,25 +13,18 @@ last batch on the device (synchronized); persistent workers are started and warm
 from __future__ import annotations
 
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-try:
-    import fastcollate
-except ImportError:  # run from a checkout without an install: the package sits one level up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import fastcollate
-
-from fastcollate.bench.batches import to_device
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.loaders import close_loader
-from fastcollate.transforms import apply_to_fields
+import fastcollate
+from fastcollate.tools.bench.batches import to_device
+from fastcollate.tools.bench.loaders import close_loader
+from fastcollate.tools.bench.presets import PRESETS
+from fastcollate.transfer.transforms import apply_to_fields
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 WORKERS = [w for w in (0, 1, 2, 4) if w <= max(CPUS, 1)]

@@ -35,13 +35,12 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate._ext import _C
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.malloc import samples_on_the_heap
-from fastcollate.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
-from fastcollate.terminal import fit_to_terminal
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_header import header_line, report_header  # noqa: E402  (a sibling script, not a package)
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.presets import PRESETS
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
+from fastcollate.tools.benchmarks.report_header import header_line, report_header
+from fastcollate.tools.benchmarks.rounds import quartiles
+from fastcollate.tools.terminal import fit_to_terminal
 
 CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")
 
@@ -68,13 +67,6 @@ def epoch(loader: DataLoader) -> tuple[float, float, int, int]:
     if sorted(ids) != list(range(len(loader.dataset))):
         raise AssertionError(f"an epoch delivered {len(ids)} ids, not each of the {len(loader.dataset)} once")
     return wall, cpu, len(ids), batches
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
 
 
 def run_dataset(name: str, workers: list[int], rounds: int, batches: int, seed: int) -> dict:
@@ -266,7 +258,7 @@ def receive_cost_ms(name: str, repeats: int = 200) -> dict:
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from fastcollate.worker_slots import SlotPool, install_reducer
+    from fastcollate.transfer.worker_slots import SlotPool, install_reducer
 
     preset = PRESETS[name]
     dataset = preset.make_dataset(preset.batch_size, 0)

@@ -2,25 +2,32 @@
 
     from fastcollate import assemble
     loader = DataLoader(dataset, batch_size=256, collate_fn=assemble)
+
+The package mirrors csrc/: ``collate`` (the contract, the walk and the column gather), ``data`` (Arrays,
+Arrow and mapped files, the samplers), ``transfer`` (staging, the workers' shared slots, DeviceLoader,
+device transforms) and ``integrations`` (Lightning, thread pipelines). ``tools`` (the audit, bench,
+profile, doctor and the CLI) is apart: importing fastcollate loads none of it; the audit's public names
+below load it when first used.
 """
 
-from ._ext import _C  # noqa: F401, I001  (first: a missing build says how to fix it)
-from . import audit
-from .arrays import Arrays
-from .columns import Chunked, Ragged
-from .token_windows import TokenWindows
-from .assemble import Assembler, assemble
-from .audit import AuditReport, Ledger, TagWorker
-from .contract import Contract, Field, Packing
-from .device_loader import DeviceLoader
-from .errors import ContractError
-from .ids import IdentifiedSample, with_ids
-from .mapped_files import MappedFileError
-from .index_batches import IndexBatches
-from .staging import StagingRing
-from .thread_pipelines import fetch_batches
-from .token_batches import TokenBudgetBatches
-from .transforms import Normalize
+import importlib
+
+from . import _aliases
+from ._ext import _C  # noqa: F401  (first after the old names: a missing build says how to fix it)
+from .collate.assemble import Assembler, assemble
+from .collate.contract import Contract, Field, Packing
+from .collate.errors import ContractError
+from .collate.ids import IdentifiedSample, with_ids
+from .data.arrays import Arrays
+from .data.columns import Chunked, Ragged
+from .data.index_batches import IndexBatches
+from .data.mapped_files import MappedFileError
+from .data.token_batches import TokenBudgetBatches
+from .data.token_windows import TokenWindows
+from .integrations.thread_pipelines import fetch_batches
+from .transfer.device_loader import DeviceLoader
+from .transfer.staging import StagingRing
+from .transfer.transforms import Normalize
 
 __all__ = [
     "Arrays",
@@ -49,3 +56,21 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_aliases.install()
+
+_FROM_THE_AUDIT = ("AuditReport", "Ledger", "TagWorker")
+
+
+def __getattr__(name: str):
+    # The audit is a tool, and the old module names are aliases (fastcollate._aliases): each loads when a
+    # program first names it, not with the collate.
+    if name in _FROM_THE_AUDIT:
+        return getattr(importlib.import_module(".audit", __name__), name)
+    if f"{__name__}.{name}" in _aliases.MOVED:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'fastcollate' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,5 @@
 """``python -m fastcollate <command>`` (or the ``fastcollate`` console script): bench, profile, doctor.
-Each command lives in its own module; how they answer bad input is ``fastcollate.cli``."""
+Each command lives in its own module; how they answer bad input is ``fastcollate.tools.cli``."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import importlib
 import sys
 
 COMMANDS = {  # name: (module with main(argv), one-line summary)
-    "bench": ("fastcollate.bench.command",
+    "bench": ("fastcollate.tools.bench.command",
               "compare default_collate, assemble and DeviceLoader side by side"),
-    "profile": ("fastcollate.bench.profile",
+    "profile": ("fastcollate.tools.bench.profile",
                 "trace batch_wait / h2d_transfer / compute and draw the timeline"),
-    "doctor": ("fastcollate.audit.doctor",
+    "doctor": ("fastcollate.tools.audit.doctor",
                "check that a dataset's loader delivers every sample, once, unchanged"),
 }
 

@@ -1,15 +1,15 @@
 """The native walk's Python callback for the leaves it hands back to ``default_collate``.
 
 The walk (csrc/collate/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
-callbacks are public elsewhere: ``fastcollate.errors`` (make_error, kind_of) and ``fastcollate.tree``
-(rebuild_mapping, rebuild_sequence).
+callbacks are public elsewhere: ``fastcollate.collate.errors`` (make_error, kind_of) and
+``fastcollate.collate.tree`` (rebuild_mapping, rebuild_sequence).
 """
 
 from __future__ import annotations
 
 from torch.utils.data import default_collate as _torch_default_collate
 
-from .errors import BUILTIN_ERRORS, ContractError, kind_of, make_error
+from .collate.errors import BUILTIN_ERRORS, ContractError, kind_of, make_error
 
 
 def default_collate(values: list, path: str, batch, id_key: str):

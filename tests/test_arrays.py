@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
 import fastcollate
-from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows, gather
+from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWindows
 from fastcollate._ext import _C
-from fastcollate.arrays import ArrayBatch
+from fastcollate.collate import gather
+from fastcollate.data.arrays import ArrayBatch
 
 from .helpers.chunks import chunked, cuts
 

@@ -20,7 +20,7 @@ from datasets import Array2D, Dataset, Features, Sequence, Value  # noqa: E402
 
 import fastcollate  # noqa: E402
 from fastcollate import Arrays, Contract, Field, Packing, assemble  # noqa: E402
-from fastcollate.mapped_files import MappedFileError  # noqa: E402
+from fastcollate.data.mapped_files import MappedFileError  # noqa: E402
 
 from .helpers.batches import assert_same_batch  # noqa: E402
 

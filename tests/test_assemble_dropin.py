@@ -331,7 +331,7 @@ def test_empty_batch_raises_index_error_like_default_collate():
 
 
 def test_an_error_leaves_nothing_half_written():
-    from fastcollate.staging import main_process_ring
+    from fastcollate.transfer.staging import main_process_ring
 
     ring = main_process_ring()
     before = ring.stats()
@@ -376,7 +376,7 @@ def test_contract_error_pickles_with_its_attributes():
     ],
 )
 def test_one_table_gives_each_builtin_error_its_kind_and_class(raised, kind):
-    from fastcollate.errors import ERROR_KINDS, kind_of, make_error
+    from fastcollate.collate.errors import ERROR_KINDS, kind_of, make_error
 
     assert kind_of(raised("boom")) == kind
     error = make_error(kind, [{"id": 7}], 0, "x", "this", "that", "", "id")
@@ -410,7 +410,7 @@ class _ValueAndKeyError(ValueError, KeyError):
 def test_an_error_of_two_builtin_classes_is_a_value_error_on_both_paths(error):
     # The native walk (torch.as_tensor refusing a sample) and the Python table agree: a ValueError that
     # is also an IndexError or a KeyError is a bad value, not an empty batch or a missing key.
-    from fastcollate.errors import kind_of
+    from fastcollate.collate.errors import kind_of
 
     assert kind_of(error) == "value"
     with pytest.raises(ContractError) as caught:
@@ -421,7 +421,7 @@ def test_an_error_of_two_builtin_classes_is_a_value_error_on_both_paths(error):
 @pytest.mark.parametrize(("later", "raised"), [("x", TypeError), (None, RuntimeError)])
 def test_a_torch_refusal_in_the_native_walk_keeps_its_builtin_class(later, raised):
     # After sample 0's numpy array each sample goes through torch.as_tensor, which refuses "x" with a
-    # TypeError and None with a RuntimeError: the walk asks fastcollate.errors for the kind.
+    # TypeError and None with a RuntimeError: the walk asks fastcollate.collate.errors for the kind.
     with pytest.raises(ContractError) as caught:
         assemble([np.zeros(2), later])
     assert isinstance(caught.value, raised) and caught.value.position == 1

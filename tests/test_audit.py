@@ -1,4 +1,4 @@
-"""fastcollate.audit: ledgers of delivered ids, and the checks that catch lost, duplicated, changed and
+"""fastcollate.tools.audit: ledgers of delivered ids, and the checks that catch lost, duplicated, changed and
 reordered samples across workers, epochs and configurations."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, RandomSampler, default_collate
 
 import fastcollate
 from fastcollate import audit
-from fastcollate.audit.column import GrowingColumn
-from fastcollate.audit.differences import dense_span
+from fastcollate.tools.audit.column import GrowingColumn
+from fastcollate.tools.audit.differences import dense_span
 from tests.helpers import audit_datasets as data
 
 Pair = namedtuple("Pair", "left right")
@@ -287,7 +287,7 @@ def test_check_distributed_without_a_process_group_checks_this_process():
 
 
 def test_the_names_bench_and_profiling_use_stay_importable_from_fastcollate_audit():
-    from fastcollate.audit import (  # noqa: F401
+    from fastcollate.tools.audit import (  # noqa: F401
         MAIN_PROCESS,
         TARGET_KEYS,
         AuditReport,

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from fastcollate import assemble
 from fastcollate._ext import _C
-from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES, needs_own_storage
+from fastcollate.transfer.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES, needs_own_storage
 from tests.test_assemble_dropin import assert_same
 from tests.test_shared_slots import RECEIVED, settled_stats
 

@@ -19,20 +19,20 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import chart, command, configs
-from fastcollate.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
-from fastcollate.bench.correctness import Delivered, compare_to_reference
-from fastcollate.bench.datasets import (
-    PRESETS,
+from fastcollate.collate.ids import IdentifiedSample, guess_target_path
+from fastcollate.tools.bench import chart, command, configs
+from fastcollate.tools.bench.batches import batch_len, ids_and_targets, tensor_bytes, to_device
+from fastcollate.tools.bench.correctness import Delivered, compare_to_reference
+from fastcollate.tools.bench.datasets import (
     FashionLike,
     ImageNetLike,
     ManyFields,
     TokenSequences,
     cache_dir,
 )
-from fastcollate.bench.epoch import run_epoch
-from fastcollate.bench.pinned_copy import pinned_copy_gbps
-from fastcollate.ids import IdentifiedSample, guess_target_path
+from fastcollate.tools.bench.epoch import run_epoch
+from fastcollate.tools.bench.pinned_copy import pinned_copy_gbps
+from fastcollate.tools.bench.presets import PRESETS
 from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,7 +432,8 @@ def test_compare_to_reference_compares_targets_by_value_across_dtypes():
 def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
     code = (
         "import sys, fastcollate.bench; "
-        "print(sorted(m for m in sys.modules if m == 'matplotlib' or m.startswith('fastcollate.bench.')))"
+        "print(sorted(m for m in sys.modules "
+        "if m == 'matplotlib' or m.startswith('fastcollate.tools.bench.')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -443,10 +444,10 @@ def test_the_core_and_the_doctor_load_nothing_of_the_bench():
     # The core and the audit stand without the measuring tools: the doctor shares only the factory
     # loader with the bench, and that lives outside both.
     code = (
-        "import sys, fastcollate, fastcollate.audit.doctor, fastcollate.lightning, "
-        "fastcollate.index_batches, fastcollate.token_batches, fastcollate.worker_slots, "
-        "fastcollate.thread_pipelines; "
-        "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['fastcollate', 'bench']))"
+        "import sys, fastcollate, fastcollate.audit, fastcollate.tools.audit.doctor, fastcollate.lightning, "
+        "fastcollate.data.index_batches, fastcollate.data.token_batches, fastcollate.transfer.worker_slots, "
+        "fastcollate.integrations.thread_pipelines; "
+        "print(sorted(m for m in sys.modules if m.split('.')[:3] == ['fastcollate', 'tools', 'bench']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

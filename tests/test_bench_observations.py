@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.bench import chart, command, configs, report
-from fastcollate.bench import machine as machine_module
-from fastcollate.bench.datasets import PRESETS
-from fastcollate.bench.epoch import run_epoch
-from fastcollate.terminal import fit_to_terminal
+from fastcollate.tools.bench import chart, command, configs, report
+from fastcollate.tools.bench import machine as machine_module
+from fastcollate.tools.bench.epoch import run_epoch
+from fastcollate.tools.bench.presets import PRESETS
+from fastcollate.tools.terminal import fit_to_terminal
 from tests.helpers.bench_datasets import Slowed
 from tests.test_bench import bench_arguments
 

@@ -8,7 +8,7 @@ import statistics
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastcollate.bench.ratios import (
+from fastcollate.tools.bench.ratios import (
     MIN_TIMED_BATCHES,
     paired_ratio,
     runs_apart,

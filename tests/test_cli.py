@@ -18,7 +18,7 @@ import pytest
 
 import fastcollate
 from fastcollate.__main__ import main as dispatch
-from fastcollate.cli import UsageError, at_least, loading, output_folder
+from fastcollate.tools.cli import UsageError, at_least, loading, output_folder
 from tests.conftest import CUDA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -331,7 +331,7 @@ def test_every_line_of_a_run_on_a_users_data_set_fits_a_terminal(capsys, tmp_pat
     assert not too_wide, "\n".join(too_wide)
 
 
-# --- the pieces of fastcollate.cli --------------------------------------------------------------------
+# --- the pieces of fastcollate.tools.cli --------------------------------------------------------------------
 
 
 def test_at_least_lets_the_default_and_the_minimum_through_and_stops_below_it():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastcollate import Contract, ContractError, Field, assemble, with_ids
-from fastcollate.errors import ContractValueError
+from fastcollate.collate.errors import ContractValueError
 
 RECORDS_CONTRACT = Contract(
     fields={
@@ -26,7 +26,7 @@ def seed_records():
 
 
 def test_fourth_record_with_one_channel_is_named_before_stacking():
-    from fastcollate.staging import main_process_ring
+    from fastcollate.transfer.staging import main_process_ring
 
     before = main_process_ring().stats()
     with pytest.raises(ContractError) as caught:

@@ -14,10 +14,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
-from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble, tree
-from fastcollate.device_loader import _device_fields
-from fastcollate.hidden_tensors import copy_out_hidden, tensors_inside
-from fastcollate.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
+from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble
+from fastcollate.collate import tree
+from fastcollate.transfer.device_loader import _device_fields
+from fastcollate.transfer.hidden_tensors import copy_out_hidden, tensors_inside
+from fastcollate.transfer.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
 from tests.helpers.worker_datasets import BadFourth, Records
 from tests.test_assemble_dropin import assert_same

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate.audit import doctor
-from fastcollate.audit.epoch import Epoch
-from fastcollate.audit.record_sheet import speed_against
-from fastcollate.audit.setting_run import batch_signature, copy_to_device
+from fastcollate.tools.audit import doctor
+from fastcollate.tools.audit.epoch import Epoch
+from fastcollate.tools.audit.record_sheet import speed_against
+from fastcollate.tools.audit.setting_run import batch_signature, copy_to_device
 
 DATASETS = "tests.helpers.audit_datasets"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def test_after_a_failure_the_record_sheet_is_numbered_next_to_the_last_step_run(
 
 
 def test_more_workers_than_cpus_is_said_once_in_step_3_not_as_torchs_warnings(capsys, tmp_path):
-    from fastcollate.audit.setting_run import _cpus
+    from fastcollate.tools.audit.setting_run import _cpus
 
     workers = _cpus() + 1  # as --workers 4 on 2 CPUs: torch warns at the DataLoader and each epoch
     with warnings.catch_warnings(record=True) as shown:
@@ -99,7 +99,7 @@ def test_more_workers_than_cpus_is_said_once_in_step_3_not_as_torchs_warnings(ca
 
 
 def test_only_torchs_worker_count_warning_is_caught():
-    from fastcollate.audit.setting_run import _worker_count_warning
+    from fastcollate.tools.audit.setting_run import _worker_count_warning
 
     torch_text = (
         "This DataLoader will create 4 worker processes in total. Our suggested max number of worker in "
@@ -337,7 +337,7 @@ def test_the_command_runs_from_python_dash_m(tmp_path):
     assert json.loads(path.read_text())["failure"]["sample_id"] == 3
 
 
-# --- the transfer step and the batch signature walk the batch as fastcollate.tree does ---------------
+# --- the transfer step and the batch signature walk the batch as fastcollate.collate.tree does -----
 
 
 class Batch(UserDict):
@@ -363,12 +363,18 @@ def test_the_batch_signature_names_each_tensor_by_its_dotted_path():
 
 
 def test_import_fastcollate_leaves_the_doctor_unimported():
-    code = "import sys, fastcollate; print([m for m in sys.modules if m.startswith('fastcollate.audit')])"
+    # The audit loads when it is named; even then the doctor, a command, stays unloaded.
+    code = (
+        "import sys, fastcollate; before = [m for m in sys.modules if m.startswith('fastcollate.tools')]; "
+        "fastcollate.audit; "
+        "print(before, [m for m in sys.modules if m.startswith('fastcollate.tools.audit')])"
+    )
     command = [sys.executable, "-c", code]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("[] [")
     loaded = result.stdout.strip()
-    assert "fastcollate.audit.ledger" in loaded  # the audit itself is there
+    assert "fastcollate.tools.audit.ledger" in loaded  # the audit itself, once named
     assert "doctor" not in loaded and "tracing" not in loaded and "setting_run" not in loaded
 
 

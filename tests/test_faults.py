@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastcollate import ContractError, DeviceLoader, StagingRing, assemble
-from fastcollate.staging import main_process_ring
+from fastcollate.transfer.staging import main_process_ring
 from tests.conftest import cpu_and_cuda
 from tests.helpers.fault_datasets import HangsAt, KillsItselfAt, MalformedAt, Numbered, RaisesAt, child_pids
 

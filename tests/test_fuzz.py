@@ -27,9 +27,11 @@ from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_collate
 
-from fastcollate import Contract, ContractError, Field, StagingRing, assemble, ops
+from fastcollate import Contract, ContractError, Field, StagingRing, assemble
+from fastcollate.transfer import ops
 
-assemble_module = sys.modules["fastcollate.assemble"]  # the module; fastcollate.assemble is the function
+# the module; fastcollate.assemble is the function
+assemble_module = sys.modules["fastcollate.collate.assemble"]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # default_collate's own, on odd inputs
 
 EXAMPLES = int(os.environ.get("FASTCOLLATE_FUZZ_EXAMPLES", "150"))

@@ -21,6 +21,8 @@ hf_ratios = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = hf_ratios  # its dataclasses look their module up there
 _spec.loader.exec_module(hf_ratios)
 
+from fastcollate.tools.benchmarks import hf_paths  # noqa: E402  (after datasets is known to be there)
+
 
 def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
     out = tmp_path / "hf.json"
@@ -34,8 +36,8 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
     assert report["versions"]["datasets"] and report["versions"]["pyarrow"]
     for name in ("tokens", "tabular"):
         described = report["datasets"][name]
-        assert described["rows"] == 600 and len(described["files"]) == hf_ratios.SHARDS
-        assert described["record_batches"] >= hf_ratios.SHARDS  # one at least per file: mapped, not merged
+        assert described["rows"] == 600 and len(described["files"]) == hf_paths.SHARDS
+        assert described["record_batches"] >= hf_paths.SHARDS  # one at least per file: mapped, not merged
     for case in ("packed", "tabular"):
         cost = report["cases"][case]["from_hf"]
         assert cost["rows"] == 600 and cost["pyarrow_allocated_bytes"] == 0  # the values are not copied
@@ -83,25 +85,25 @@ def test_the_many_files_case_runs_only_when_named():
 def test_a_batch_unlike_hf_names_each_difference():
     reference = {"input_ids": torch.arange(6)[None], "cu_seq_lens_q": torch.tensor([0, 6], dtype=torch.int32),
                  "max_length_q": 6}
-    hf_ratios.check_same_batch("same", reference, {k: v for k, v in reference.items()})
+    hf_paths.check_same_batch("same", reference, {k: v for k, v in reference.items()})
     wrong = dict(reference, input_ids=torch.tensor([[0, 1, 99, 3, 4, 5]]))
-    with pytest.raises(hf_ratios.BatchMismatch, match=r"input_ids: differs first at \[0, 2\]"):
-        hf_ratios.check_same_batch("wrong", reference, wrong)
+    with pytest.raises(hf_paths.BatchMismatch, match=r"input_ids: differs first at \[0, 2\]"):
+        hf_paths.check_same_batch("wrong", reference, wrong)
     wider = dict(reference, cu_seq_lens_q=reference["cu_seq_lens_q"].long())
-    with pytest.raises(hf_ratios.BatchMismatch, match="cu_seq_lens_q: torch.int64"):
-        hf_ratios.check_same_batch("wider", reference, wider)
+    with pytest.raises(hf_paths.BatchMismatch, match="cu_seq_lens_q: torch.int64"):
+        hf_paths.check_same_batch("wider", reference, wider)
     as_tensor = dict(reference, max_length_q=torch.tensor(6))
-    with pytest.raises(hf_ratios.BatchMismatch, match=r"max_length_q: tensor\(6\) \(Tensor\), not 6 \(int\)"):
-        hf_ratios.check_same_batch("as a tensor", reference, as_tensor)
-    with pytest.raises(hf_ratios.BatchMismatch, match=r"missing \['max_length_q'\], extra \['id'\]"):
-        hf_ratios.check_same_batch("keys", reference, {"id": 0, "input_ids": reference["input_ids"],
+    with pytest.raises(hf_paths.BatchMismatch, match=r"max_length_q: tensor\(6\) \(Tensor\), not 6 \(int\)"):
+        hf_paths.check_same_batch("as a tensor", reference, as_tensor)
+    with pytest.raises(hf_paths.BatchMismatch, match=r"missing \['max_length_q'\], extra \['id'\]"):
+        hf_paths.check_same_batch("keys", reference, {"id": 0, "input_ids": reference["input_ids"],
                                                        "cu_seq_lens_q": reference["cu_seq_lens_q"]})
 
 
 def test_a_path_that_makes_another_batch_stops_the_run_and_one_that_raises_is_reported_failed():
-    ds = hf_ratios.build_dataset("tokens", 40, seed=0)
-    paths = hf_ratios.make_paths("packed", ds)
-    paths["swapped"] = hf_ratios.Contender(failed="failed: left out, this test feeds the Arrays path")
+    ds = hf_paths.build_dataset("tokens", 40, seed=0)
+    paths = hf_paths.make_paths("packed", ds)
+    paths["swapped"] = hf_paths.Contender(failed="failed: left out, this test feeds the Arrays path")
     arrays = paths["Arrays"]
     right = arrays.make_collate()
 
@@ -114,10 +116,10 @@ def test_a_path_that_makes_another_batch_stops_the_run_and_one_that_raises_is_re
         raise RuntimeError("no such contract option")
 
     arrays.make_collate = lambda: off_by_one
-    with pytest.raises(hf_ratios.BatchMismatch, match=r"Arrays: .*\n  labels: differs first at \[0, 1\]"):
-        hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])
+    with pytest.raises(hf_paths.BatchMismatch, match=r"Arrays: .*\n  labels: differs first at \[0, 1\]"):
+        hf_paths.check_paths(paths, [3, 1, 4, 1, 5])
     arrays.make_collate = lambda: raising
-    hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])
+    hf_paths.check_paths(paths, [3, 1, 4, 1, 5])
     assert arrays.failed == "failed: RuntimeError: no such contract option"
     arrays.failed, arrays.make_collate = None, lambda: right
-    hf_ratios.check_paths(paths, [3, 1, 4, 1, 5])  # the right collate passes
+    hf_paths.check_paths(paths, [3, 1, 4, 1, 5])  # the right collate passes

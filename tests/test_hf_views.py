@@ -20,7 +20,7 @@ datasets = pytest.importorskip("datasets")
 from datasets import Dataset, Features, Sequence, Value  # noqa: E402
 
 from fastcollate import Arrays, Contract, ContractError, Field, assemble, gather  # noqa: E402
-from fastcollate.mapped_files import MappedFileError  # noqa: E402
+from fastcollate.data.mapped_files import MappedFileError  # noqa: E402
 
 from .test_mapped_files import _no_signal, _run  # noqa: E402
 

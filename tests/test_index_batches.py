@@ -25,7 +25,7 @@ from torch.utils.data import (
 )
 
 from fastcollate import IndexBatches
-from fastcollate.audit.distributed import SamplerAllowance
+from fastcollate.tools.audit.distributed import SamplerAllowance
 
 SIZES = (0, 1, 7, 10, 1000)
 BATCHES = (1, 3, 10, 64)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastcollate import Arrays, DeviceLoader, StagingRing, assemble
-from fastcollate.bench.malloc import fixed_mmap_threshold
+from fastcollate.tools.bench.malloc import fixed_mmap_threshold
 from tests.helpers.fault_datasets import Numbered, child_pids
 
 EPOCHS = max(3, int(os.environ.get("FASTCOLLATE_EPOCHS", "3")))

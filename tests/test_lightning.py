@@ -29,8 +29,8 @@ L = pytest.importorskip("lightning")
 from lightning.fabric.utilities.seed import pl_worker_init_function  # noqa: E402  (after the skip)
 from lightning.pytorch.callbacks import BasePredictionWriter  # noqa: E402
 
-import fastcollate.lightning as fastcollate_lightning  # noqa: E402
-from fastcollate.lightning import DeviceLoaderCallback  # noqa: E402
+import fastcollate.integrations.lightning as fastcollate_lightning  # noqa: E402
+from fastcollate.integrations.lightning import DeviceLoaderCallback  # noqa: E402
 from tests.helpers.processes import run_at_once  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,9 +146,9 @@ def test_import_fastcollate_imports_no_lightning():
 def test_without_lightning_the_import_says_how_to_install_it(monkeypatch):
     for name in [name for name in sys.modules if name == "lightning" or name.startswith("lightning.")]:
         monkeypatch.setitem(sys.modules, name, None)  # None: "import lightning" raises ImportError
-    monkeypatch.delitem(sys.modules, "fastcollate.lightning")
+    monkeypatch.delitem(sys.modules, "fastcollate.integrations.lightning")
     with pytest.raises(ImportError, match=r"fastcollate.lightning needs Lightning.*pip install lightning"):
-        importlib.import_module("fastcollate.lightning")
+        importlib.import_module("fastcollate.integrations.lightning")
 
 
 # ---- One process ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import fastcollate
 from fastcollate import Arrays, Contract, Field, MappedFileError, Packing, Ragged, TokenBudgetBatches
-from fastcollate.mapped_files import FileIdentity
+from fastcollate.data.mapped_files import FileIdentity
 
 from .helpers.processes import ROOT
 
@@ -53,7 +53,7 @@ _MAKE = """
         except MappedFileError as error:
             print(label, "MappedFileError", error)
         except RuntimeError as error:  # straight from an op: a read fault, or something else
-            print(label, "fault" if fastcollate.mapped_files.is_read_fault(error) else "other", error)
+            print(label, "fault" if fastcollate.data.mapped_files.is_read_fault(error) else "other", error)
 """
 
 
@@ -125,7 +125,7 @@ _GUARDED_OPS = """
     beside = Arrays(x=rows, traced=make("b.bin", rows=4096, width=4))  # its file intact: not to be blamed
     outcome("untraced beside", lambda: fastcollate.assemble(beside.__getitems__(every)))
     # The file check passes (as when the file shrinks just after it): the guard names the column.
-    fastcollate.mapped_files.MappedFile.unreadable = lambda self: None
+    fastcollate.data.mapped_files.MappedFile.unreadable = lambda self: None
     outcome("raced", lambda: fastcollate.assemble(ds.__getitems__(every)))
     outcome("windows", lambda: fastcollate.assemble(windows.__getitems__(every[:1000])))
     print("after", fastcollate.assemble(ds.__getitems__([0]))["x"].sum().item(), flush=True)

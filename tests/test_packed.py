@@ -13,10 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from fastcollate import Arrays, Contract, DeviceLoader, Field, Packing, Ragged, assemble, gather, jagged
+from fastcollate import Arrays, Contract, DeviceLoader, Field, Packing, Ragged, assemble
 from fastcollate._ext import _C
 from fastcollate._torch_compat import jagged_max_seqlen
-from fastcollate.errors import ContractKeyError, ContractSizeError, ContractTypeError, ContractValueError
+from fastcollate.collate import gather, jagged
+from fastcollate.collate.errors import (
+    ContractKeyError,
+    ContractSizeError,
+    ContractTypeError,
+    ContractValueError,
+)
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

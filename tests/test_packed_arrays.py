@@ -14,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble, gather, ops
+from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble
 from fastcollate._torch_compat import jagged_max_seqlen
-from fastcollate.errors import ContractSizeError, ContractTypeError, ContractValueError
+from fastcollate.collate import gather
+from fastcollate.collate.errors import ContractSizeError, ContractTypeError, ContractValueError
+from fastcollate.transfer import ops
 
 from .helpers.batches import assert_same_batch
 from .helpers.chunks import chunked, cuts

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastcollate
-from fastcollate import Arrays, Contract, ContractError, Field, Ragged, gather
+from fastcollate import Arrays, Contract, ContractError, Field, Ragged
+from fastcollate.collate import gather
 
 from .helpers.tokenizers import token_rows, word_level_tokenizer
 

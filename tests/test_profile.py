@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastcollate.bench import profile
+from fastcollate.tools.bench import profile, timeline
 from tests.helpers.charts import assert_legend_clear, kept_figures
 from tests.test_bench import assert_valid_png
 
@@ -159,15 +159,15 @@ def _synthetic_gpu_trace(path: Path) -> None:
 def test_gpu_trace_is_read_as_copy_and_compute_streams_and_drawn(tmp_path):
     trace_path = tmp_path / "trace.json"
     _synthetic_gpu_trace(trace_path)
-    trace = profile.read_trace(trace_path)
+    trace = timeline.read_trace(trace_path)
     assert set(trace["gpu"]) == {"13", "7"}
     assert {kind for kind, _, _ in trace["gpu"]["13"]} == {"copy"}
     assert {kind for kind, _, _ in trace["gpu"]["7"]} == {"kernel"}
     assert trace["cpu"]["5"][0] == ("batch_wait", 0.0, 1.0)
-    summary = profile.range_summary(trace)
+    summary = timeline.range_summary(trace)
     assert summary["compute"]["median_ms"] == pytest.approx(8.0) and summary["compute"]["count"] == 3
     assert (
-        profile.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t")
+        timeline.draw_timeline([("default", trace), ("DeviceLoader", trace)], tmp_path / "t.png", "t")
         is None
     )
     assert_valid_png(tmp_path / "t.png")
@@ -178,13 +178,13 @@ def test_the_timeline_sets_its_panels_on_one_scale_under_a_title_the_legend_leav
 ):
     trace_path = tmp_path / "trace.json"
     _synthetic_gpu_trace(trace_path)
-    trace = profile.read_trace(trace_path)  # 30 ms
+    trace = timeline.read_trace(trace_path)  # 30 ms
     tenth = {kind: {row: [(name, start / 10, length / 10) for name, start, length in items]
                     for row, items in rows.items()} for kind, rows in trace.items()}  # 3 ms
     title = "fastcollate profile: fashion, batch 256, " + "a title as long as one that names both paths, " * 3
     with kept_figures(monkeypatch) as figures:
         panels = [("default", trace), ("assemble + DeviceLoader", tenth)]
-        assert profile.draw_timeline(panels, tmp_path / "t.png", title) is None
+        assert timeline.draw_timeline(panels, tmp_path / "t.png", title) is None
         [figure] = figures
         assert_legend_clear(figure)
         [scale] = {ax.get_xlim() for ax in figure.axes}  # one scale for both
@@ -227,7 +227,7 @@ def test_a_path_with_no_profiled_step_says_why_in_its_panel(tmp_path, monkeypatc
     assert ran["profiled_steps"] == 0
     assert ran["fewer_because"] in written  # the empty panel carries the reason, not a blank
     assert_valid_png(tmp_path / "timeline.png")
-    assert "nothing to show (why: below)" in profile.panel_title("assemble + DeviceLoader", {}, 0, "x")
+    assert "nothing to show (why: below)" in timeline.panel_title("assemble + DeviceLoader", {}, 0, "x")
 
 
 @pytest.mark.parametrize("option", ["--preset", "--batch-size", "--model-width", "--seed"])

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Assembler, DeviceLoader, assemble
 from fastcollate._ext import _C
-from fastcollate.worker_slots import SlotPool
+from fastcollate.transfer.worker_slots import SlotPool
 from tests.conftest import CUDA
 from tests.helpers.fault_datasets import HangsAt, Numbered
 from tests.helpers.worker_datasets import ChangesTheBatch, KillsItselfAfterAssembling, Records, Stream

@@ -15,9 +15,10 @@ import warnings
 import pytest
 from torch.utils.data import DataLoader
 
-from fastcollate import Assembler, assemble, worker_slots
+from fastcollate import Assembler, assemble
 from fastcollate._ext import _C
-from fastcollate.worker_slots import SlotPool
+from fastcollate.transfer import worker_slots
+from fastcollate.transfer.worker_slots import SlotPool
 from tests.helpers.fault_datasets import Numbered
 
 RECEIVED = _C.SLOT_KIND_RECEIVED
@@ -157,7 +158,7 @@ def test_max_shared_slots_past_a_pools_room_is_refused_when_the_collate_is_made(
 REGISTRY_FULL = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    from fastcollate.worker_slots import REGISTRY_ENTRIES, SlotPool
+    from fastcollate.transfer.worker_slots import REGISTRY_ENTRIES, SlotPool
     pool = SlotPool.create(128)
 
     def worker_of_its_own_loader(loader):

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
-from fastcollate.staging import staging_in
-from fastcollate.worker_slots import SlotPool, install_reducer
+from fastcollate.transfer.staging import staging_in
+from fastcollate.transfer.worker_slots import SlotPool, install_reducer
 from tests.helpers.fault_datasets import Numbered
 from tests.helpers.worker_datasets import SlotDescriptorsInheritable, UnpicklableAt
 from tests.test_shared_slots import RECEIVED, claimed, settled_stats
@@ -145,7 +145,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 from fastcollate import StagingRing, assemble
 from fastcollate._ext import _C
-from fastcollate.staging import staging_in
+from fastcollate.transfer.staging import staging_in
 from tests.helpers.fault_datasets import Numbered
 from tests.test_assemble_dropin import assert_same
 
@@ -221,7 +221,7 @@ def test_under_an_address_space_limit_kept_batches_arrive_as_with_default_collat
 
 MAPPING_FAILS = """
 import resource, warnings
-from fastcollate.worker_slots import SlotPool
+from fastcollate.transfer.worker_slots import SlotPool
 
 pool = SlotPool.create(4)
 size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
@@ -274,7 +274,7 @@ def test_two_threads_starting_workers_at_once_share_one_pool(monkeypatch):
 def test_a_slot_that_cannot_be_page_locked_is_said_once(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: page-locking succeeds there")
-    from fastcollate import worker_slots
+    from fastcollate.transfer import worker_slots
 
     monkeypatch.setattr(worker_slots, "_pin_device", lambda: 0)  # as under DeviceLoader, whose ring is active
     monkeypatch.setattr(worker_slots, "_warned", set())

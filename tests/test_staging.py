@@ -117,7 +117,7 @@ def test_staging_ring_assemble_writes_a_batch_into_one_of_its_slots():
 
 
 def test_staging_in_makes_assemble_write_into_the_ring():
-    from fastcollate.staging import active_ring, staging_in
+    from fastcollate.transfer.staging import active_ring, staging_in
 
     ring = StagingRing(max_slots=1)
     with staging_in(ring):

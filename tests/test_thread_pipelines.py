@@ -21,8 +21,8 @@ import torch
 
 import fastcollate
 from fastcollate import Contract, DeviceLoader, Field, StagingRing
-from fastcollate.errors import ContractSizeError
-from fastcollate.staging import main_process_ring
+from fastcollate.collate.errors import ContractSizeError
+from fastcollate.transfer.staging import main_process_ring
 from tests.test_concurrency import in_threads
 
 THREADS = 4

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from fastcollate import Contract, Field, Packing, TokenBudgetBatches, assemble, audit
-from fastcollate.audit import distributed
-from fastcollate.errors import ContractSizeError
+from fastcollate import Contract, Field, IndexBatches, Packing, TokenBudgetBatches, assemble, audit
+from fastcollate.collate.errors import ContractSizeError
+from fastcollate.tools.audit import distributed
 
 
 def lengths_of(n, seed=0, low=16, high=2048):
@@ -118,6 +118,20 @@ def test_a_split_that_could_only_leave_a_batch_of_no_tokens_is_refused_on_every_
 def test_bad_arguments_are_refused(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         TokenBudgetBatches(**options)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size"),
+    [(0, None), (None, 2), (2, 2), (-1, 2), (0, 0), (0.0, 2), (True, 2), (0, "2")],
+)
+def test_both_samplers_refuse_a_bad_split_in_the_same_words(rank, world_size):
+    with pytest.raises((ValueError, TypeError)) as by_tokens:
+        TokenBudgetBatches([1, 2, 3], max_tokens=4, rank=rank, world_size=world_size)
+    with pytest.raises((ValueError, TypeError)) as by_index:
+        IndexBatches(3, 2, rank=rank, world_size=world_size)
+    assert type(by_tokens.value) is type(by_index.value)
+    assert str(by_tokens.value) == str(by_index.value)
+    assert str(by_tokens.value).startswith(("rank", "world_size"))
 
 
 class Sequences(Dataset):

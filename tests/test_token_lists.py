@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Contract, Field, Packing, assemble
-from fastcollate.errors import ContractSizeError, ContractTypeError, ContractValueError
+from fastcollate.collate.errors import ContractSizeError, ContractTypeError, ContractValueError
 
 
 def contract(mode, dtype=torch.int64, shape=("T",), **options):

@@ -1,5 +1,5 @@
-"""fastcollate.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked against
-torch's own function type for type; its paths are the ones errors, ledgers and the doctor print."""
+"""fastcollate.collate.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked
+against torch's own function type for type; its paths are the ones errors, ledgers and the doctor print."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from fastcollate import DeviceLoader, tree
+from fastcollate import DeviceLoader
+from fastcollate.collate import tree
 from tests.test_fuzz import FrozenMap
 
 

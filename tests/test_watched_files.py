@@ -21,8 +21,8 @@ datasets = pytest.importorskip("datasets")
 
 import fastcollate  # noqa: E402
 from fastcollate import Arrays, Contract, Field, MappedFileError, Packing, assemble  # noqa: E402
-from fastcollate.arrow_layout import layout_digest  # noqa: E402
-from fastcollate.mapped_files import WatchedFile  # noqa: E402
+from fastcollate.data.arrow_layout import layout_digest  # noqa: E402
+from fastcollate.data.mapped_files import WatchedFile  # noqa: E402
 
 from .helpers.processes import ROOT  # noqa: E402
 
@@ -110,7 +110,7 @@ def test_a_touched_file_has_its_headers_read_once_then_its_new_time_is_remembere
     _touch(path)
     reads = []
     counted = lambda *args: reads.append(args) or layout_digest(*args)  # noqa: E731
-    monkeypatch.setattr(fastcollate.mapped_files, "layout_digest", counted)
+    monkeypatch.setattr(fastcollate.data.mapped_files, "layout_digest", counted)
     for _ in range(3):
         assert arrays[39]["label"].item() == 39
     assert len(reads) == 1, "the headers are read again once, on the first read after the touch"
@@ -248,7 +248,8 @@ def test_a_file_that_is_no_arrow_stream_has_no_layout(tmp_path):
 
 _FAULT = """
     import os, datasets, fastcollate
-    from fastcollate import Arrays, Contract, Field, MappedFileError, Packing, touched_files
+    from fastcollate import Arrays, Contract, Field, MappedFileError, Packing
+    from fastcollate.data import touched_files
     packed = Contract({"tokens": Field(shape=("T",), pack=True), "label": Field(kind="number")}, id=None,
                       packing=Packing())
     dataset = datasets.load_from_disk("d")

@@ -1,0 +1,231 @@
+"""The batched path of fastcollate.Arrays: which columns a batch is gathered from, and how (ids, rows,
+ragged rows padded with their mask and lengths, or packed into one row with the keys beside it, a
+``copy_of`` field gathered again from its source's column, a packed contract's dropped keys left out).
+Chosen once per dataset and contract; each batch is then planned and gathered by ``_C.ColumnGather`` in
+C++, straight into the buffer the batch goes out in, with no Python per column or per sample.
+
+The contract's rules are the walk's own (csrc/collate/contract_rules.h), applied per column: dtype
+(``cast_from`` casts during the copy), fixed and named dims, pads and separators the dtype can hold, and
+ranges, checked on the gathered column. The rows are written by the walk's writers (csrc/fill/). Every
+case this path leaves to the per-sample walk, which then gives the batch or the error, is listed with its
+reason in :data:`HANDED_TO_THE_WALK`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._ext import _C
+from ..data.arrays import ArrayBatch, Arrays
+from .contract import Contract, Field
+
+__all__ = ["gatherer", "layout"]
+
+#: Every case in which :func:`gatherer` (None: no batch of the dataset) or ``ColumnGather.plan`` (None:
+#: this batch) hands the batch to the per-sample walk, and why. The walk gives the same batch or error
+#: either way; these are the cases where its rules need each sample, or where it names the sample that
+#: broke one.
+HANDED_TO_THE_WALK: dict[str, str] = {
+    # Per dataset and contract (gatherer, _column, _packs_by_column):
+    "a missing or extra key": "the walk names the sample and the key (the id's included)",
+    "a padded dim another field names": "its size varies by sample; agreement is checked sample by sample",
+    "a copy_of field the samples also hold": "the walk refuses the key, naming sample 0",
+    "a dropped id key": "the walk names samples by the id the batch leaves out",
+    "an id field other than an int64 number": "the walk applies the field's rules to each id",
+    "a shared mask": "the walk builds one mask for the fields that share it, checking they agree",
+    "packed fields in a nested mapping": "the column gather lays out the sample's top level only",
+    "a packed dim named by an unpacked field": "its size varies by sample",
+    "a packed column of fixed-length rows": "the walk names the sample whose shape breaks the declared one",
+    "packed rows of other fixed dims": "the walk names the sample's whole shape against the declared one",
+    "a text field, or one with expand_from": "a string is not a column, and a broadcast is per sample",
+    "a number field on a ragged or multi-dim column": "the walk names the sample that is not one number",
+    "a stored dtype that is not the samples'": "the rules are the samples' dtype's; a cast that keeps "
+                                                "every value is gathered",
+    "a cast from floating point to integers": "the walk refuses NaN, infinities and values out of range",
+    "a range with a cast that can change values": "the range is the source's to check, before the cast",
+    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own ranges",
+    "a pad on a column of fixed-length rows": "the walk checks each sample's shape",
+    "ragged rows under a contract without a pad": "the walk checks each sample's shape",
+    "a pad along a dim other than dim 0": "the column gather pads dim 0 alone",
+    # Per batch (ColumnGather::plan in csrc/collate/column_gather.cpp):
+    "ragged rows of unequal length without a pad": "the walk names the first sample that differs",
+    "a packed batch with no token": "the walk raises it for the whole batch",
+    "a packed batch past cu_seq_lens' int32 or Packing.max_tokens": "the walk names the sample that crosses",
+    "packed fields whose rows differ in length": "the walk names the sample whose fields differ",
+}
+
+_Kind = _C.GatheredKind
+
+
+def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Any:
+    """The plan of ``batch`` (a ``_C.BatchPlan``), or None when the per-sample path must collate it (its
+    rules and errors then apply unchanged). Raises the ContractError of the first sample (by batch
+    position) that breaks a per-column rule."""
+    gather = gatherer(batch.dataset, contract, id_key)
+    return None if gather is None else gather.plan(batch.index_tensor)
+
+
+def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
+    """The dataset's columns as ``_C.ColumnGather`` gathers them under ``contract``, or None when no batch
+    of it goes this way (a case of :data:`HANDED_TO_THE_WALK`)."""
+    fields = contract.fields if contract is not None else {}
+    dropped = _dropped(contract)
+    copies = {key: field.copy_of for key, field in fields.items() if field.copy_of is not None}
+    if dataset.id_key in dropped or any(key in dataset.columns for key in copies):
+        return None  # a dropped id key; a copy_of field the samples also hold
+    keys = [dataset.id_key] if dataset.id_key is not None else []
+    keys += [key for key in dataset.columns if key not in dropped]
+    if contract is not None and (set(fields) != {*keys, *copies} or _shares_a_padded_dim(fields)):
+        return None  # a missing or extra key; a padded dim another field names
+    if not _packs_by_column(dataset, contract):
+        return None
+    specs = {spec.path: spec for spec in contract.native_specs()} if contract is not None else {}
+    columns = []
+    taken: set[str] = set()  # the batch's keys so far, masks and lengths included
+    for key in _in_batch_order(keys, copies):
+        field = fields.get(key)
+        if key == dataset.id_key:
+            if field is not None and (
+                field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
+            ):
+                return None  # an id field other than an int64 number
+            columns.append(_C.GatheredColumn(kind=_Kind.IDS, key=key, dtype=torch.int64))
+            continue
+        # A copy is its source's column under its own field, as the walk reads its source's samples.
+        source = dataset.columns[copies.get(key, key)]
+        column = _column(source, key, field, specs.get(key), contract is not None)
+        if column is None:
+            return None
+        if field is not None and field.pad is not None:
+            mask = contract.mask_key(key)
+            if mask in taken:
+                return None  # a shared mask
+            taken.update((mask, contract.lengths_key(key)))
+        taken.add(key)
+        columns.append(column)
+    by_index = dataset.id_key is not None  # a sample's id is its index
+    names = dataset.id_key or id_key
+    return _C.ColumnGather(
+        columns, length=len(dataset), id_key=names, ids_are_indices=by_index, rows_of=dataset.rows_of
+    )
+
+
+def _dropped(contract: Contract | None) -> set[str]:
+    """The samples' keys a packed contract leaves out of the batch (Packing.drop), at the top level."""
+    packed = contract.packed_fields() if contract is not None else None
+    if packed is None or packed[0]:
+        return set()  # nothing packed, or packed in a nested mapping, which the walk collates
+    return set(contract.packing.drop)
+
+
+def _in_batch_order(keys: list[str], copies: dict[str, str]) -> list[str]:
+    """The batch's keys as the walk orders them: the samples', each copy right after its source."""
+    ordered = []
+    for key in keys:
+        ordered.append(key)
+        ordered.extend(copy for copy, source in copies.items() if source == key)
+    return ordered
+
+
+def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
+    """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
+    source = column.first
+    held = column.dtype or source.dtype  # what a sample holds: the stored dtype, or a Hugging Face format's
+    declared = field.dtype if field is not None and field.dtype is not None else held
+    # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
+    dtype = declared if field is not None and held in (declared, *field.cast_from) else held
+    if held != source.dtype and field is not None:
+        # The contract's rules are the dtype samples hold's, and the copy casts from the stored one in one
+        # step: the same values only if that dtype was taken, and the stored one's cast to it kept values.
+        if dtype != declared or not (declared == held or _keeps_values(source.dtype, held)):
+            return None
+        spec.cast_from = [*spec.cast_from, source.dtype]
+    if field is not None:
+        if field.kind == "text" or field.expand_from:
+            return None
+        if field.kind == "number" and (column.ragged or source.dim() != 1):
+            return None  # a number per sample is a 1-D column
+        if held.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
+            return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
+        if field.range is not None and not _keeps_values(source.dtype, dtype):
+            return None  # a cast that can change values (narrowing): the range is the source's to check
+        for value in (field.pad, field.separator):
+            if value is not None and not _C.value_fits(float(value), dtype):
+                return None  # the walk names it, after the samples' own ranges, as it checks them first
+    made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
+    if field is not None and field.pack:
+        if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)
+            return None  # the walk names the sample's whole shape against the declared one
+        return _C.GatheredColumn(kind=_Kind.PACKED, **made)
+    if not column.ragged:
+        if field is not None and field.pad is not None:
+            return None
+        return _C.GatheredColumn(kind=_Kind.ROWS, **made)
+    if field is None or field.pad is None:
+        if has_contract:
+            return None  # rows of one length under a contract: the walk checks each sample's shape
+        return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
+    shape = field.shape
+    if shape is None or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
+        return None  # padded along dim 0 alone
+    return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
+
+
+def _sources(column: Any) -> dict[str, list[torch.Tensor]]:
+    """The column's chunks as GatheredColumn takes them: rows, or values and offsets."""
+    chunks = column.chunks
+    if not column.ragged:
+        return {"rows": [c.rows for c in chunks]}
+    return {"values": [c.values for c in chunks], "offsets": [c.offsets for c in chunks]}
+
+
+def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:
+    """Whether the contract's packed fields (if any) can be packed column by column: not when nested, when
+    a packed dim is named by a field that is not packed, or when a packed column has fixed-length rows.
+    Rows that differ in length between packed fields, and batches the walk refuses (no token, more than
+    cu_seq_lens' int32 holds, over Packing.max_tokens), are found per batch, in C++."""
+    packed = contract.packed_fields() if contract is not None else None
+    if packed is None:
+        return True
+    parent, keys = packed
+    if parent:
+        return False
+    fields = contract.fields
+    dim = fields[keys[0]].shape[0]
+    if any(not f.pack and dim in (f.shape or ()) for f in fields.values()):
+        return False
+    return all(dataset.columns[fields[key].copy_of or key].ragged for key in keys)
+
+
+def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
+    """Whether a padded field's named dim is named by another field too: its size then varies by sample,
+    and agreement is the per-sample path's to check."""
+    padded = {d for f in fields.values() if f.pad is not None for d in f.shape or () if isinstance(d, str)}
+    seen: set[str] = set()
+    for field in fields.values():
+        names = {d for d in field.shape or () if isinstance(d, str)}
+        if names & padded & seen:
+            return True
+        seen |= names
+    return False
+
+
+def _keeps_values(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` keeps every value (a range checked after the cast then
+    holds for the source). torch.promote_types refuses uint16/32/64, so this compares ranges itself."""
+    if source == target or source == torch.bool:
+        return True  # 0 and 1 are values of every dtype
+    if target == torch.bool:
+        return False
+    if source.is_floating_point or source.is_complex:
+        floating = target.is_floating_point or target.is_complex
+        return floating and torch.promote_types(source, target) == target
+    bits = torch.iinfo(source).bits - (torch.iinfo(source).min < 0)  # the integer's magnitude bits
+    if target.is_floating_point or target.is_complex:
+        mantissa = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53,
+                    torch.complex64: 24, torch.complex128: 53}.get(target, 0)
+        return bits <= mantissa
+    low, high = torch.iinfo(source), torch.iinfo(target)
+    return high.min <= low.min and low.max <= high.max

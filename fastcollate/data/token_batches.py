@@ -1,0 +1,152 @@
+"""Batches of dataset indices filled up to a token budget: what packed batches want, a steady number of
+tokens a step instead of a steady number of samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from .arguments import distributed_split, flag, integer
+
+__all__ = ["TokenBudgetBatches"]
+
+
+class TokenBudgetBatches(Sampler[list[int]]):
+    """A batch sampler whose batches hold at most ``max_tokens`` tokens each, every index once an epoch.
+
+        loader = DataLoader(dataset, batch_sampler=TokenBudgetBatches(lengths, 16384, shuffle=True),
+                            collate_fn=fastcollate.assemble.using(packed_contract))
+
+    Each epoch takes the indices in order (with ``shuffle``, a permutation seeded ``seed + epoch``, the
+    same in every process) and fills a batch until the next sample would take it past ``max_tokens``.
+
+    With ``rank`` and ``world_size`` every process cuts the same batches and takes every
+    ``world_size``-th from ``rank``. Nothing is repeated to even the ranks out (DistributedSampler's
+    padding): a multi-sample batch is split in two, the largest first, until the batches divide evenly,
+    so every rank runs the same number of steps and the union of the ranks is the dataset, once. So
+    an epoch can be refused with a ValueError where DistributedSampler would repeat samples: fewer
+    samples than ranks, or batches that no split can make a multiple of ``world_size`` (once every
+    batch holds a single sample that has tokens, as when each sample nearly fills ``max_tokens``).
+    Raise ``max_tokens`` (so batches hold two samples to split), use fewer ranks, or drop a few samples.
+
+    Args:
+        lengths: each sample's token count (what the packed field's length will be).
+        max_tokens: the budget; a sample longer on its own is an error naming it.
+        shuffle, seed: the order of each epoch (``set_epoch`` changes it).
+        rank, world_size: the distributed split, both or neither (never read from torch.distributed).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray | torch.Tensor,
+        max_tokens: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.lengths = np.asarray(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+        if self.lengths.ndim != 1 or (self.lengths.size and self.lengths.dtype.kind not in "iu"):
+            raise TypeError(
+                f"lengths: expected one integer a sample, got an array of shape {self.lengths.shape} "
+                f"and dtype {self.lengths.dtype}"
+            )
+        self.lengths = self.lengths.astype(np.int64)
+        self.max_tokens = integer("max_tokens", max_tokens, low=1)
+        self.shuffle = flag("shuffle", shuffle)
+        self.seed = integer("seed", seed)
+        self.rank, self.world_size = distributed_split(rank, world_size) or (0, 1)
+        negative = np.flatnonzero(self.lengths < 0)
+        if negative.size:
+            raise ValueError(
+                f"lengths: sample {int(negative[0])} has length {int(self.lengths[negative[0]])}"
+            )
+        too_long = np.flatnonzero(self.lengths > self.max_tokens)
+        if too_long.size:
+            index = int(too_long[0])
+            raise ValueError(
+                f"sample {index} has {int(self.lengths[index])} tokens, over max_tokens={self.max_tokens} "
+                f"on its own ({too_long.size} samples are): raise max_tokens, or truncate or drop it "
+                "in the dataset"
+            )
+        self.epoch = 0
+        self._batches: tuple[int, list[np.ndarray]] | None = None  # (epoch, every rank's batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch: with ``shuffle`` the order is seeded ``seed + epoch``. Call it before each
+        epoch."""
+        self.epoch = integer("epoch", epoch)
+
+    @property
+    def sampler(self) -> TokenBudgetBatches:
+        """This batch sampler itself, for code that calls ``batch_sampler.sampler.set_epoch(epoch)``."""
+        return self
+
+    def __len__(self) -> int:
+        return len(self._all_batches()) // self.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._all_batches()
+        for batch in batches[self.rank :: self.world_size]:
+            yield batch.tolist()
+
+    def _all_batches(self) -> list[np.ndarray]:
+        """Every rank's batches for this epoch, cut once an epoch (len() and iter() share them)."""
+        if self._batches is not None and self._batches[0] == self.epoch:
+            return self._batches[1]
+        n = len(self.lengths)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=generator).numpy()
+        else:
+            order = np.arange(n, dtype=np.int64)
+        batches = _fill(order, self.lengths[order], self.max_tokens)
+        batches = _split_to_multiple(batches, self.lengths, self.world_size)
+        self._batches = (self.epoch, batches)
+        return batches
+
+
+def _fill(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cuts ``order`` where the running token count would pass ``max_tokens`` (one pass over the lengths;
+    the budget restarts at each cut, so no closed form)."""
+    cuts = []
+    used = 0
+    for position, length in enumerate(lengths.tolist()):
+        if used + length > max_tokens and position:
+            cuts.append(position)
+            used = 0
+        used += length
+    return np.split(order, cuts) if len(order) else []
+
+
+def _split_to_multiple(batches: list[np.ndarray], lengths: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Splits the largest batches in two until every rank gets as many batches. Only a batch with two
+    samples that have tokens is split, between them: a half of empty samples alone is a batch of no
+    tokens, which the packed collate refuses, on that rank only (and DDP's other ranks would wait)."""
+    if world_size == 1 or len(batches) % world_size == 0:
+        return batches
+    if len(batches) > 0 and sum(len(b) for b in batches) < world_size:
+        raise ValueError(
+            f"{sum(len(b) for b in batches)} samples cannot make a batch for each of {world_size} ranks"
+        )
+    batches = list(batches)
+    while len(batches) % world_size:
+        splittable = [i for i, b in enumerate(batches) if np.count_nonzero(lengths[b]) > 1]
+        if not splittable:
+            raise ValueError(
+                f"{len(batches)} batches, none with two samples that have tokens, cannot be shared evenly "
+                f"by {world_size} ranks without repeating a sample or making a batch of no tokens: raise "
+                "max_tokens or use fewer ranks"
+            )
+        largest = max(splittable, key=lambda i: int(lengths[batches[i]].sum()))
+        batch = batches[largest]
+        with_tokens = np.flatnonzero(lengths[batch])
+        # The middle, moved inside (first sample with tokens, last one]: both halves then have tokens.
+        cut = min(max(len(batch) // 2, int(with_tokens[0]) + 1), int(with_tokens[-1]))
+        batches[largest : largest + 1] = [batch[:cut], batch[cut:]]
+    return batches

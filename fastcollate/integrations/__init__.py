@@ -1,0 +1,2 @@
+"""fastcollate inside other frameworks: ``lightning`` (also importable as ``fastcollate.lightning``) and
+``thread_pipelines`` (``fetch_batches``)."""

@@ -259,8 +259,7 @@ class ArrayBatch(Sequence):
         first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
             raise IndexError(
-                f"Arrays: index {int(indices[first])} (batch position {first}) is out of range for a dataset "
-                f"of {len(dataset)} samples"
+                f"Arrays: index {int(indices[first])} is out of range for a dataset of {len(dataset)} samples"
             )
         self.dataset = dataset
         self._samples: list[dict[str, Any]] | None = None

@@ -365,7 +365,8 @@ def test_the_native_collator_checks_a_shared_mask_itself():
     specs = bert_like_contract().native_specs()
     assert [spec.mask_dtype for spec in specs if spec.padded] == [torch.int64, torch.int64]
     specs[1].mask_dtype = torch.bool  # what Contract refuses, passed straight to the Collator
-    with pytest.raises(RuntimeError, match="'input_ids' and 'token_type_ids' share mask 'attention_mask'"):
+    shared = "'input_ids' and 'token_type_ids' share the mask key 'attention_mask'"
+    with pytest.raises(ValueError, match=shared):
         _C.Collator("id", specs, True)
 
 

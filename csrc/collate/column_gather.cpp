@@ -1,9 +1,11 @@
 #include "collate/column_gather.h"
 
+#include <ATen/Dispatch_v2.h>
 #include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <functional>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -87,14 +89,37 @@ std::vector<int64_t> with_rows(int64_t rows, int64_t row_length, at::IntArrayRef
   return shape;
 }
 
-// Who a sample is, for make_error: its id is its index when the dataset has an id column.
-py::object sample_at(bool ids_are_indices, const std::string& id_key, const int64_t* index, size_t position) {
-  if (!ids_are_indices) {
+// Who a sample is, for make_error, as the walk names it: its id under the collate's id key, which is its
+// index when the dataset's id key is that one, or the row of a column of integers under that key.
+py::object sample_at(const std::vector<GatheredColumn>& columns, bool ids_are_indices, const std::string& id_key,
+                     const int64_t* index, const int64_t* read, size_t position) {
+  py::object id;
+  if (ids_are_indices) {
+    id = py::int_(index[position]);
+  }
+  for (const GatheredColumn& column : columns) {
+    const at::Tensor& source = column.source();
+    if (ids_are_indices || column.key != id_key || column.kind != Kind::Rows || source.dim() != 1 ||
+        !at::isIntegralType(source.scalar_type(), /*includeBool=*/true)) {
+      continue;
+    }
+    const void* row = spans_of(column, read + position, 1).data[0];
+    AT_DISPATCH_V2(source.scalar_type(), "sample_at", AT_WRAP([&] {
+                     const scalar_t value = *static_cast<const scalar_t*>(row);
+                     if constexpr (std::is_same_v<scalar_t, bool>) {
+                       id = py::bool_(value);
+                     } else {
+                       id = py::int_(value);
+                     }
+                   }),
+                   AT_EXPAND(AT_INTEGRAL_TYPES), at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
+  }
+  if (!id) {
     return py::none();
   }
   py::dict batch;
   py::dict sample;
-  sample[py::str(id_key)] = index[position];
+  sample[py::str(id_key)] = id;
   batch[py::int_(position)] = sample;
   return std::move(batch);
 }
@@ -279,8 +304,8 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     read = mapped.data();
   }
   auto refuse = [&](const Violation& violation, size_t position, const std::string& key) {
-    raise_violation(violation, sample_at(shared.ids_are_indices, shared.id_key, index, position), position, key,
-                    shared.id_key);
+    raise_violation(violation, sample_at(shared.columns, shared.ids_are_indices, shared.id_key, index, read, position),
+                    position, key, shared.id_key);
   };
   auto plan = std::make_shared<BatchPlan>();
   auto root = std::make_unique<Node>();
@@ -424,8 +449,9 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   }
   plan->root = std::move(root);
   BatchPlan* self = plan.get();  // the fill lives in the plan: a shared_ptr to it would be a cycle
-  plan->fill_gathered = [self, shared = shared_, indices, fills = std::move(fills)]() {
+  plan->fill_gathered = [self, shared = shared_, indices, mapped = std::move(mapped), fills = std::move(fills)]() {
     const int64_t* index = indices.const_data_ptr<int64_t>();
+    const int64_t* read = mapped.empty() ? index : mapped.data();
     for (const ColumnFill& fill : fills) {
       const GatheredColumn& column = *fill.column;
       try {
@@ -441,8 +467,8 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
         if (misfit.position >= 0) {
           const size_t position = static_cast<size_t>(misfit.position);
           raise_violation(range_misfit(*field->range, misfit.flat, misfit.value),
-                          sample_at(shared->ids_are_indices, shared->id_key, index, position), position, column.key,
-                          shared->id_key);
+                          sample_at(shared->columns, shared->ids_are_indices, shared->id_key, index, read, position),
+                          position, column.key, shared->id_key);
         }
       }
       if (column.kind == Kind::Packed && field->separator) {  // after the range: it checks the samples' own tokens

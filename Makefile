@@ -11,7 +11,7 @@ PY := .venv/bin/python
 DEPS := .venv/.stamp-deps
 endif
 
-# Every C++ and CUDA file under csrc/, at any depth (collate/, memory/, ops/cpu/, ops/cuda/, memory/cuda/): a change
+# Every C++ and CUDA file under csrc/, at any depth (collate/, fill/, memory/, ops/cpu/, ops/cuda/, memory/cuda/): a change
 # to any of them rebuilds, and make lint checks them all.
 CSRC := $(shell find csrc -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' \) | sort)
 SOURCES := $(CSRC) setup.py pyproject.toml

@@ -133,7 +133,7 @@ say(
 )
 
 
-# csrc/ by concern (collate/, memory/, ops/): every .cpp, but those in a cuda/ folder
+# csrc/ by concern (collate/, fill/, memory/, ops/): every .cpp, but those in a cuda/ folder
 # (ops/cuda/, memory/cuda/) and the .cu files only in a CUDA build: only they include CUDA headers.
 def in_cuda_folder(path: str) -> bool:
     return "cuda" in path.split("/")[1:-1]

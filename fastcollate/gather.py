@@ -1,16 +1,14 @@
 """The batched path of fastcollate.Arrays: which columns a batch is gathered from, and how (ids, rows,
-ragged rows padded with their mask and lengths, or packed into one row with the keys beside it). Chosen
-once per dataset and contract; each batch is then planned and gathered by ``_C.ColumnGather`` in C++,
-straight into the buffer the batch goes out in, with no Python per column or per sample.
+ragged rows padded with their mask and lengths, or packed into one row with the keys beside it, a
+``copy_of`` field gathered again from its source's column, a packed contract's dropped keys left out).
+Chosen once per dataset and contract; each batch is then planned and gathered by ``_C.ColumnGather`` in
+C++, straight into the buffer the batch goes out in, with no Python per column or per sample.
 
 The contract's rules are the walk's own (csrc/collate/contract_rules.h), applied per column: dtype
 (``cast_from`` casts during the copy), fixed and named dims, pads and separators the dtype can hold, and
-ranges, checked on the gathered column. What this path does not cover (``expand_from``, text fields,
-padding a column that is not ragged, one mask shared by two fields, a padded dim another field names, a
-cast from floating point to an integer dtype, a range with a cast that can change values, a pad or
-separator the dtype cannot hold, a packed column of fixed-length rows or of other fixed dims, a contract
-the per-sample path would refuse) goes the
-per-sample way instead, with the same result: :func:`gatherer` returns None.
+ranges, checked on the gathered column. The rows are written by the walk's writers (csrc/fill/). Every
+case this path leaves to the per-sample walk, which then gives the batch or the error, is listed with its
+reason in :data:`HANDED_TO_THE_WALK`.
 """
 
 from __future__ import annotations
@@ -25,6 +23,39 @@ from .contract import Contract, Field
 
 __all__ = ["gatherer", "layout"]
 
+#: Every case in which :func:`gatherer` (None: no batch of the dataset) or ``ColumnGather.plan`` (None:
+#: this batch) hands the batch to the per-sample walk, and why. The walk gives the same batch or error
+#: either way; these are the cases where its rules need each sample, or where it names the sample that
+#: broke one.
+HANDED_TO_THE_WALK: dict[str, str] = {
+    # Per dataset and contract (gatherer, _column, _packs_by_column):
+    "a missing or extra key": "the walk names the sample and the key (the id's included)",
+    "a padded dim another field names": "its size varies by sample; agreement is checked sample by sample",
+    "a copy_of field the samples also hold": "the walk refuses the key, naming sample 0",
+    "a dropped id key": "the walk names samples by the id the batch leaves out",
+    "an id field other than an int64 number": "the walk applies the field's rules to each id",
+    "a shared mask": "the walk builds one mask for the fields that share it, checking they agree",
+    "packed fields in a nested mapping": "the column gather lays out the sample's top level only",
+    "a packed dim named by an unpacked field": "its size varies by sample",
+    "a packed column of fixed-length rows": "the walk names the sample whose shape breaks the declared one",
+    "packed rows of other fixed dims": "the walk names the sample's whole shape against the declared one",
+    "a text field, or one with expand_from": "a string is not a column, and a broadcast is per sample",
+    "a number field on a ragged or multi-dim column": "the walk names the sample that is not one number",
+    "a stored dtype that is not the samples'": "the rules are the samples' dtype's; a cast that keeps "
+                                                "every value is gathered",
+    "a cast from floating point to integers": "the walk refuses NaN, infinities and values out of range",
+    "a range with a cast that can change values": "the range is the source's to check, before the cast",
+    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own ranges",
+    "a pad on a column of fixed-length rows": "the walk checks each sample's shape",
+    "ragged rows under a contract without a pad": "the walk checks each sample's shape",
+    "a pad along a dim other than dim 0": "the column gather pads dim 0 alone",
+    # Per batch (ColumnGather::plan in csrc/collate/column_gather.cpp):
+    "ragged rows of unequal length without a pad": "the walk names the first sample that differs",
+    "a packed batch with no token": "the walk raises it for the whole batch",
+    "a packed batch past cu_seq_lens' int32 or Packing.max_tokens": "the walk names the sample that crosses",
+    "packed fields whose rows differ in length": "the walk names the sample whose fields differ",
+}
+
 _Kind = _C.GatheredKind
 
 
@@ -38,36 +69,39 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Any:
 
 def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
     """The dataset's columns as ``_C.ColumnGather`` gathers them under ``contract``, or None when no batch
-    of it goes this way."""
+    of it goes this way (a case of :data:`HANDED_TO_THE_WALK`)."""
     fields = contract.fields if contract is not None else {}
-    keys = ([dataset.id_key] if dataset.id_key is not None else []) + list(dataset.columns)
-    if contract is not None and (set(fields) != set(keys) or _shares_a_padded_dim(fields)):
-        # A missing or extra key (the id included), or a padded dim another field names too: the
-        # per-sample path names the sample and the key, or checks the dim sample by sample.
-        return None
-    if any(field.copy_of is not None for field in fields.values()):
-        return None  # a field that takes another's samples (Field.copy_of): the walk reads it from its source
+    dropped = _dropped(contract)
+    copies = {key: field.copy_of for key, field in fields.items() if field.copy_of is not None}
+    if dataset.id_key in dropped or any(key in dataset.columns for key in copies):
+        return None  # a dropped id key; a copy_of field the samples also hold
+    keys = [dataset.id_key] if dataset.id_key is not None else []
+    keys += [key for key in dataset.columns if key not in dropped]
+    if contract is not None and (set(fields) != {*keys, *copies} or _shares_a_padded_dim(fields)):
+        return None  # a missing or extra key; a padded dim another field names
     if not _packs_by_column(dataset, contract):
         return None
     specs = {spec.path: spec for spec in contract.native_specs()} if contract is not None else {}
     columns = []
     taken: set[str] = set()  # the batch's keys so far, masks and lengths included
-    for key in keys:
+    for key in _in_batch_order(keys, copies):
         field = fields.get(key)
         if key == dataset.id_key:
             if field is not None and (
                 field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
             ):
-                return None
+                return None  # an id field other than an int64 number
             columns.append(_C.GatheredColumn(kind=_Kind.IDS, key=key, dtype=torch.int64))
             continue
-        column = _column(dataset.columns[key], key, field, specs.get(key), contract is not None)
+        # A copy is its source's column under its own field, as the walk reads its source's samples.
+        source = dataset.columns[copies.get(key, key)]
+        column = _column(source, key, field, specs.get(key), contract is not None)
         if column is None:
             return None
         if field is not None and field.pad is not None:
             mask = contract.mask_key(key)
             if mask in taken:
-                return None  # a mask shared with another field: the per-sample path builds it once
+                return None  # a shared mask
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
         columns.append(column)
@@ -77,6 +111,23 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
     return _C.ColumnGather(
         columns, length=len(dataset), id_key=id_key, ids_are_indices=by_index, rows_of=dataset.rows_of
     )
+
+
+def _dropped(contract: Contract | None) -> set[str]:
+    """The samples' keys a packed contract leaves out of the batch (Packing.drop), at the top level."""
+    packed = contract.packed_fields() if contract is not None else None
+    if packed is None or packed[0]:
+        return set()  # nothing packed, or packed in a nested mapping, which the walk collates
+    return set(contract.packing.drop)
+
+
+def _in_batch_order(keys: list[str], copies: dict[str, str]) -> list[str]:
+    """The batch's keys as the walk orders them: the samples', each copy right after its source."""
+    ordered = []
+    for key in keys:
+        ordered.append(key)
+        ordered.extend(copy for copy, source in copies.items() if source == key)
+    return ordered
 
 
 def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract: bool) -> Any:
@@ -146,7 +197,7 @@ def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:
     dim = fields[keys[0]].shape[0]
     if any(not f.pack and dim in (f.shape or ()) for f in fields.values()):
         return False
-    return all(dataset.columns[key].ragged for key in keys)
+    return all(dataset.columns[fields[key].copy_of or key].ragged for key in keys)
 
 
 def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:

@@ -403,7 +403,7 @@ def test_a_copy_in_a_nested_mapping_reads_its_sibling_and_nests_with_the_other_p
         assert labels.tolist() == [-100, *sample["text"]["input_ids"][1:].tolist()]
 
 
-def test_an_arrays_batch_under_a_copy_is_walked_and_a_labels_column_is_refused_as_in_samples():
+def test_an_arrays_batch_under_a_copy_is_gathered_and_a_labels_column_is_refused_as_in_samples():
     values = torch.arange(1, 10)
     offsets = np.array([0, 2, 7, 9])
     columns = {"input_ids": Ragged(values, offsets)}
@@ -415,7 +415,7 @@ def test_an_arrays_batch_under_a_copy_is_walked_and_a_labels_column_is_refused_a
         }
     )
     dataset = Arrays(columns)
-    assert gather.gatherer(dataset, contract, "id") is None  # the walk reads the copy from its source
+    assert gather.gatherer(dataset, contract, "id") is not None  # the copy is its source's column again
     batch = assemble.using(contract)(dataset.__getitems__([2, 0]))
     assert batch["input_ids"].tolist() == [[8, 9, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 9, -100, 2]]

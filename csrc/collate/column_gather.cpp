@@ -11,9 +11,10 @@
 
 #include "collate/contract_rules.h"
 #include "collate/node.h"
+#include "fill/gather_kernels.h"
+#include "fill/packed_rows.h"
+#include "fill/padded_rows.h"
 #include "memory/copy_kernels.h"
-#include "memory/padded_rows.h"
-#include "ops/cpu/gather_kernels.h"
 
 namespace fastcollate {
 
@@ -173,16 +174,10 @@ RangeMisfit first_range_misfit(const ColumnFill& fill, const ValueRange& range) 
 }
 
 void write_separators(const Node& node, uint64_t pattern) {
-  const at::Tensor& out = node.out;
-  const size_t element_size = out.element_size();
-  const int64_t token = c10::multiply_integers(out.sizes().slice(2));
-  auto* base = static_cast<unsigned char*>(out.data_ptr());
+  const PackedRows rows(node.out.select(0, 0), node.starts.data());
   CopyJobs jobs;
   for (size_t b = 0; b + 1 < node.starts.size(); ++b) {
-    if (node.starts[b] < node.starts[b + 1]) {  // an empty sample has no first token
-      jobs.fills.push_back({base + static_cast<size_t>(node.starts[b] * token) * element_size,
-                            static_cast<size_t>(token), element_size, pattern});
-    }
+    rows.add_separator(jobs, b, pattern);
   }
   jobs.run();
 }
@@ -208,11 +203,9 @@ void gather_column(const ColumnFill& fill) {
       }
       return;
     }
-    case Kind::Packed: {
-      const std::vector<int32_t> cu(node.starts.begin(), node.starts.end());
-      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), cu.data(), node.out.select(0, 0));
+    case Kind::Packed:
+      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), node.starts.data(), node.out.select(0, 0));
       return;
-    }
     case Kind::Ids:
       return;
   }
@@ -277,6 +270,202 @@ ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, 
   shared_ = std::move(shared);
 }
 
+namespace {
+
+// What laying out one batch carries from column to column: the plan it reserves in, the batch's indices
+// and the rows they read, the sizes of named dims so far, and the packed fields' shared layout.
+struct BatchLayout {
+  const std::vector<GatheredColumn>& columns;
+  const std::string& id_key;
+  bool ids_are_indices;
+  BatchPlan& plan;
+  int64_t size;
+  const int64_t* index;  // the batch's indices: who each sample is
+  const int64_t* read;   // the rows they read: the indices, or the rows `rows_of` maps them to
+  std::unordered_map<std::string, std::pair<int64_t, std::string>> named;  // dim name -> size, its field
+  std::vector<int64_t> packed_lengths;  // the first packed field's rows' lengths, which every other must have
+  std::vector<int64_t> starts;          // each packed row's first token, then the total
+  bool packing_keys_laid_out = false;
+
+  [[noreturn]] void refuse(const Violation& violation, size_t position, const std::string& key) const {
+    raise_violation(violation, sample_at(columns, ids_are_indices, id_key, index, read, position), position, key,
+                    id_key);
+  }
+};
+
+// The rules a column's rows meet before anything is laid out: dtype, declared shape, named dims and the
+// range's dtype. Every row of a column has its dtype, and every row of a rows column its shape: sample 0
+// stands for all (a ragged column's rows differ only along the padded or packed dim).
+void check_column(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
+                  const std::vector<int64_t>& lengths) {
+  const at::Tensor& source = column.source();
+  if (auto violation = dtype_rule(field, column.dtype, source.scalar_type())) {
+    layout.refuse(*violation, 0, column.key);
+  }
+  std::vector<int64_t> sample_shape(source.sizes().begin(), source.sizes().end());
+  sample_shape[0] = column.kind == Kind::Rows ? sample_shape[0] : lengths[0];
+  const at::IntArrayRef sample =
+      column.kind == Kind::Rows ? at::IntArrayRef(sample_shape).slice(1) : at::IntArrayRef(sample_shape);
+  if (field.shape) {
+    if (auto violation = declared_shape_rule(field, sample)) {
+      layout.refuse(*violation, 0, column.key);
+    }
+    for (size_t d = 0; d < field.dim_names.size(); ++d) {
+      const std::string& name = field.dim_names[d];
+      if (name.empty() || column.kind != Kind::Rows) {
+        continue;  // a ragged column's named dim is its padded or packed one, shared with no other
+      }
+      auto [known, first] = layout.named.emplace(name, std::make_pair(sample[d], column.key));
+      if (!first && known->second.first != sample[d]) {
+        layout.refuse(named_dim_misfit(name, known->second.first, known->second.second, sample[d]), 0, column.key);
+      }
+    }
+  }
+  if (field.range) {
+    // As the walk: a sample with no element has no value to order, so the first one with some is named.
+    const int64_t row_elements = c10::multiply_integers(source.sizes().slice(1));
+    const auto has_elements = [&](int64_t b) { return row_elements > 0 && (lengths.empty() || lengths[b] > 0); };
+    int64_t first = 0;
+    while (first < layout.size && !has_elements(first)) {
+      ++first;
+    }
+    if (first < layout.size) {
+      if (auto violation = range_dtype_rule(source.scalar_type())) {
+        layout.refuse(*violation, static_cast<size_t>(first), column.key);
+      }
+    }
+  }
+}
+
+// Ids: the batch's indices, int64 [N], known now (no fill).
+std::unique_ptr<Node> ids_node(BatchLayout& layout, const GatheredColumn& column) {
+  auto node = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kLong, {layout.size});
+  node->ints.assign(layout.index, layout.index + layout.size);
+  return node;
+}
+
+// Rows: [N, *row].
+std::unique_ptr<Node> rows_node(BatchLayout& layout, const GatheredColumn& column) {
+  const at::IntArrayRef inner = column.source().sizes().slice(1);
+  std::vector<int64_t> shape{layout.size};
+  shape.insert(shape.end(), inner.begin(), inner.end());
+  return laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype, std::move(shape));
+}
+
+// Ragged under no pad: [N, length, *inner] when every row has one length (then `lengths` is cleared: every
+// row whole), else none: the per-sample path names the first misfit.
+std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& column, std::vector<int64_t>& lengths) {
+  if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<>()) != lengths.end()) {
+    return nullptr;
+  }
+  auto node = laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype,
+                       with_rows(layout.size, lengths[0], column.source().sizes().slice(1)));
+  lengths.clear();
+  return node;
+}
+
+// Ragged under a pad: [N, padded length, *inner], with its mask and lengths beside.
+std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
+                                  const std::vector<int64_t>& lengths) {
+  if (auto violation =
+          fill_value_rule(*field.pad_value, column.dtype, "pad", "declare a pad value the field's dtype can hold")) {
+    layout.refuse(*violation, 0, column.key);
+  }
+  const int64_t longest = padded_length(*std::max_element(lengths.begin(), lengths.end()), field.pad_to_multiple_of);
+  TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
+  auto node = laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype,
+                       with_rows(layout.size, longest, column.source().sizes().slice(1)));
+  node->padded = true;
+  node->pad_left = field.pad_left;
+  node->mask_name = field.mask_name;
+  node->lengths_name = field.lengths_name;
+  node->mask = laid_out(layout.plan, column.key, Node::Kind::Numbers, field.mask_dtype, {layout.size, longest});
+  node->lengths = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kLong, {layout.size});
+  return node;
+}
+
+// Packed: [1, total, *inner], the first packed field with the contract's Packing keys beside; none when the
+// walk must name a sample (a total past the limit, packed fields of different lengths).
+std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
+                                  const std::vector<int64_t>& lengths) {
+  if (layout.packed_lengths.empty()) {
+    layout.packed_lengths = lengths;
+    layout.starts.assign(static_cast<size_t>(layout.size) + 1, 0);
+    for (int64_t b = 0; b < layout.size; ++b) {
+      layout.starts[b + 1] = layout.starts[b] + lengths[b];
+    }
+    const int64_t total = layout.starts.back();
+    if (total == 0 || total > kMaxPackedTokens || (field.max_tokens > 0 && total > field.max_tokens)) {
+      return nullptr;  // the walk names the sample that crosses the limit
+    }
+  } else if (lengths != layout.packed_lengths) {
+    return nullptr;  // the walk names the sample whose packed fields differ in length
+  }
+  if (field.separator) {
+    if (auto violation = fill_value_rule(*field.separator, column.dtype, "separator",
+                                         "declare a separator the field's dtype can hold")) {
+      layout.refuse(*violation, 0, column.key);
+    }
+  }
+  const int64_t total = layout.starts.back();
+  const at::IntArrayRef inner = column.source().sizes().slice(1);
+  std::vector<int64_t> shape{1, total};
+  shape.insert(shape.end(), inner.begin(), inner.end());
+  auto node = laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype, std::move(shape));
+  node->packed = true;
+  node->starts = layout.starts;
+  if (!layout.packing_keys_laid_out) {  // the first packed field builds the keys beside; the others share them
+    layout.packing_keys_laid_out = true;
+    node->max_length = *std::max_element(lengths.begin(), lengths.end());
+    node->position_ids_name = field.position_ids_name;
+    node->position_ids_start = field.position_ids_start;
+    node->seq_idx_name = field.seq_idx_name;
+    node->cu_seq_lens_names = field.cu_seq_lens_names;
+    node->max_length_names = field.max_length_names;
+    if (!field.position_ids_name.empty()) {
+      node->position_ids = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kLong, {1, total});
+    }
+    if (!field.seq_idx_name.empty()) {
+      node->seq_idx = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kInt, {1, total});
+    }
+    if (!field.cu_seq_lens_names.empty()) {
+      node->cu_seq_lens = laid_out(layout.plan, column.key, Node::Kind::Numbers, at::kInt, {layout.size + 1});
+    }
+  }
+  return node;
+}
+
+// Fills every gathered column of a laid-out batch, then checks its range and writes its separators.
+void fill_columns(BatchPlan& plan, const std::vector<GatheredColumn>& columns, const std::string& id_key,
+                  bool ids_are_indices, const int64_t* index, const int64_t* read,
+                  const std::vector<ColumnFill>& fills) {
+  for (const ColumnFill& fill : fills) {
+    const GatheredColumn& column = *fill.column;
+    try {
+      py::gil_scoped_release no_gil;  // the copy touches no Python object
+      gather_column(fill);
+    } catch (...) {
+      plan.failed_key = column.key;  // the caller names the column, and its file when a read faulted
+      throw;
+    }
+    const FieldSpec* field = column.field ? &*column.field : nullptr;
+    if (field != nullptr && field->range) {
+      const RangeMisfit misfit = first_range_misfit(fill, *field->range);
+      if (misfit.position >= 0) {
+        const size_t position = static_cast<size_t>(misfit.position);
+        raise_violation(range_misfit(*field->range, misfit.flat, misfit.value),
+                        sample_at(columns, ids_are_indices, id_key, index, read, position), position, column.key,
+                        id_key);
+      }
+    }
+    if (column.kind == Kind::Packed && field->separator) {  // after the range: it checks the samples' own tokens
+      write_separators(*fill.node, element_pattern(*field->separator, column.dtype));
+    }
+  }
+}
+
+}  // namespace
+
 py::object ColumnGather::plan(const at::Tensor& indices) const {
   TORCH_CHECK(
       indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
@@ -303,144 +492,41 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     }
     read = mapped.data();
   }
-  auto refuse = [&](const Violation& violation, size_t position, const std::string& key) {
-    raise_violation(violation, sample_at(shared.columns, shared.ids_are_indices, shared.id_key, index, read, position),
-                    position, key, shared.id_key);
-  };
   auto plan = std::make_shared<BatchPlan>();
+  BatchLayout layout{shared.columns, shared.id_key, shared.ids_are_indices, *plan, size, index, read};
   auto root = std::make_unique<Node>();
   root->kind = Node::Kind::Dict;
   std::vector<ColumnFill> fills;
-  std::unordered_map<std::string, std::pair<int64_t, std::string>> named;  // dim name -> size, its field
-  std::vector<int64_t> packed_lengths;
-  std::vector<int64_t> starts;
-  bool packing_keys_laid_out = false;
   for (const GatheredColumn& column : shared.columns) {
-    const FieldSpec* field = column.field ? &*column.field : nullptr;
-    std::unique_ptr<Node> node;
     if (column.kind == Kind::Ids) {
-      node = laid_out(*plan, column.key, Node::Kind::Numbers, at::kLong, {size});
-      node->ints.assign(index, index + size);
       root->keys.push_back(py::str(column.key));
-      root->children.push_back(std::move(node));
+      root->children.push_back(ids_node(layout, column));
       continue;
     }
-    const at::Tensor& source = column.source();
+    const FieldSpec* field = column.field ? &*column.field : nullptr;
     // The batch is laid out by its rows' lengths: their spans are checked first.
     RowSpans rows = spans_of(column, read, size);
     std::vector<int64_t> lengths = rows.lengths;
     if (field != nullptr) {
-      // Every row of a column has its dtype, and every row of a rows column its shape: sample 0 stands
-      // for all (a ragged column's rows differ only along the padded or packed dim).
-      if (auto violation = dtype_rule(*field, column.dtype, source.scalar_type())) {
-        refuse(*violation, 0, column.key);
-      }
-      std::vector<int64_t> sample_shape(source.sizes().begin(), source.sizes().end());
-      sample_shape[0] = column.kind == Kind::Rows ? sample_shape[0] : lengths[0];
-      const at::IntArrayRef sample =
-          column.kind == Kind::Rows ? at::IntArrayRef(sample_shape).slice(1) : at::IntArrayRef(sample_shape);
-      if (field->shape) {
-        if (auto violation = declared_shape_rule(*field, sample)) {
-          refuse(*violation, 0, column.key);
-        }
-        for (size_t d = 0; d < field->dim_names.size(); ++d) {
-          const std::string& name = field->dim_names[d];
-          if (name.empty() || column.kind != Kind::Rows) {
-            continue;  // a ragged column's named dim is its padded or packed one, shared with no other
-          }
-          auto [known, first] = named.emplace(name, std::make_pair(sample[d], column.key));
-          if (!first && known->second.first != sample[d]) {
-            refuse(named_dim_misfit(name, known->second.first, known->second.second, sample[d]), 0, column.key);
-          }
-        }
-      }
-      if (field->range) {
-        // As the walk: a sample with no element has no value to order, so the first one with some is named.
-        const int64_t row_elements = c10::multiply_integers(source.sizes().slice(1));
-        const auto has_elements = [&](int64_t b) { return row_elements > 0 && (lengths.empty() || lengths[b] > 0); };
-        int64_t first = 0;
-        while (first < size && !has_elements(first)) {
-          ++first;
-        }
-        if (first < size) {
-          if (auto violation = range_dtype_rule(source.scalar_type())) {
-            refuse(*violation, static_cast<size_t>(first), column.key);
-          }
-        }
-      }
+      check_column(layout, column, *field, lengths);
     }
-    const at::IntArrayRef inner = source.sizes().slice(1);
-    if (column.kind == Kind::Rows) {
-      std::vector<int64_t> shape{size};
-      shape.insert(shape.end(), inner.begin(), inner.end());
-      node = laid_out(*plan, column.key, Node::Kind::Tensor, column.dtype, std::move(shape));
-    } else if (column.kind == Kind::Ragged && (field == nullptr || !field->padded())) {
-      if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<>()) != lengths.end()) {
-        return py::none();  // unequal rows, no pad: the per-sample path names the first misfit
-      }
-      node = laid_out(*plan, column.key, Node::Kind::Tensor, column.dtype, with_rows(size, lengths[0], inner));
-      lengths.clear();  // every row whole
-    } else if (column.kind == Kind::Ragged) {
-      if (auto violation = fill_value_rule(*field->pad_value, column.dtype, "pad",
-                                           "declare a pad value the field's dtype can hold")) {
-        refuse(*violation, 0, column.key);
-      }
-      const int64_t longest =
-          padded_length(*std::max_element(lengths.begin(), lengths.end()), field->pad_to_multiple_of);
-      TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
-      node = laid_out(*plan, column.key, Node::Kind::Tensor, column.dtype, with_rows(size, longest, inner));
-      node->padded = true;
-      node->pad_left = field->pad_left;
-      node->mask_name = field->mask_name;
-      node->lengths_name = field->lengths_name;
-      node->mask = laid_out(*plan, column.key, Node::Kind::Numbers, field->mask_dtype, {size, longest});
-      node->lengths = laid_out(*plan, column.key, Node::Kind::Numbers, at::kLong, {size});
-      node->lengths->ints = lengths;
-    } else {  // Packed
-      if (packed_lengths.empty()) {
-        packed_lengths = lengths;
-        starts.assign(static_cast<size_t>(size) + 1, 0);
-        for (int64_t b = 0; b < size; ++b) {
-          starts[b + 1] = starts[b] + lengths[b];
-        }
-        const int64_t total = starts.back();
-        if (total == 0 || total > kMaxPackedTokens || (field->max_tokens > 0 && total > field->max_tokens)) {
-          return py::none();  // the walk names the sample that crosses the limit
-        }
-      } else if (lengths != packed_lengths) {
-        return py::none();  // the walk names the sample whose packed fields differ in length
-      }
-      if (field->separator) {
-        if (auto violation = fill_value_rule(*field->separator, column.dtype, "separator",
-                                             "declare a separator the field's dtype can hold")) {
-          refuse(*violation, 0, column.key);
-        }
-      }
-      std::vector<int64_t> shape{1, starts.back()};
-      shape.insert(shape.end(), inner.begin(), inner.end());
-      node = laid_out(*plan, column.key, Node::Kind::Tensor, column.dtype, std::move(shape));
-      node->packed = true;
-      node->starts = starts;
-      if (!packing_keys_laid_out) {  // the first packed field builds the keys beside; the others share them
-        packing_keys_laid_out = true;
-        node->max_length = *std::max_element(lengths.begin(), lengths.end());
-        node->position_ids_name = field->position_ids_name;
-        node->position_ids_start = field->position_ids_start;
-        node->seq_idx_name = field->seq_idx_name;
-        node->cu_seq_lens_names = field->cu_seq_lens_names;
-        node->max_length_names = field->max_length_names;
-        const int64_t total = starts.back();
-        if (!field->position_ids_name.empty()) {
-          node->position_ids = laid_out(*plan, column.key, Node::Kind::Numbers, at::kLong, {1, total});
-        }
-        if (!field->seq_idx_name.empty()) {
-          node->seq_idx = laid_out(*plan, column.key, Node::Kind::Numbers, at::kInt, {1, total});
-        }
-        if (!field->cu_seq_lens_names.empty()) {
-          node->cu_seq_lens = laid_out(*plan, column.key, Node::Kind::Numbers, at::kInt, {size + 1});
-          node->cu_seq_lens->ints = starts;
-        }
-      }
+    std::unique_ptr<Node> node;
+    switch (column.kind) {
+      case Kind::Rows:
+        node = rows_node(layout, column);
+        break;
+      case Kind::Ragged:
+        node = field != nullptr && field->padded() ? padded_node(layout, column, *field, lengths)
+                                                   : ragged_node(layout, column, lengths);
+        break;
+      case Kind::Packed:
+        node = packed_node(layout, column, *field, lengths);
+        break;
+      case Kind::Ids:
+        break;
+    }
+    if (node == nullptr) {
+      return py::none();  // the per-sample path collates this batch (see plan's contract in column_gather.h)
     }
     node->gathered = true;
     fills.push_back({&column, node.get(), std::move(rows), std::move(lengths)});
@@ -451,30 +537,8 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   BatchPlan* self = plan.get();  // the fill lives in the plan: a shared_ptr to it would be a cycle
   plan->fill_gathered = [self, shared = shared_, indices, mapped = std::move(mapped), fills = std::move(fills)]() {
     const int64_t* index = indices.const_data_ptr<int64_t>();
-    const int64_t* read = mapped.empty() ? index : mapped.data();
-    for (const ColumnFill& fill : fills) {
-      const GatheredColumn& column = *fill.column;
-      try {
-        py::gil_scoped_release no_gil;  // the copy touches no Python object
-        gather_column(fill);
-      } catch (...) {
-        self->failed_key = column.key;  // the caller names the column, and its file when a read faulted
-        throw;
-      }
-      const FieldSpec* field = column.field ? &*column.field : nullptr;
-      if (field != nullptr && field->range) {
-        const RangeMisfit misfit = first_range_misfit(fill, *field->range);
-        if (misfit.position >= 0) {
-          const size_t position = static_cast<size_t>(misfit.position);
-          raise_violation(range_misfit(*field->range, misfit.flat, misfit.value),
-                          sample_at(shared->columns, shared->ids_are_indices, shared->id_key, index, read, position),
-                          position, column.key, shared->id_key);
-        }
-      }
-      if (column.kind == Kind::Packed && field->separator) {  // after the range: it checks the samples' own tokens
-        write_separators(*fill.node, element_pattern(*field->separator, column.dtype));
-      }
-    }
+    fill_columns(*self, shared->columns, shared->id_key, shared->ids_are_indices, index,
+                 mapped.empty() ? index : mapped.data(), fills);
   };
   return py::cast(std::static_pointer_cast<BatchPlan>(plan));
 }

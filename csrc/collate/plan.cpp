@@ -6,12 +6,13 @@
 #include <ATen/EmptyTensor.h>
 
 #include <algorithm>
-#include <cstring>
 #include <iterator>
+#include <optional>
 
 #include "collate/contract_rules.h"
 #include "collate/node.h"
-#include "memory/padded_rows.h"
+#include "fill/packed_rows.h"
+#include "fill/padded_rows.h"
 
 namespace fastcollate {
 
@@ -87,135 +88,61 @@ void write_numbers(Node& node) {
                  AT_EXPAND(AT_FLOAT8_TYPES));
 }
 
-// Copies into a padded field: each sample at the start of its row (right padding) or at its end (left
-// padding) in every named dim, the rest the pad value (padded_rows.h). When only dim 0 of a contiguous
-// sample varies its bytes are one span of the row: one memcpy and one fill. The mask (1 of its dtype at
-// real positions, 0 at padding) is written the same way, unless an earlier field of the same parent
+// Copies into a padded field through its writer (fill/padded_rows.h): when only dim 0 of a contiguous
+// sample varies, its bytes are one span of the row (one memcpy, one fill); else the sample goes into the
+// corner of its padded row. The mask is written the same way, unless an earlier field of the same parent
 // writes it (a shared mask: node.mask is null).
 void add_padded_jobs(Node& node, CopyJobs& jobs) {
-  const size_t element_size = c10::elementSize(node.dtype);
-  const size_t var_dims = node.var_dims.size();
   const size_t count = node.inputs.size();
   if (count == 0) {
     return;
   }
-  const size_t row_elements = static_cast<size_t>(node.out.numel()) / count;
+  PaddedRows rows(node.out, static_cast<int64_t>(count), node.pad_pattern, node.pad_left);
+  if (node.mask) {
+    rows.with_mask(node.mask->out);
+  }
+  rows.with_lengths(node.lengths->out.data_ptr<int64_t>(), node.var_dims.size());
   const auto row_tail_shape = node.out.sizes().slice(2);
-  const int64_t padded = node.out.dim() > 1 ? node.out.size(1) : 0;  // dim 0's padded length
-  const size_t step_elements = padded > 0 ? row_elements / static_cast<size_t>(padded) : 0;
-  auto* out = static_cast<unsigned char*>(node.out.data_ptr());
-  Node* mask = node.mask.get();
-  const at::ScalarType mask_dtype = mask ? mask->dtype : at::kBool;
-  const size_t mask_element_size = c10::elementSize(mask_dtype);
-  const uint64_t mask_one = mask ? element_pattern(1, mask_dtype) : 0;  // 1, 1.0f, ...: bytes differ by dtype
-  const size_t mask_row_elements = mask ? static_cast<size_t>(mask->out.numel()) / count : 0;
-  auto* mask_bytes = mask ? static_cast<unsigned char*>(mask->out.data_ptr()) : nullptr;
-  at::Tensor one;  // the ATen path's source for real mask positions, made once for the batch
+  const size_t element_size = c10::elementSize(node.dtype);
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& value = node.inputs[i];
-    unsigned char* row = out + i * row_elements * element_size;
-    unsigned char* mask_row = mask ? mask_bytes + i * mask_row_elements * mask_element_size : nullptr;
+    const int64_t b = static_cast<int64_t>(i);
     const bool one_span = node.var_dims == std::vector<int64_t>{0} && value.scalar_type() == node.dtype &&
                           copyable_as_is(value) && value.sizes().slice(1) == row_tail_shape;
     if (one_span) {
       // Pointer arithmetic, not select(): two dispatcher calls per sample would cost more than its bytes.
-      const int64_t length = value.size(0);
-      const PaddedRow span = padded_row(length, padded, node.pad_left);
-      unsigned char* values = add_row_padding(jobs, row, span, step_elements, element_size, node.pad_pattern);
+      unsigned char* values = rows.add_row(jobs, b, value.size(0));
       jobs.add_memcpy(value.const_data_ptr(), values, static_cast<size_t>(value.numel()) * element_size);
-      if (mask) {
-        add_mask_row(jobs, mask_row, span, length, mask_element_size, mask_one);
-      }
-      continue;
-    }
-    // Pad the whole row, then copy the sample into its corner (fills run before copies): its first
-    // positions of each named dim, or its last ones when padded on the left. Fixed dims stay whole (a
-    // declared expand broadcasts).
-    jobs.fills.push_back({row, row_elements, element_size, node.pad_pattern});
-    at::Tensor target = node.out.select(0, static_cast<int64_t>(i));
-    at::Tensor mask_target = mask ? mask->out.select(0, static_cast<int64_t>(i)) : at::Tensor();
-    for (size_t k = 0; k < var_dims; ++k) {
-      const int64_t dim = node.var_dims[k];
-      const int64_t size = value.size(dim);
-      const int64_t start = padded_row(size, target.size(dim), node.pad_left).start;
-      target = target.narrow(dim, start, size);
-      if (mask) {
-        mask_target = mask_target.narrow(static_cast<int64_t>(k), start, size);
-      }
-    }
-    jobs.tensor_copies.push_back({value, target});
-    if (mask) {
-      jobs.fills.push_back({mask_row, mask_row_elements, mask_element_size, 0});
-      if (!one.defined()) {
-        one = at::ones({}, at::TensorOptions().dtype(mask_dtype));
-      }
-      jobs.tensor_copies.push_back({one, mask_target});
+    } else {
+      rows.add_corner(jobs, b, value, node.var_dims);
     }
   }
 }
 
-void add_packing_key_jobs(Node& node, size_t count, CopyJobs& jobs);
+// The keys beside a packed row, from its starts (fill/packed_rows.h): the position ids, seq_idx and
+// cu_seq_lens (each null where not asked for).
+void add_packing_key_jobs(Node& node, size_t count, CopyJobs& jobs) {
+  add_packing_keys(jobs, node.starts.data(), count,
+                   node.position_ids ? node.position_ids->out.data_ptr<int64_t>() : nullptr, node.position_ids_start,
+                   node.seq_idx ? node.seq_idx->out.data_ptr<int32_t>() : nullptr);
+  if (node.cu_seq_lens) {
+    write_cu_seq_lens(node.cu_seq_lens->out.data_ptr<int32_t>(), node.starts.data(), count);
+  }
+}
 
-// Copies into a packed row: sample i at token starts[i], its first token replaced by the separator when
-// one is declared (a fill of that token, and the copy starts one token later: no order between them).
-// The parent's first packed field also writes the position ids, seq_idx and cu_seq_lens beside it.
+// Copies into a packed row through its writer (fill/packed_rows.h): sample i at token starts[i], its first
+// token the separator when one is declared. The parent's first packed field also writes the keys beside.
 void add_packed_jobs(Node& node, CopyJobs& jobs) {
   const size_t count = node.inputs.size();
-  const size_t element_size = c10::elementSize(node.dtype);
-  const int64_t token_elements = c10::multiply_integers(node.out.sizes().slice(2));
-  const size_t token_bytes = static_cast<size_t>(token_elements) * element_size;
-  auto* out = static_cast<unsigned char*>(node.out.data_ptr());
-  at::Tensor tokens;  // [total, *fixed dims], for the copies ATen makes: made only when one is needed
-  for (size_t i = 0; i < count; ++i) {
-    const int64_t length = node.starts[i + 1] - node.starts[i];
-    if (length == 0) {
-      continue;
-    }
-    unsigned char* row = out + static_cast<size_t>(node.starts[i]) * token_bytes;
-    const int64_t skip = node.has_separator ? 1 : 0;
-    if (node.has_separator) {
-      jobs.fills.push_back({row, static_cast<size_t>(token_elements), element_size, node.separator_pattern});
-    }
-    if (length == skip) {
-      continue;
-    }
-    if (const void* source = node.sources[i]) {
-      jobs.add_memcpy(static_cast<const unsigned char*>(source) + skip * token_bytes, row + skip * token_bytes,
-                      static_cast<size_t>(length - skip) * token_bytes);
-    } else {
-      if (!tokens.defined()) {
-        tokens = node.out.select(0, 0);
-      }
-      jobs.tensor_copies.push_back(
-          {node.inputs[i].narrow(0, skip, length - skip), tokens.narrow(0, node.starts[i] + skip, length - skip)});
+  if (node.out.numel() > 0) {
+    const PackedRows rows(node.out.select(0, 0), node.starts.data());
+    const std::optional<uint64_t> separator =
+        node.has_separator ? std::optional<uint64_t>(node.separator_pattern) : std::nullopt;
+    for (size_t i = 0; i < count; ++i) {
+      rows.add_row(jobs, i, node.sources[i], node.inputs[i], separator);
     }
   }
   add_packing_key_jobs(node, count, jobs);
-}
-
-// The keys beside a packed row, from its starts: the position ids, seq_idx and cu_seq_lens (each null
-// where not asked for).
-void add_packing_key_jobs(Node& node, size_t count, CopyJobs& jobs) {
-  if (node.position_ids) {
-    auto* positions = node.position_ids->out.data_ptr<int64_t>();
-    for (size_t i = 0; i < count; ++i) {
-      jobs.counts.push_back({positions + node.starts[i], static_cast<size_t>(node.starts[i + 1] - node.starts[i]),
-                             node.position_ids_start});
-    }
-  }
-  if (node.seq_idx) {
-    auto* seq_idx = static_cast<unsigned char*>(node.seq_idx->out.data_ptr());
-    for (size_t i = 0; i < count; ++i) {
-      const int32_t index = static_cast<int32_t>(i);
-      uint64_t pattern = 0;
-      std::memcpy(&pattern, &index, sizeof(index));  // FillJob reads an element's bytes from the pattern's first
-      jobs.fills.push_back({seq_idx + node.starts[i] * sizeof(int32_t),
-                            static_cast<size_t>(node.starts[i + 1] - node.starts[i]), sizeof(int32_t), pattern});
-    }
-  }
-  if (node.cu_seq_lens) {
-    write_numbers(*node.cu_seq_lens);
-  }
 }
 
 void add_tensor_jobs(Node& node, CopyJobs& jobs) {
@@ -253,12 +180,9 @@ void collect_jobs(Node& node, CopyJobs& jobs) {
     collect_jobs(*child, jobs);
   }
   if (node.kind == Node::Kind::Tensor) {
-    add_tensor_jobs(node, jobs);
+    add_tensor_jobs(node, jobs);  // a padded field's lengths too: its writer's, or the gather's
   } else if (node.kind == Node::Kind::Numbers) {
     write_numbers(node);
-  }
-  if (node.padded) {
-    write_numbers(*node.lengths);
   }
 }
 

@@ -7,7 +7,7 @@
 #include "collate/plan.h"
 #include "collate/walk.h"
 #include "memory/copy_kernels.h"
-#include "memory/padded_rows.h"
+#include "fill/padded_rows.h"
 
 namespace fastcollate {
 

@@ -1,13 +1,16 @@
 // The CPU kernels of the dispatcher ops declared in csrc/ops/ops.cpp, as torchvision keeps them
-// (csrc/ops/cuda/ holds the CUDA ones). Each checks its arguments with messages that name the value.
+// (csrc/ops/cuda/ holds the CUDA ones), and their registration. Each checks its arguments with messages that
+// name the value. The gathers' kernels are fill/gather_kernels.h's, and every padded or packed row is
+// written by fill/'s writers, as the collate's are.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
+#include "fill/gather_kernels.h"
+#include "fill/padded_rows.h"
 #include "memory/copy_kernels.h"
-#include "memory/padded_rows.h"
 
 namespace fastcollate {
 
@@ -60,14 +63,9 @@ void pad_into_cpu(at::TensorList samples, const at::Scalar& value, const at::Ten
   at::assert_no_overlap(mask, lengths);
   const int64_t max_length = out.size(1);
   const auto inner_shape = out.sizes().slice(2);
-  const size_t element_size = out.element_size();
-  const size_t row_elements = static_cast<size_t>(out.numel() / std::max<int64_t>(batch, 1));
-  const size_t step_elements = static_cast<size_t>(row_elements / std::max<int64_t>(max_length, 1));
-  const uint64_t pattern = element_pattern(value, out.scalar_type());
-  const uint64_t mask_one = element_pattern(1, at::kBool);
-  auto* out_bytes = static_cast<unsigned char*>(out.data_ptr());
-  auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
-  auto* length_values = lengths.data_ptr<int64_t>();
+  const size_t step_bytes = static_cast<size_t>(c10::multiply_integers(inner_shape)) * out.element_size();
+  PaddedRows rows(out, batch, element_pattern(value, out.scalar_type()), /*left=*/false);
+  rows.with_mask(mask).with_lengths(lengths.data_ptr<int64_t>());
 
   CopyJobs jobs;
   std::vector<at::Tensor> contiguous_samples;  // keeps copies of strided samples alive until jobs.run()
@@ -82,13 +80,9 @@ void pad_into_cpu(at::TensorList samples, const at::Scalar& value, const at::Ten
                 sample.scalar_type(), " on ", sample.device(), ", expected ", out.scalar_type(), " on cpu");
     at::assert_no_overlap(out, sample);  // memcpy from memory it writes is undefined
     const int64_t length = sample.size(0);
-    const PaddedRow span = padded_row(length, max_length, /*left=*/false);
-    unsigned char* row = out_bytes + static_cast<size_t>(i) * row_elements * element_size;
-    unsigned char* values = add_row_padding(jobs, row, span, step_elements, element_size, pattern);
+    unsigned char* values = rows.add_row(jobs, i, length);
     const at::Tensor& contiguous = contiguous_samples.emplace_back(sample.contiguous());
-    jobs.add_memcpy(contiguous.const_data_ptr(), values, static_cast<size_t>(length) * step_elements * element_size);
-    add_mask_row(jobs, mask_bytes + i * max_length, span, length, sizeof(bool), mask_one);
-    length_values[i] = length;
+    jobs.add_memcpy(contiguous.const_data_ptr(), values, static_cast<size_t>(length) * step_bytes);
   }
   jobs.run();
 }
@@ -112,6 +106,10 @@ TORCH_LIBRARY_IMPL(fastcollate, CPU, m) {
   m.impl("stack_into", &stack_into_cpu);
   m.impl("pad_into", &pad_into_cpu);
   m.impl("normalize_images", &normalize_images_cpu);
+  m.impl("gather_into", &gather_into_cpu);
+  m.impl("gather_ragged_into", &gather_ragged_into_cpu);
+  m.impl("gather_packed_into", &gather_packed_into_cpu);
+  m.impl("packed_positions_into", &packed_positions_into_cpu);
 }
 
 }  // namespace fastcollate

@@ -1,9 +1,13 @@
-// The gathers of array-backed columns by index, as the dispatcher ops run them and as the column gather
-// (column_gather.h) calls them for a whole batch. Each checks every index before a byte is written.
+// The gathers of array-backed columns by index: rows, ragged rows padded (through fill/padded_rows.h) and
+// ragged rows packed (through fill/packed_rows.h). The column gather (collate/column_gather.cpp) calls the
+// *_spans_into_cpu and gather_rows_into_cpu kernels for a whole batch; the dispatcher ops
+// (ops/cpu/ops_kernels.cpp registers them) call the *_into_cpu ones, which check every argument and index
+// before a byte is written.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <vector>
 
 namespace fastcollate {
@@ -54,8 +58,14 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
 void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets, const at::Tensor& indices,
                             const at::Tensor& cu_seq_lens, const at::Tensor& out);
 
-// The same from spans already found: row b at token cu_seq_lens[b] of out ([total, *fixed dims]).
-void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int32_t* cu_seq_lens,
+// The same from spans already found: row b at token starts[b] of out ([total, *fixed dims]), starts having
+// one entry more than spans has rows (fill/packed_rows.h).
+void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int64_t* starts,
                                   const at::Tensor& out);
+
+// The keys beside a packed row, from its cu_seq_lens: position_ids (int64, counting from `start` in each
+// sample) and seq_idx (int32, each token's batch position), each [total] or [1, total]; either may be None.
+void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
+                               const std::optional<at::Tensor>& position_ids, const std::optional<at::Tensor>& seq_idx);
 
 }  // namespace fastcollate

@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <ATen/Dispatch_v2.h>
 
@@ -16,10 +15,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "fill/gather_kernels.h"
+#include "fill/packed_rows.h"
+#include "fill/padded_rows.h"
 #include "memory/copy_kernels.h"
 #include "memory/mapped_reads.h"
-#include "memory/padded_rows.h"
-#include "ops/cpu/gather_kernels.h"
 
 namespace fastcollate {
 
@@ -252,42 +252,30 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   }
   // A cast goes through a gather in the source's dtype first (ATen then casts the whole block).
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
-  const size_t step_elements = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2)));
-  const size_t source_element = c10::elementSize(source);
-  const size_t row_bytes = static_cast<size_t>(longest) * step_elements * source_element;
-  auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
-  auto* mask_bytes = static_cast<unsigned char*>(mask.data_ptr());
-  int64_t* length_values = lengths.data_ptr<int64_t>();
+  const size_t step_bytes = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2))) * c10::elementSize(source);
   // Casting, the padding is written after the cast, in out's dtype (-100 stays -100 when uint16 tokens
   // become int64 labels); the gather in the source's dtype pads with zeros meanwhile.
   const bool casting = !target.is_same(out);
   // Both made before anything is written: a value out's dtype refuses leaves out, mask and lengths as they were.
   const uint64_t pad = casting ? 0 : element_pattern(value, source);
   const uint64_t out_pad = casting ? element_pattern(value, out.scalar_type()) : pad;
-  const uint64_t one = element_pattern(1, mask.scalar_type());
-  const size_t mask_element = mask.element_size();
+  PaddedRows rows(target, batch, pad, left);
+  rows.with_mask(mask).with_lengths(lengths.data_ptr<int64_t>());
   CopyJobs jobs;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = spans.lengths[b];
-    const PaddedRow span = padded_row(length, longest, left);
-    unsigned char* values =
-        add_row_padding(jobs, out_bytes + static_cast<size_t>(b) * row_bytes, span, step_elements, source_element, pad);
+    unsigned char* values = rows.add_row(jobs, b, length);
     if (length > 0) {
-      jobs.add_memcpy(spans.data[b], values, static_cast<size_t>(length) * step_elements * source_element);
+      jobs.add_memcpy(spans.data[b], values, static_cast<size_t>(length) * step_bytes);
     }
-    add_mask_row(jobs, mask_bytes + static_cast<size_t>(b) * static_cast<size_t>(longest) * mask_element, span, length,
-                 mask_element, one);
-    length_values[b] = length;
   }
   jobs.run();
   if (casting) {
     const_cast<at::Tensor&>(out).copy_(target);
-    const size_t out_row_bytes = static_cast<size_t>(longest) * step_elements * out.element_size();
-    auto* cast_bytes = static_cast<unsigned char*>(out.data_ptr());
+    const PaddedRows cast(out, batch, out_pad, left);
     CopyJobs padding;
     for (int64_t b = 0; b < batch; ++b) {
-      add_row_padding(padding, cast_bytes + static_cast<size_t>(b) * out_row_bytes,
-                      padded_row(length_values[b], longest, left), step_elements, out.element_size(), out_pad);
+      cast.add_row(padding, b, spans.lengths[b]);
     }
     padding.run();
   }
@@ -336,24 +324,20 @@ void gather_packed_into_cpu(const at::Tensor& values, const at::Tensor& offsets,
     return;
   }
   at::assert_no_overlap(out, values);
-  gather_packed_spans_into_cpu(spans, values.scalar_type(), cu, out);
+  const std::vector<int64_t> starts(cu, cu + batch + 1);
+  gather_packed_spans_into_cpu(spans, values.scalar_type(), starts.data(), out);
 }
 
-void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int32_t* cu_seq_lens,
+void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, const int64_t* starts,
                                   const at::Tensor& out) {
   if (out.numel() == 0) {
     return;
   }
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
-  const size_t step_bytes =
-      static_cast<size_t>(c10::multiply_integers(out.sizes().slice(1))) * c10::elementSize(source);
-  auto* out_bytes = static_cast<unsigned char*>(target.data_ptr());
+  const PackedRows rows(target, starts);
   CopyJobs jobs;
   for (size_t b = 0; b < spans.data.size(); ++b) {
-    const size_t length = static_cast<size_t>(spans.lengths[b]);
-    if (length > 0) {
-      jobs.add_memcpy(spans.data[b], out_bytes + static_cast<size_t>(cu_seq_lens[b]) * step_bytes, length * step_bytes);
-    }
+    rows.add_row(jobs, b, spans.data[b], at::Tensor(), std::nullopt);
   }
   jobs.run();
   if (!target.is_same(out)) {
@@ -361,10 +345,6 @@ void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   }
 }
 
-namespace {
-
-// The keys beside a packed row, from its cu_seq_lens: position_ids (int64, counting from `start` in each
-// sample) and seq_idx (int32, each token's batch position), each [total] or [1, total]; either may be None.
 void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
                                const std::optional<at::Tensor>& position_ids,
                                const std::optional<at::Tensor>& seq_idx) {
@@ -381,35 +361,18 @@ void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
   if (position_ids && seq_idx) {
     at::assert_no_overlap(*position_ids, *seq_idx);
   }
-  CopyJobs jobs;
   if (position_ids) {
     check_out(*position_ids, at::kLong, "position_ids");
-    int64_t* positions = position_ids->data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b) {
-      jobs.counts.push_back({positions + cu[b], static_cast<size_t>(cu[b + 1] - cu[b]), start});
-    }
   }
   if (seq_idx) {
     check_out(*seq_idx, at::kInt, "seq_idx");
-    auto* samples = static_cast<unsigned char*>(seq_idx->data_ptr());
-    for (int64_t b = 0; b < batch; ++b) {
-      const int32_t position = static_cast<int32_t>(b);
-      uint64_t pattern = 0;
-      std::memcpy(&pattern, &position, sizeof(position));  // FillJob reads an element's bytes from the pattern's first
-      jobs.fills.push_back({samples + static_cast<size_t>(cu[b]) * sizeof(int32_t),
-                            static_cast<size_t>(cu[b + 1] - cu[b]), sizeof(int32_t), pattern});
-    }
   }
+  const std::vector<int64_t> starts(cu, cu + batch + 1);
+  CopyJobs jobs;
+  add_packing_keys(jobs, starts.data(), static_cast<size_t>(batch),
+                   position_ids ? position_ids->data_ptr<int64_t>() : nullptr, start,
+                   seq_idx ? seq_idx->data_ptr<int32_t>() : nullptr);
   jobs.run();
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fastcollate, CPU, m) {
-  m.impl("gather_into", &gather_into_cpu);
-  m.impl("gather_ragged_into", &gather_ragged_into_cpu);
-  m.impl("gather_packed_into", &gather_packed_into_cpu);
-  m.impl("packed_positions_into", &packed_positions_into_cpu);
 }
 
 }  // namespace fastcollate

@@ -6,8 +6,8 @@
 #include "collate/messages.h"
 #include "collate/plan.h"
 #include "collate/walk.h"
-#include "memory/copy_kernels.h"
 #include "fill/padded_rows.h"
+#include "memory/copy_kernels.h"
 
 namespace fastcollate {
 

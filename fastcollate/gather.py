@@ -134,13 +134,14 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
     """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
     source = column.first
     held = column.dtype or source.dtype  # what a sample holds: the stored dtype, or a Hugging Face format's
+    # The dtype the copy makes; a dtype the source cannot be cast to is C++'s to refuse (dtype_rule).
     declared = field.dtype if field is not None and field.dtype is not None else held
-    # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
-    dtype = declared if field is not None and held in (declared, *field.cast_from) else held
     if held != source.dtype and field is not None:
         # The contract's rules are the dtype samples hold's, and the copy casts from the stored one in one
-        # step: the same values only if that dtype was taken, and the stored one's cast to it kept values.
-        if dtype != declared or not (declared == held or _C.keeps_values(source.dtype, held)):
+        # step: C++ sees the stored dtype, so the samples' one is the walk's to check, unless taken as is or
+        # cast from; and the stored one's cast to it must keep every value.
+        taken = held in (declared, *field.cast_from)
+        if not taken or not (declared == held or _C.keeps_values(source.dtype, held)):
             return None
         spec.cast_from = [*spec.cast_from, source.dtype]
     if field is not None:
@@ -148,12 +149,12 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
             return None
         if field.kind == "number" and (column.ragged or source.dim() != 1):
             return None  # a number per sample is a 1-D column
-        if held.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
+        if held.is_floating_point and not (declared.is_floating_point or declared.is_complex):
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
-        if field.range is not None and not _C.keeps_values(source.dtype, dtype):
+        if field.range is not None and not _C.keeps_values(source.dtype, declared):
             return None  # a cast that can change values (narrowing): the range is the source's to check
         for value in (field.pad, field.separator):
-            if value is not None and not _C.value_fits(float(value), dtype):
+            if value is not None and not _C.value_fits(float(value), declared):
                 return None  # the walk names it, after the samples' own ranges, as it checks them first
     made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
     if field is not None and field.pack:

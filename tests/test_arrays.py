@@ -610,3 +610,20 @@ def test_a_list_of_indices_is_read_as_the_same_batch_whatever_its_elements(given
 @given(broken_columns())
 def test_one_rule_broken_in_one_row_fails_the_same_gathered_or_walked(case):
     assert_same_outcome(case)
+
+
+def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it():
+    values = torch.tensor([[1.0], [2.0], [9.0]])
+    by_index = Arrays(x=values)  # its id key is the collate's: a sample's id is its index
+    by_column = Arrays(id=np.array([10, 20, 30]), x=values, id_key=None)  # the ids are a column
+    unnamed = Arrays(x=values, id_key="idx")  # its ids are under a key the collate does not read
+    contract = {"x": Field(dtype=torch.float32, shape=(1,), range=(0, 5))}
+    for dataset, id_field, named in [(by_index, "id", "sample id=2 (batch position 1)"),
+                                     (by_column, "id", "sample id=30 (batch position 1)"),
+                                     (unnamed, "idx", "sample at batch position 1 (samples carry no 'id'")]:
+        collate = fastcollate.assemble.using(Contract({id_field: Field(kind="number"), **contract}))
+        assert gather.layout(dataset.__getitems__([0, 2]), collate.contract, "id") is not None
+        for batch in (dataset.__getitems__([0, 2]), [dataset[0], dataset[2]]):
+            with pytest.raises(ContractError) as caught:
+                collate(batch)
+            assert str(caught.value).startswith(named), str(caught.value)

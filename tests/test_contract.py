@@ -195,7 +195,8 @@ def test_a_number_field_takes_0_d_tensors_as_default_collate_stacks_them_and_che
 
 def test_a_python_number_out_of_range_is_worded_by_the_range_rule():
     contract = Contract({"id": Field(kind="number"), "y": Field(kind="number", range=(0, 5))})
-    with pytest.raises(ContractValueError, match=r"expected a value in \[0, 5\), got a value below the") as caught:
+    below = r"expected a value in \[0, 5\), got a value below the range"
+    with pytest.raises(ContractValueError, match=below) as caught:
         assemble.using(contract)([{"id": 0, "y": 1}, {"id": 1, "y": -1}])
     assert caught.value.sample_id == 1 and "flat position" not in str(caught.value)
 

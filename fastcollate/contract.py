@@ -137,30 +137,31 @@ class Field:
                              f"got {self.copy_of!r}")
 
     def _check_separator(self) -> None:
-        """At declaration, not at the first batch: the separator crosses to C++ as a double, so an integer
-        one must be exact there (|s| <= 2**53) and fit the declared dtype."""
+        """At declaration, not at the first batch: the declared dtype must hold the separator (the walk's
+        rule, _C.value_fits, as for pad values), and an integer one must be exact as the double it crosses
+        to C++ as (|s| <= 2**53)."""
         separator, dtype = self.separator, self.dtype
         if separator is None:
             return
         if isinstance(separator, bool) or not isinstance(separator, numbers.Real):
             raise ValueError(f"separator must be an int or a float, got {separator!r}")
-        if dtype is not None and dtype.itemsize > 8:
-            raise ValueError(f"a packed {dtype} field takes no separator (its elements are over 8 bytes): "
-                             "leave separator unset")
-        if dtype is None or dtype.is_floating_point or dtype.is_complex:
+        if dtype is None:
             return
         if dtype == torch.bool:
             raise ValueError("a packed bool field has no separator value: leave separator unset")
-        if not float(separator).is_integer():
-            raise ValueError(f"separator {separator!r} is not a value of the field's dtype {dtype}")
         from ._ext import _C
 
-        # Whether it fits is the walk's rule (value_fits), as for pad values; exact as a double on top.
-        if not (abs(separator) <= 2**53 and _C.value_fits(float(separator), dtype)):
+        exact = not isinstance(separator, numbers.Integral) or abs(separator) <= 2**53
+        if exact and _C.value_fits(float(separator), dtype):
+            return
+        if dtype.itemsize > 8:
+            why = "its elements are over 8 bytes: leave separator unset"
+        elif dtype.is_floating_point or dtype.is_complex:
+            why = "a value it cannot hold"
+        else:
             info = torch.iinfo(dtype)
-            low, high = max(info.min, -(2**53)), min(info.max, 2**53)
-            raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
-                             f"(a separator is from {low} to {high})")
+            why = f"a separator is a whole number from {max(info.min, -(2**53))} to {min(info.max, 2**53)}"
+        raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} ({why})")
 
     def _check_pack(self) -> None:
         shape = self.shape or ()

@@ -67,8 +67,8 @@ bool value_fits(double value, at::ScalarType dtype) {
   if (dtype == at::kBool) {
     return true;  // any value is a bool
   }
-  if (c10::elementSize(dtype) > sizeof(uint64_t)) {
-    return false;  // a fill writes elements of at most 8 bytes
+  if (c10::elementSize(dtype) > sizeof(uint64_t) || dtype == at::kFloat4_e2m1fn_x2) {
+    return false;  // a fill writes whole elements of at most 8 bytes (not two values a byte)
   }
   bool holds = false;
   AT_DISPATCH_V2(dtype, "value_fits", AT_WRAP([&] { holds = !c10::overflows<scalar_t, double>(value); }),

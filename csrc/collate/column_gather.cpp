@@ -281,7 +281,7 @@ struct BatchLayout {
   BatchPlan& plan;
   int64_t size;
   const int64_t* index;  // the batch's indices: who each sample is
-  const int64_t* read;   // the rows they read: the indices, or the rows `rows_of` maps them to
+  const int64_t* read;   // the rows they read: a column under the id key names a sample by its row
   std::unordered_map<std::string, std::pair<int64_t, std::string>> named;  // dim name -> size, its field
   std::vector<int64_t> packed_lengths;  // the first packed field's rows' lengths, which every other must have
   std::vector<int64_t> starts;          // each packed row's first token, then the total
@@ -526,7 +526,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
         break;
     }
     if (node == nullptr) {
-      return py::none();  // the per-sample path collates this batch (see plan's contract in column_gather.h)
+      return py::none();  // the per-sample path collates this batch (gather.py: HANDED_TO_THE_WALK)
     }
     node->gathered = true;
     fills.push_back({&column, node.get(), std::move(rows), std::move(lengths)});

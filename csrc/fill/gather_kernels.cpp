@@ -252,7 +252,8 @@ void gather_ragged_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
   }
   // A cast goes through a gather in the source's dtype first (ATen then casts the whole block).
   const at::Tensor target = out.scalar_type() == source ? out : at::empty(out.sizes(), out.options().dtype(source));
-  const size_t step_bytes = static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2))) * c10::elementSize(source);
+  const size_t step_bytes =
+      static_cast<size_t>(c10::multiply_integers(out.sizes().slice(2))) * c10::elementSize(source);
   // Casting, the padding is written after the cast, in out's dtype (-100 stays -100 when uint16 tokens
   // become int64 labels); the gather in the source's dtype pads with zeros meanwhile.
   const bool casting = !target.is_same(out);

@@ -30,15 +30,15 @@ void PackedRows::add_row(CopyJobs& jobs, size_t b, const void* source, const at:
                     bytes_ + static_cast<size_t>(starts_[b] + skip) * token_bytes,
                     static_cast<size_t>(length - skip) * token_bytes);
   } else {
-    jobs.tensor_copies.push_back({value.narrow(0, skip, length - skip), tokens_.narrow(0, starts_[b] + skip, length - skip)});
+    jobs.tensor_copies.push_back(
+        {value.narrow(0, skip, length - skip), tokens_.narrow(0, starts_[b] + skip, length - skip)});
   }
 }
 
 void PackedRows::add_separator(CopyJobs& jobs, size_t b, uint64_t separator) const {
   if (starts_[b] < starts_[b + 1]) {
-    jobs.fills.push_back(
-        {bytes_ + static_cast<size_t>(starts_[b]) * token_elements_ * element_size_, token_elements_, element_size_,
-         separator});
+    jobs.fills.push_back({bytes_ + static_cast<size_t>(starts_[b]) * token_elements_ * element_size_, token_elements_,
+                          element_size_, separator});
   }
 }
 
@@ -54,8 +54,8 @@ void add_packing_keys(CopyJobs& jobs, const int64_t* starts, size_t count, int64
       const int32_t position = static_cast<int32_t>(b);
       uint64_t pattern = 0;
       std::memcpy(&pattern, &position, sizeof(position));  // FillJob reads an element's bytes from the pattern's first
-      jobs.fills.push_back({seq_idx + starts[b], static_cast<size_t>(starts[b + 1] - starts[b]), sizeof(int32_t),
-                            pattern});
+      jobs.fills.push_back(
+          {seq_idx + starts[b], static_cast<size_t>(starts[b + 1] - starts[b]), sizeof(int32_t), pattern});
     }
   }
 }

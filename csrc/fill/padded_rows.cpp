@@ -54,8 +54,8 @@ unsigned char* PaddedRows::add_row(CopyJobs& jobs, int64_t b, int64_t length) co
 }
 
 void PaddedRows::add_corner(CopyJobs& jobs, int64_t b, const at::Tensor& value, const std::vector<int64_t>& dims) {
-  jobs.fills.push_back({out_bytes_ + static_cast<size_t>(b) * row_elements_ * element_size_, row_elements_,
-                        element_size_, pad_});
+  jobs.fills.push_back(
+      {out_bytes_ + static_cast<size_t>(b) * row_elements_ * element_size_, row_elements_, element_size_, pad_});
   at::Tensor target = out_.select(0, b);
   at::Tensor mask_target = mask_bytes_ != nullptr ? mask_.select(0, b) : at::Tensor();
   for (size_t k = 0; k < dims.size(); ++k) {

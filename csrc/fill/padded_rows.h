@@ -70,9 +70,9 @@ class PaddedRows {
   at::Tensor mask_;
   at::Tensor one_;  // the mask's 1, the source of the corner path's mask copies: made once a batch
   unsigned char* out_bytes_;
-  int64_t padded_;             // dim 1's padded length
-  size_t row_elements_;        // elements of one row of out
-  size_t step_elements_;       // elements of one position of dim 1
+  int64_t padded_;        // dim 1's padded length
+  size_t row_elements_;   // elements of one row of out
+  size_t step_elements_;  // elements of one position of dim 1
   size_t element_size_;
   uint64_t pad_;
   bool left_;

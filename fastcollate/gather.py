@@ -45,7 +45,6 @@ HANDED_TO_THE_WALK: dict[str, str] = {
                                                 "every value is gathered",
     "a cast from floating point to integers": "the walk refuses NaN, infinities and values out of range",
     "a range with a cast that can change values": "the range is the source's to check, before the cast",
-    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own ranges",
     "a pad on a column of fixed-length rows": "the walk checks each sample's shape",
     "ragged rows under a contract without a pad": "the walk checks each sample's shape",
     "a pad along a dim other than dim 0": "the column gather pads dim 0 alone",
@@ -54,6 +53,8 @@ HANDED_TO_THE_WALK: dict[str, str] = {
     "a packed batch with no token": "the walk raises it for the whole batch",
     "a packed batch past cu_seq_lens' int32 or Packing.max_tokens": "the walk names the sample that crosses",
     "packed fields whose rows differ in length": "the walk names the sample whose fields differ",
+    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own rules, in its "
+                                                "order of fields",
 }
 
 _Kind = _C.GatheredKind
@@ -153,9 +154,6 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
         if field.range is not None and not _C.keeps_values(source.dtype, declared):
             return None  # a cast that can change values (narrowing): the range is the source's to check
-        for value in (field.pad, field.separator):
-            if value is not None and not _C.value_fits(float(value), declared):
-                return None  # the walk names it, after the samples' own ranges, as it checks them first
     made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)

@@ -21,7 +21,7 @@ from fastcollate import Arrays, Contract, ContractError, Field, Ragged, TokenWin
 from fastcollate._ext import _C
 from fastcollate.arrays import ArrayBatch
 
-from .helpers.broken_columns import assert_same_outcome, broken_columns
+from .helpers.broken_columns import Broken, assert_same_outcome, broken_columns
 from .helpers.chunks import chunked, cuts
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
@@ -627,3 +627,18 @@ def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it
             with pytest.raises(ContractError) as caught:
                 collate(batch)
             assert str(caught.value).startswith(named), str(caught.value)
+
+
+@pytest.mark.parametrize("pad_first", [True, False])
+def test_a_pad_the_dtype_cannot_hold_is_named_in_the_walk_s_order_of_fields_gathered_or_walked(pad_first):
+    tokens = Ragged(torch.arange(5), np.array([0, 2, 5]))
+    labels = torch.tensor([[1], [7]])  # 7 is out of the label's range
+    padded = {"t": Field(shape=("T",), pad=2.5)}
+    ranged = {"y": Field(dtype=torch.int64, shape=(1,), range=(0, 5))}
+    columns = {"t": tokens, "y": labels} if pad_first else {"y": labels, "t": tokens}
+    fields = {**padded, **ranged} if pad_first else {**ranged, **padded}
+    case = Broken(Arrays(columns), Contract({"id": Field(kind="number"), **fields}), [0, 1], "pad", True)
+    assert_same_outcome(case)
+    with pytest.raises(ContractError) as caught:
+        fastcollate.assemble.using(case.contract)(case.dataset.__getitems__([0, 1]))
+    assert caught.value.field == ("t" if pad_first else "y")

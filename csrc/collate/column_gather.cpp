@@ -367,9 +367,8 @@ std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& col
 // Ragged under a pad: [N, padded length, *inner], with its mask and lengths beside.
 std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
                                   const std::vector<int64_t>& lengths) {
-  if (auto violation =
-          fill_value_rule(*field.pad_value, column.dtype, "pad", "declare a pad value the field's dtype can hold")) {
-    layout.refuse(*violation, 0, column.key);
+  if (!value_fits(*field.pad_value, column.dtype)) {
+    return nullptr;  // the walk names the pad after the samples' own rules, in its order of fields
   }
   const int64_t longest = padded_length(*std::max_element(lengths.begin(), lengths.end()), field.pad_to_multiple_of);
   TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
@@ -401,11 +400,8 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
   } else if (lengths != layout.packed_lengths) {
     return nullptr;  // the walk names the sample whose packed fields differ in length
   }
-  if (field.separator) {
-    if (auto violation = fill_value_rule(*field.separator, column.dtype, "separator",
-                                         "declare a separator the field's dtype can hold")) {
-      layout.refuse(*violation, 0, column.key);
-    }
+  if (field.separator && !value_fits(*field.separator, column.dtype)) {
+    return nullptr;  // the walk names the separator after the samples' own rules, in its order of fields
   }
   const int64_t total = layout.starts.back();
   const at::IntArrayRef inner = column.source().sizes().slice(1);

@@ -13,6 +13,15 @@
 
 namespace fastcollate {
 
+namespace {
+
+// Where in a sample a value is: its position, not the value (sample contents may be sensitive).
+std::string at_flat_position(int64_t flat) {
+  return flat < 0 ? "" : " at flat position " + std::to_string(flat);
+}
+
+}  // namespace
+
 void raise_violation(const Violation& violation, py::handle batch, size_t position, const std::string& field,
                      const std::string& id_key) {
   py::object error = python_refs().make_error(violation.kind, batch, position, field, violation.expected, violation.got,
@@ -96,9 +105,9 @@ bool takes_python_numbers(at::ScalarType dtype) {
          (at::isFloatingType(dtype) && dtype != at::kFloat4_e2m1fn_x2);
 }
 
-Violation python_value_misfit(at::ScalarType dtype, const std::string& where) {
+Violation python_value_misfit(at::ScalarType dtype, int64_t flat) {
   return Violation{"value", "a value " + dtype_string(dtype) + " can hold (the declared dtype)",
-                   "a value outside its range" + where, "declare a wider dtype, or fix the value"};
+                   "a value outside its range" + at_flat_position(flat), "declare a wider dtype, or fix the value"};
 }
 
 std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint) {
@@ -141,7 +150,7 @@ int64_t first_out_of_range(const void* data, at::ScalarType dtype, int64_t numel
 Violation range_misfit(const ValueRange& range, int64_t flat, double value) {
   std::ostringstream expected;
   expected << (flat < 0 ? "a value in [" : "values in [") << range.low << ", " << range.high << ")";
-  const std::string where = flat < 0 ? "" : " at flat position " + std::to_string(flat);
+  const std::string where = at_flat_position(flat);
   std::string got = std::isnan(value)   ? "NaN" + where
                     : value < range.low ? "a value below the range" + where
                                         : "a value at or above the upper bound" + where;
@@ -387,12 +396,8 @@ Violation list_not_rectangular(int64_t expected, int64_t got, size_t depth) {
 }
 
 Violation list_element_misfit(at::ScalarType dtype, const std::string& type, int64_t flat) {
-  return Violation{"type", python_number_for(dtype), type + " at flat position " + std::to_string(flat),
+  return Violation{"type", python_number_for(dtype), type + at_flat_position(flat),
                    "give every element as that Python type, or the sample as a tensor"};
-}
-
-Violation list_value_misfit(at::ScalarType dtype, int64_t flat) {
-  return python_value_misfit(dtype, " at flat position " + std::to_string(flat));
 }
 
 Violation packed_past_int32(int64_t tokens) {

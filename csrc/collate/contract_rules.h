@@ -49,9 +49,9 @@ std::string python_number_for(at::ScalarType dtype);
 // Whether lists of Python numbers are read into `dtype`: bool, integer and floating-point dtypes of at
 // most 8 bytes, not complex, quantized or packed sub-byte ones.
 bool takes_python_numbers(at::ScalarType dtype);
-// A Python number the declared dtype cannot hold (300 as int8, -1 as uint8, 1e6 as float16); `where`
-// places it in the sample ("" for a number field).
-Violation python_value_misfit(at::ScalarType dtype, const std::string& where);
+// A Python number the declared dtype cannot hold (300 as int8, -1 as uint8, 1e6 as float16), at `flat`
+// in the sample's list (-1 for a number field).
+Violation python_value_misfit(at::ScalarType dtype, int64_t flat);
 
 // The bytes of `value` as `dtype` for a fill, when it fits; `what` (pad, separator) names the declared value.
 std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint);
@@ -118,7 +118,6 @@ Violation list_of_dtype(const std::string& type, at::ScalarType dtype);
 Violation list_depth_misfit(size_t dims, const std::string& type, size_t depth, int64_t flat);
 Violation list_not_rectangular(int64_t expected, int64_t got, size_t depth);
 Violation list_element_misfit(at::ScalarType dtype, const std::string& type, int64_t flat);
-Violation list_value_misfit(at::ScalarType dtype, int64_t flat);
 
 // Packed fields.
 Violation packed_past_int32(int64_t tokens);

@@ -86,24 +86,24 @@ class ListReader {
       const double value = PyFloat_AsDouble(element);  // an int past float64's range fails here
       if (value == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
-        return list_value_misfit(dtype_, flat_);
+        return python_value_misfit(dtype_, flat_);
       }
       if (!std::is_same_v<scalar_t, double> && !value_fits(value, dtype_)) {
-        return list_value_misfit(dtype_, flat_);
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     } else if constexpr (std::is_same_v<scalar_t, uint64_t>) {
       const unsigned long long value = PyLong_AsUnsignedLongLong(element);  // negative ones fail too
       if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
-        return list_value_misfit(dtype_, flat_);
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     } else {
       int overflow = 0;
       const long long value = PyLong_AsLongLongAndOverflow(element, &overflow);
       if (overflow != 0 || (!std::is_same_v<scalar_t, int64_t> && !value_fits(static_cast<double>(value), dtype_))) {
-        return list_value_misfit(dtype_, flat_);
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     }

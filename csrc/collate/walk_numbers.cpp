@@ -141,7 +141,7 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
   }
   // Exact for the narrow integer dtypes (at most 32 bits) and uint64's sign, the only ones checked.
   if (narrow && !value_fits(as_double, node.dtype)) {
-    fail(python_value_misfit(node.dtype, ""), index, path);
+    fail(python_value_misfit(node.dtype, /*flat=*/-1), index, path);
   }
   if (spec != nullptr && spec->range && !(as_double >= spec->range->low && as_double < spec->range->high)) {
     fail(range_misfit(*spec->range, /*flat=*/-1, as_double), index, path);

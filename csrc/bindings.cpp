@@ -10,6 +10,7 @@
 
 #include "collate/collator.h"
 #include "collate/column_gather.h"
+#include "collate/contract_fields.h"
 #include "collate/contract_rules.h"
 #include "collate/field_spec.h"
 #include "collate/node.h"
@@ -256,6 +257,14 @@ void bind_contract_rules(py::module_& m) {
   m.def(
       "value_fits", [](double value, at::ScalarType dtype) { return value_fits(value, dtype); }, py::arg("value"),
       py::arg("dtype"), "Whether value is one of dtype's (the rule for pad values and separators).");
+  m.def(
+      "keeps_values", [](at::ScalarType source, at::ScalarType target) { return keeps_values(source, target); },
+      py::arg("source"), py::arg("target"),
+      "Whether casting source to target keeps every value (a range checked after the cast holds for the source).");
+  m.def(
+      "check_contract", [](std::vector<FieldSpec> fields) { ContractFields("", std::move(fields), true); },
+      py::arg("fields"),
+      "Raises ValueError when the fields break a rule between fields (a shared mask, a copy, a dropped key).");
 }
 
 void bind_batch_plan(py::module_& m) {

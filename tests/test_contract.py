@@ -1,5 +1,6 @@
 """Contracts: declared fields checked in C++ before any byte is copied, conversions only when declared."""
 
+import math
 import pickle
 
 import numpy as np
@@ -173,6 +174,53 @@ def test_text_and_number_fields_are_type_checked():
     assert caught.value.sample_id == "b" and caught.value.field == "y"
     with pytest.raises(TypeError):
         assemble.using(contract)([{"id": "a", "y": 1}, {"id": 5, "y": 1}])
+
+
+def test_a_number_field_takes_0_d_tensors_as_default_collate_stacks_them_and_checks_their_rules():
+    y = Field(kind="number", dtype=torch.int32, range=(0, 5))
+    contract = Contract({"id": Field(kind="number"), "y": y})
+    samples = [{"id": i, "y": torch.tensor(i, dtype=torch.int32)} for i in range(3)]
+    batch = assemble.using(contract)(samples)
+    assert batch["y"].dtype == torch.int32 and batch["y"].tolist() == [0, 1, 2]
+    with pytest.raises(TypeError, match=r"expected torch.int32, got torch.int64") as caught:
+        assemble.using(contract)([*samples, {"id": 3, "y": torch.tensor(3)}])
+    assert caught.value.sample_id == 3
+    with pytest.raises(ContractValueError, match=r"values in \[0, 5\), got a value at or above the upper"):
+        assemble.using(contract)([*samples, {"id": 3, "y": torch.tensor(7, dtype=torch.int32)}])
+    with pytest.raises(ContractError, match=r"expected a number: a Python int \(declared torch.int32\), or a "
+                                            r"tensor of shape \[\], got a tensor of shape \[2\]") as caught:
+        assemble.using(contract)([*samples, {"id": 3, "y": torch.zeros(2, dtype=torch.int32)}])
+    assert caught.value.field == "y"
+
+
+def test_a_python_number_out_of_range_is_worded_by_the_range_rule():
+    contract = Contract({"id": Field(kind="number"), "y": Field(kind="number", range=(0, 5))})
+    below = r"expected a value in \[0, 5\), got a value below the range"
+    with pytest.raises(ContractValueError, match=below) as caught:
+        assemble.using(contract)([{"id": 0, "y": 1}, {"id": 1, "y": -1}])
+    assert caught.value.sample_id == 1 and "flat position" not in str(caught.value)
+
+
+def test_keeps_values_says_which_casts_keep_every_value():
+    from fastcollate._ext import _C
+
+    integers = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64]
+    floats = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    for source in integers:
+        low = torch.iinfo(source)
+        magnitude = low.bits - (low.min < 0)
+        for target in integers:
+            high = torch.iinfo(target)
+            assert _C.keeps_values(source, target) == (high.min <= low.min and low.max <= high.max)
+        for target in floats:  # an integer is exact within the mantissa, its implicit bit included
+            mantissa = 1 - int(math.log2(torch.finfo(target).eps))
+            assert _C.keeps_values(source, target) == (magnitude <= mantissa), (source, target)
+        assert not _C.keeps_values(source, torch.bool) and _C.keeps_values(torch.bool, source)
+    for source in floats:
+        assert not any(_C.keeps_values(source, target) for target in integers)
+        assert _C.keeps_values(source, torch.float64)
+    assert not _C.keeps_values(torch.float64, torch.float32)
+    assert not _C.keeps_values(torch.float16, torch.bfloat16)
 
 
 def test_infer_prints_compares_and_enforces_its_own_sample():
@@ -365,7 +413,8 @@ def test_the_native_collator_checks_a_shared_mask_itself():
     specs = bert_like_contract().native_specs()
     assert [spec.mask_dtype for spec in specs if spec.padded] == [torch.int64, torch.int64]
     specs[1].mask_dtype = torch.bool  # what Contract refuses, passed straight to the Collator
-    with pytest.raises(RuntimeError, match="'input_ids' and 'token_type_ids' share mask 'attention_mask'"):
+    shared = "'input_ids' and 'token_type_ids' share the mask key 'attention_mask'"
+    with pytest.raises(ValueError, match=shared):
         _C.Collator("id", specs, True)
 
 

@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastcollate import Arrays, Contract, Field, Packing, Ragged, assemble, gather
-from fastcollate.errors import ContractError, ContractTypeError, ContractValueError
+from fastcollate import Arrays, Contract, Field, Packing, Ragged, assemble
+from fastcollate.collate import gather
+from fastcollate.collate.errors import ContractError, ContractTypeError, ContractValueError
 
 from .helpers.batches import assert_same_batch
 

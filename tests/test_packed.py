@@ -310,6 +310,9 @@ def tokens(shape=("T",), **options):
         (lambda: Contract({"x": tokens()}, packing=Packing()), "no field is packed"),
         (lambda: Packing(cu_seq_lens=("a",)), "two keys"),
         (lambda: Field(dtype=torch.complex128, shape=("T",), pack=True, separator=1), "over 8 bytes"),
+        (lambda: Field(dtype=torch.float16, shape=("T",), pack=True, separator=1e6), "float16 .a value it"),
+        (lambda: Field(dtype=torch.int8, shape=("T",), pack=True, separator=2.5), "whole number from -128"),
+        (lambda: Field(dtype=torch.int64, shape=("T",), pack=True, separator=2**54), "to 9007199254740992"),
     ],
 )
 def test_declarations_that_cannot_pack_are_refused_when_made(declare, message):

@@ -21,6 +21,7 @@ from fastcollate.collate.errors import ContractSizeError, ContractTypeError, Con
 from fastcollate.transfer import ops
 
 from .helpers.batches import assert_same_batch
+from .helpers.broken_columns import assert_same_outcome, broken_columns
 from .helpers.chunks import chunked, cuts
 
 
@@ -242,6 +243,12 @@ def test_any_gathered_packed_batch_equals_the_walk_s(  # noqa: PLR0913 (hypothes
     packing = Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None)
     contract = Contract(fields, packing=packing)
     assert_same_batch(gathered(dataset, indices, contract), walked(dataset, indices, contract))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(broken_columns(packed=True))
+def test_one_rule_broken_in_one_packed_row_fails_the_same_gathered_or_walked(case):
+    assert_same_outcome(case)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -310,13 +310,13 @@ def test_two_fields_sharing_a_mask_must_pad_to_the_same_multiple_on_the_same_sid
 
 
 def test_the_native_side_refuses_a_shared_mask_whose_fields_disagree():
-    """contract.py refuses it first; the walk's own check holds for specs made any other way."""
+    """The rule is the walk's, stated once: specs made any other way meet it too."""
     from fastcollate._ext import _C
 
     specs = Contract({"a": Field(shape=("T",), pad=0, mask="m"), "b": Field(shape=("T",), pad=0, mask="m")},
                      id=None).native_specs()
     specs[1].pad_left = True
-    with pytest.raises(RuntimeError, match="share mask 'm' but pad .* sides"):
+    with pytest.raises(ValueError, match="share the mask key 'm', but .* padding_side 'right' and 'left'"):
         _C.Collator("id", specs, True)
 
 

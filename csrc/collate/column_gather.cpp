@@ -1,9 +1,11 @@
 #include "collate/column_gather.h"
 
+#include <ATen/Dispatch_v2.h>
 #include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <functional>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -88,14 +90,37 @@ std::vector<int64_t> with_rows(int64_t rows, int64_t row_length, at::IntArrayRef
   return shape;
 }
 
-// Who a sample is, for make_error: its id is its index when the dataset has an id column.
-py::object sample_at(bool ids_are_indices, const std::string& id_key, const int64_t* index, size_t position) {
-  if (!ids_are_indices) {
+// Who a sample is, for make_error, as the walk names it: its id under the collate's id key, which is its
+// index when the dataset's id key is that one, or the row of a column of integers under that key.
+py::object sample_at(const std::vector<GatheredColumn>& columns, bool ids_are_indices, const std::string& id_key,
+                     const int64_t* index, const int64_t* read, size_t position) {
+  py::object id;
+  if (ids_are_indices) {
+    id = py::int_(index[position]);
+  }
+  for (const GatheredColumn& column : columns) {
+    const at::Tensor& source = column.source();
+    if (ids_are_indices || column.key != id_key || column.kind != Kind::Rows || source.dim() != 1 ||
+        !at::isIntegralType(source.scalar_type(), /*includeBool=*/true)) {
+      continue;
+    }
+    const void* row = spans_of(column, read + position, 1).data[0];
+    AT_DISPATCH_V2(source.scalar_type(), "sample_at", AT_WRAP([&] {
+                     const scalar_t value = *static_cast<const scalar_t*>(row);
+                     if constexpr (std::is_same_v<scalar_t, bool>) {
+                       id = py::bool_(value);
+                     } else {
+                       id = py::int_(value);
+                     }
+                   }),
+                   AT_EXPAND(AT_INTEGRAL_TYPES), at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
+  }
+  if (!id) {
     return py::none();
   }
   py::dict batch;
   py::dict sample;
-  sample[py::str(id_key)] = index[position];
+  sample[py::str(id_key)] = id;
   batch[py::int_(position)] = sample;
   return std::move(batch);
 }
@@ -250,18 +275,21 @@ namespace {
 // What laying out one batch carries from column to column: the plan it reserves in, the batch's indices
 // and the rows they read, the sizes of named dims so far, and the packed fields' shared layout.
 struct BatchLayout {
+  const std::vector<GatheredColumn>& columns;
   const std::string& id_key;
   bool ids_are_indices;
   BatchPlan& plan;
   int64_t size;
-  const int64_t* index;                                                    // the batch's indices: who each sample is
+  const int64_t* index;  // the batch's indices: who each sample is
+  const int64_t* read;   // the rows they read: a column under the id key names a sample by its row
   std::unordered_map<std::string, std::pair<int64_t, std::string>> named;  // dim name -> size, its field
   std::vector<int64_t> packed_lengths;  // the first packed field's rows' lengths, which every other must have
   std::vector<int64_t> starts;          // each packed row's first token, then the total
   bool packing_keys_laid_out = false;
 
   [[noreturn]] void refuse(const Violation& violation, size_t position, const std::string& key) const {
-    raise_violation(violation, sample_at(ids_are_indices, id_key, index, position), position, key, id_key);
+    raise_violation(violation, sample_at(columns, ids_are_indices, id_key, index, read, position), position, key,
+                    id_key);
   }
 };
 
@@ -339,9 +367,8 @@ std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& col
 // Ragged under a pad: [N, padded length, *inner], with its mask and lengths beside.
 std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
                                   const std::vector<int64_t>& lengths) {
-  if (auto violation =
-          fill_value_rule(*field.pad_value, column.dtype, "pad", "declare a pad value the field's dtype can hold")) {
-    layout.refuse(*violation, 0, column.key);
+  if (!value_fits(*field.pad_value, column.dtype)) {
+    return nullptr;  // the walk names the pad after the samples' own rules, in its order of fields
   }
   const int64_t longest = padded_length(*std::max_element(lengths.begin(), lengths.end()), field.pad_to_multiple_of);
   TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
@@ -373,11 +400,8 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
   } else if (lengths != layout.packed_lengths) {
     return nullptr;  // the walk names the sample whose packed fields differ in length
   }
-  if (field.separator) {
-    if (auto violation = fill_value_rule(*field.separator, column.dtype, "separator",
-                                         "declare a separator the field's dtype can hold")) {
-      layout.refuse(*violation, 0, column.key);
-    }
+  if (field.separator && !value_fits(*field.separator, column.dtype)) {
+    return nullptr;  // the walk names the separator after the samples' own rules, in its order of fields
   }
   const int64_t total = layout.starts.back();
   const at::IntArrayRef inner = column.source().sizes().slice(1);
@@ -408,7 +432,8 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
 }
 
 // Fills every gathered column of a laid-out batch, then checks its range and writes its separators.
-void fill_columns(BatchPlan& plan, const std::string& id_key, bool ids_are_indices, const int64_t* index,
+void fill_columns(BatchPlan& plan, const std::vector<GatheredColumn>& columns, const std::string& id_key,
+                  bool ids_are_indices, const int64_t* index, const int64_t* read,
                   const std::vector<ColumnFill>& fills) {
   for (const ColumnFill& fill : fills) {
     const GatheredColumn& column = *fill.column;
@@ -425,7 +450,8 @@ void fill_columns(BatchPlan& plan, const std::string& id_key, bool ids_are_indic
       if (misfit.position >= 0) {
         const size_t position = static_cast<size_t>(misfit.position);
         raise_violation(range_misfit(*field->range, misfit.flat, misfit.value),
-                        sample_at(ids_are_indices, id_key, index, position), position, column.key, id_key);
+                        sample_at(columns, ids_are_indices, id_key, index, read, position), position, column.key,
+                        id_key);
       }
     }
     if (column.kind == Kind::Packed && field->separator) {  // after the range: it checks the samples' own tokens
@@ -463,7 +489,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     read = mapped.data();
   }
   auto plan = std::make_shared<BatchPlan>();
-  BatchLayout layout{shared.id_key, shared.ids_are_indices, *plan, size, index};
+  BatchLayout layout{shared.columns, shared.id_key, shared.ids_are_indices, *plan, size, index, read};
   auto root = std::make_unique<Node>();
   root->kind = Node::Kind::Dict;
   std::vector<ColumnFill> fills;
@@ -505,8 +531,10 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   }
   plan->root = std::move(root);
   BatchPlan* self = plan.get();  // the fill lives in the plan: a shared_ptr to it would be a cycle
-  plan->fill_gathered = [self, shared = shared_, indices, fills = std::move(fills)]() {
-    fill_columns(*self, shared->id_key, shared->ids_are_indices, indices.const_data_ptr<int64_t>(), fills);
+  plan->fill_gathered = [self, shared = shared_, indices, mapped = std::move(mapped), fills = std::move(fills)]() {
+    const int64_t* index = indices.const_data_ptr<int64_t>();
+    fill_columns(*self, shared->columns, shared->id_key, shared->ids_are_indices, index,
+                 mapped.empty() ? index : mapped.data(), fills);
   };
   return py::cast(std::static_pointer_cast<BatchPlan>(plan));
 }

@@ -65,7 +65,8 @@ class ColumnGather {
 
   // The batch at `indices` (int64, at least one; ArrayBatch names a bad one), or None when the per-sample
   // path must collate it: rows of unequal length without a pad, packed rows the walk refuses or whose
-  // fields differ in length (fastcollate/gather.py lists every hand-over in HANDED_TO_THE_WALK). Raises
+  // fields differ in length, a pad or separator the dtype cannot hold (fastcollate/gather.py lists every
+  // hand-over in HANDED_TO_THE_WALK). Raises
   // the ContractError of the first sample that breaks a rule. The rows are written by csrc/fill/'s writers.
   py::object plan(const at::Tensor& indices) const;
 

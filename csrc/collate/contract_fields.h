@@ -1,5 +1,6 @@
 // A contract's fields as the walk reads them: each declared leaf by its path, which paths are containers,
-// and how samples are named in errors. Checked once, when an Assembler's collator is made.
+// and how samples are named in errors. The rules between fields (a shared mask, copies, dropped keys) are
+// checked here, once, when a Contract is declared (contract.check_contract) and when a collator is made.
 #pragma once
 
 #include <string>
@@ -26,6 +27,8 @@ class ContractFields {
   bool is_dropped(const std::string& path) const { return !dropped_.empty() && dropped_.count(path) != 0; }
 
  private:
+  void check_copy(const FieldSpec& field) const;
+
   std::string id_key_;
   std::vector<FieldSpec> fields_;
   std::unordered_map<std::string, size_t> by_path_;

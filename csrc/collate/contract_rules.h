@@ -16,7 +16,7 @@ namespace fastcollate {
 // What a sample's field broke: the ContractError kind (a key of fastcollate.errors.ERROR_KINDS) and the
 // words of its message.
 struct Violation {
-  const char* kind;
+  std::string kind;
   std::string expected;
   std::string got;
   std::string hint;
@@ -49,9 +49,9 @@ std::string python_number_for(at::ScalarType dtype);
 // Whether lists of Python numbers are read into `dtype`: bool, integer and floating-point dtypes of at
 // most 8 bytes, not complex, quantized or packed sub-byte ones.
 bool takes_python_numbers(at::ScalarType dtype);
-// A Python number the declared dtype cannot hold (300 as int8, -1 as uint8, 1e6 as float16); `where`
-// places it in the sample ("" for a number field).
-Violation python_value_misfit(at::ScalarType dtype, const std::string& where);
+// A Python number the declared dtype cannot hold (300 as int8, -1 as uint8, 1e6 as float16), at `flat`
+// in the sample's list (-1 for a number field).
+Violation python_value_misfit(at::ScalarType dtype, int64_t flat);
 
 // The bytes of `value` as `dtype` for a fill, when it fits; `what` (pad, separator) names the declared value.
 std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, const char* what, const char* hint);
@@ -65,7 +65,63 @@ int64_t first_out_of_range(const void* data, at::ScalarType dtype, int64_t numel
                            double& value);
 
 // The range rule's words for the element at `flat` (the position within the sample, not its value:
-// sample contents may be sensitive, and the bound is enough to act on).
+// sample contents may be sensitive, and the bound is enough to act on); `flat` -1 for a Python number.
 Violation range_misfit(const ValueRange& range, int64_t flat, double value);
+
+// A declared cast from floating point to an integer dtype must not turn NaN, infinities or values past
+// the dtype's range into arbitrary integers (C++ leaves those conversions undefined).
+std::optional<Violation> cast_rule(const at::Tensor& value, at::ScalarType dtype);
+// Whether every value of `source` is one of `target`'s: a range checked after the cast then holds for
+// the source. Integers against a floating-point dtype compare their magnitude bits with its mantissa.
+bool keeps_values(at::ScalarType source, at::ScalarType target);
+
+// Keys and structure: a sample's fields against the contract's, or against sample 0's without one.
+Violation undeclared_field();
+Violation missing_declared_field();
+Violation missing_key_of_first();
+Violation extra_key_of_first();
+Violation copied_key_in_sample(const std::string& copy_of);
+Violation unsupported_value(const std::string& type);
+Violation not_a_mapping_like_first(const std::string& type);
+Violation not_a_sequence_like_first(const std::string& type);
+Violation sequence_length_misfit(int64_t first, int64_t got);
+Violation padded_in_sequence(const std::string& container);
+Violation packed_in_sequence(const std::string& container);
+Violation batch_past_memory(at::IntArrayRef shape, at::ScalarType dtype);
+Violation padded_dim_past_memory(const std::string& name, int64_t longest, int64_t multiple);
+
+// Text fields.
+Violation not_text(const std::string& type);
+
+// Tensor fields: what a sample is, its layout, and its shape against sample 0's.
+Violation not_a_tensor_like_first(const std::string& type);
+Violation not_a_tensor_or_list(const std::string& type);
+Violation numpy_of_kind(char kind);
+// torch.as_tensor refused the sample (`kind` follows the error's class, `message` is its first line).
+Violation as_tensor_refusal(const std::string& kind, const std::string& message, bool array);
+Violation not_dense(const at::Tensor& value);
+Violation shape_unlike_first(at::IntArrayRef first, at::IntArrayRef got, bool has_contract);
+Violation named_dim_unlike_first(const std::string& name, int64_t first, int64_t size);
+
+// Number fields: Python numbers of the declared dtype's kind, or 0-d tensors (an Arrays column's element).
+std::optional<Violation> number_dtype_rule(at::ScalarType dtype);
+Violation not_a_number(const std::string& type, std::optional<at::ScalarType> declared);
+Violation number_tensor_misfit(at::ScalarType dtype, at::IntArrayRef sizes);
+Violation number_past_float64();
+Violation number_past_int64();
+// torch.tensor refused a number (overflow, most likely).
+Violation number_refusal(const std::string& kind, const std::string& message);
+
+// Lists of numbers in tensor fields.
+Violation list_needs_declaration(const std::string& type);
+Violation list_of_dtype(const std::string& type, at::ScalarType dtype);
+Violation list_depth_misfit(size_t dims, const std::string& type, size_t depth, int64_t flat);
+Violation list_not_rectangular(int64_t expected, int64_t got, size_t depth);
+Violation list_element_misfit(at::ScalarType dtype, const std::string& type, int64_t flat);
+
+// Packed fields.
+Violation packed_past_int32(int64_t tokens);
+Violation packed_past_budget(int64_t max_tokens, int64_t tokens);
+Violation packed_batch_empty();
 
 }  // namespace fastcollate

@@ -10,21 +10,14 @@
 
 namespace fastcollate {
 
-void Walk::fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
-                const std::string& got, const std::string& hint) const {
-  fail(Violation{kind, expected, got, hint}, index, field);
-}
-
 void Walk::fail(const Violation& violation, size_t index, const std::string& field) const {
   raise_violation(violation, batch_, index, field, contract_.id_key());
 }
 
-void Walk::fail_from(const py::error_already_set& error, size_t index, const std::string& field,
-                     const std::string& expected, const std::string& hint) const {
+std::string Walk::error_kind(const py::error_already_set& error) {
   // The ContractError kind whose class is also the class of `error` (TypeError stays a TypeError, ...),
   // so code written for default_collate's errors still works. The table is fastcollate.errors'.
-  const std::string kind = python_refs().error_kind(error.value()).cast<std::string>();
-  fail(kind.c_str(), index, field, expected, first_line(error), hint);
+  return python_refs().error_kind(error.value()).cast<std::string>();
 }
 
 const FieldSpec* Walk::leaf_spec(const std::string& path, size_t index) const {
@@ -33,8 +26,7 @@ const FieldSpec* Walk::leaf_spec(const std::string& path, size_t index) const {
   }
   const FieldSpec* spec = contract_.field(path);
   if (spec == nullptr) {
-    fail("key", index, path, "no such field (the contract does not declare it)", "a value",
-         "declare the field in the contract, or remove it in the dataset's transform");
+    fail(undeclared_field(), index, path);
   }
   return spec;
 }
@@ -45,8 +37,7 @@ void Walk::check_all_fields_seen() {
   }
   for (const auto& spec : contract_.fields()) {
     if (std::find(seen_fields_.begin(), seen_fields_.end(), spec.path) == seen_fields_.end()) {
-      fail("key", 0, spec.path, "a value (the contract declares this field)", "no such field",
-           "return the field from the dataset, or remove it from the contract");
+      fail(missing_declared_field(), 0, spec.path);
     }
   }
 }
@@ -84,8 +75,7 @@ std::unique_ptr<Node> Walk::node(const Items& items, const std::string& path) {
   if (PyTuple_Check(elem) || PyList_Check(elem) || is_instance(elem, refs.sequence_abc)) {
     return sequence(items, path);
   }
-  fail("type", 0, path, "tensors, numpy arrays, numbers, strings, dicts or lists", type_name(elem),
-       "convert the field to a tensor in the dataset, or drop it there explicitly");
+  fail(unsupported_value(type_name(elem)), 0, path);
 }
 
 std::unique_ptr<Node> Walk::left_to_default(const Items& items, const std::string& path) {
@@ -107,7 +97,7 @@ std::unique_ptr<Node> Walk::texts(const Items& items, const std::string& path, c
   py::list values(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     if (spec != nullptr && !PyUnicode_Check(items[i]) && !PyBytes_Check(items[i])) {
-      fail("type", i, path, "a str or bytes (declared text)", type_name(items[i]));
+      fail(not_text(type_name(items[i])), i, path);
     }
     values[i] = py::reinterpret_borrow<py::object>(items[i]);
   }
@@ -206,9 +196,7 @@ std::unique_ptr<Node> Walk::mapping(const Items& items, const std::string& path,
     const FieldSpec* declared = contract_.field(key_path);
     if (declared != nullptr && !declared->copy_of.empty()) {
       // The samples hold every key sample 0 holds (check_same_keys): sample 0 is the first to hold it.
-      fail("key", 0, key_path,
-           "no such key in the samples (the contract makes the field a copy of " + declared->copy_of + ")", "a value",
-           "drop the key from the samples, or declare the field without copy_of");
+      fail(copied_key_in_sample(declared->copy_of), 0, key_path);
     }
     for (size_t i = 0; i < count; ++i) {
       py::object& value = in_order[k * count + i];
@@ -216,8 +204,7 @@ std::unique_ptr<Node> Walk::mapping(const Items& items, const std::string& path,
         value = look_up(items[i], key);
       }
       if (!value) {
-        fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
-             "every sample must have the same fields");
+        fail(missing_key_of_first(), i, key_path);
       }
       values[i] = value.ptr();
     }
@@ -246,7 +233,7 @@ void Walk::check_same_keys(const Items& items, const std::string& path, const No
   for (size_t i = 1; i < items.size(); ++i) {
     PyObject* item = items[i];
     if (!PyDict_Check(item) && !is_instance(item, python_refs().mapping_abc)) {
-      fail("type", i, path_or_sample(path), "a mapping (like sample 0)", type_name(item));
+      fail(not_a_mapping_like_first(type_name(item)), i, path_or_sample(path));
     }
     const Py_ssize_t size = PyObject_Length(item);
     if (size < 0) {
@@ -260,22 +247,18 @@ void Walk::check_same_keys(const Items& items, const std::string& path, const No
       if (PySequence_Contains(py::handle(item).attr("keys")().ptr(), key.ptr()) != 1) {
         const std::string key_path = child_path(path, py::str(key));
         if (contract_.has_contract() && !declared(key_path)) {
-          fail("key", 0, key_path, "no such field (the contract does not declare it)", "a value",
-               "declare the field in the contract, or remove it in the dataset's transform");
+          fail(undeclared_field(), 0, key_path);
         }
-        fail("key", i, key_path, "a value (sample 0 has this field)", "no such field",
-             "every sample must have the same fields");
+        fail(missing_key_of_first(), i, key_path);
       }
     }
     for (py::handle key : py::handle(item).attr("keys")()) {
       if (PySequence_Contains(py::handle(elem).attr("keys")().ptr(), key.ptr()) != 1) {
         const std::string key_path = child_path(path, py::str(key));
         if (contract_.has_contract() && declared(key_path)) {
-          fail("key", 0, key_path, "a value (the contract declares this field)", "no such field",
-               "return the field from the dataset, or remove it from the contract");
+          fail(missing_declared_field(), 0, key_path);
         }
-        fail("key", i, key_path, "no such field (sample 0 lacks it)", "a value",
-             "every sample must have the same fields; default_collate would have dropped this one silently");
+        fail(extra_key_of_first(), i, key_path);
       }
     }
   }
@@ -303,7 +286,7 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
         PyList_Check(item) || PyTuple_Check(item) ||
         (!PyUnicode_Check(item) && !PyBytes_Check(item) && is_instance(item, python_refs().sequence_abc));
     if (!is_sequence) {
-      fail("type", i, path_or_sample(path), "a sequence (like sample 0)", type_name(item));
+      fail(not_a_sequence_like_first(type_name(item)), i, path_or_sample(path));
     }
     // A tuple: its length and items stay fixed while the walk runs Python code (a list could shrink).
     fast[i] = py::reinterpret_steal<py::object>(PySequence_Tuple(item));
@@ -311,9 +294,7 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
       throw py::error_already_set();
     }
     if (PySequence_Fast_GET_SIZE(fast[i].ptr()) != length) {
-      fail("size", i, path_or_sample(path), std::to_string(length) + " elements (as sample 0)",
-           std::to_string(PySequence_Fast_GET_SIZE(fast[i].ptr())) + " elements",
-           "each element in list of batch should be of equal size");
+      fail(sequence_length_misfit(length, PySequence_Fast_GET_SIZE(fast[i].ptr())), i, path_or_sample(path));
     }
   }
   std::vector<PyObject*> values(items.size());
@@ -325,15 +306,10 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
         named_tuple ? py::str(py::handle(elem).attr("_fields")[py::int_(k)]).cast<std::string>() : std::to_string(k);
     auto child = this->node(values, child_path(path, name));
     if (child->padded) {
-      // A sequence's batch is a sequence of the same length: no place for the mask and lengths beside it.
-      fail("type", 0, child->path, "a padded field in a mapping (its mask and lengths go beside it, by key)",
-           "a padded field in a " + type_name(elem),
-           "make the sample a dict (e.g. {\"tokens\": ..., \"label\": ...}), or declare no pad");
+      fail(padded_in_sequence(type_name(elem)), 0, child->path);
     }
     if (child->packed) {
-      // The keys beside a packed row (position ids, cu_seq_lens, ...) go beside it, by key.
-      fail("type", 0, child->path, "a packed field in a mapping (the keys beside it go there, by key)",
-           "a packed field in a " + type_name(elem), "make the sample a dict (e.g. {\"input_ids\": ..., \"id\": ...})");
+      fail(packed_in_sequence(type_name(elem)), 0, child->path);
     }
     if (child->text) {
       child->ready = py::tuple(child->ready);  // default_collate hands strings back as zip gave them
@@ -355,9 +331,7 @@ void Walk::lay_out(Node& node) {
   }
   const uint64_t limit = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) - 2 * kFieldAlignment;
   if (overflow || bytes > limit - static_cast<uint64_t>(plan_.nbytes())) {
-    fail("size", 0, path_or_sample(node.path), "a batch that fits in memory",
-         "a batch of shape " + shape_string(node.shape) + " " + dtype_string(node.dtype) + " (over 2^63 bytes)",
-         "check the sample's shape (an expand() can claim any size)");
+    fail(batch_past_memory(node.shape, node.dtype), 0, path_or_sample(node.path));
   }
   node.offset = plan_.reserve(static_cast<size_t>(bytes));
 }

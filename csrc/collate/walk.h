@@ -27,13 +27,10 @@ class Walk {
  private:
   using Items = std::vector<PyObject*>;
 
-  // Raises the ContractError of `kind` (a key of fastcollate.errors.ERROR_KINDS) for sample `index`.
-  [[noreturn]] void fail(const char* kind, size_t index, const std::string& field, const std::string& expected,
-                         const std::string& got, const std::string& hint = "") const;
+  // Raises the ContractError of the broken rule (contract_rules.h) for sample `index`.
   [[noreturn]] void fail(const Violation& violation, size_t index, const std::string& field) const;
-  // The same for a Python error torch raised about sample `index`: its kind follows the error's class.
-  [[noreturn]] void fail_from(const py::error_already_set& error, size_t index, const std::string& field,
-                              const std::string& expected, const std::string& hint = "") const;
+  // The ContractError kind of a Python error torch raised about a sample: it follows the error's class.
+  static std::string error_kind(const py::error_already_set& error);
   const FieldSpec* leaf_spec(const std::string& path, size_t index) const;
 
   // Structure (walk.cpp).
@@ -46,6 +43,7 @@ class Walk {
 
   // Numbers (walk_numbers.cpp).
   std::unique_ptr<Node> numbers(const Items& items, const std::string& path, const FieldSpec* spec);
+  std::unique_ptr<Node> number_tensors(const Items& items, const std::string& path, const FieldSpec& spec);
   std::unique_ptr<Node> numbers_by_torch(const Items& items, size_t first, const std::string& path, bool floating);
   bool read_number(PyObject* item, size_t index, const std::string& path, const FieldSpec* spec, Node& node);
 
@@ -66,7 +64,6 @@ class Walk {
   void lay_out_packing(const FieldSpec& spec, Node& node);
   void lay_out_beside_packing(const FieldSpec& spec, Node& node);
   void check_range(const at::Tensor& value, const FieldSpec& spec, size_t index);
-  void check_cast(const at::Tensor& value, at::ScalarType dtype, const std::string& path, size_t index);
   void check_named_dim(const std::string& name, size_t index, int64_t size, const std::string& path, size_t count);
 
   const ContractFields& contract_;

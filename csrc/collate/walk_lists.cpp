@@ -52,18 +52,11 @@ class ListReader {
 
   std::optional<Violation> read(PyObject* list, size_t depth) {
     if (!is_list(list)) {
-      return Violation{
-          "size", "lists nested " + std::to_string(sizes_.size()) + " deep (the declared dims)",
-          type_name(list) + " at dim " + std::to_string(depth) + ", flat position " + std::to_string(flat_),
-          "give each sample as many levels of lists as the field declares dims"};
+      return list_depth_misfit(sizes_.size(), type_name(list), depth, flat_);
     }
     const Py_ssize_t length = PySequence_Fast_GET_SIZE(list);
     if (length != sizes_[depth]) {
-      return Violation{"size",
-                       "a rectangular nested list: " + std::to_string(sizes_[depth]) +
-                           " elements in every list at dim " + std::to_string(depth) + " (as in the first)",
-                       std::to_string(length) + " elements in one of them",
-                       "make the sample's rows equally long in the dataset"};
+      return list_not_rectangular(sizes_[depth], length, depth);
     }
     PyObject** elements = PySequence_Fast_ITEMS(list);
     if (depth + 1 < sizes_.size()) {
@@ -83,12 +76,9 @@ class ListReader {
   }
 
  private:
-  std::string where() const { return " at flat position " + std::to_string(flat_); }
-
   std::optional<Violation> number(PyObject* element) {
     if (!takes_python_number(element, dtype_)) {
-      return Violation{"type", python_number_for(dtype_), type_name(element) + where(),
-                       "give every element as that Python type, or the sample as a tensor"};
+      return list_element_misfit(dtype_, type_name(element), flat_);
     }
     if constexpr (std::is_same_v<scalar_t, bool>) {
       out_[flat_] = element == Py_True;
@@ -96,24 +86,24 @@ class ListReader {
       const double value = PyFloat_AsDouble(element);  // an int past float64's range fails here
       if (value == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
-        return python_value_misfit(dtype_, where());
+        return python_value_misfit(dtype_, flat_);
       }
       if (!std::is_same_v<scalar_t, double> && !value_fits(value, dtype_)) {
-        return python_value_misfit(dtype_, where());
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     } else if constexpr (std::is_same_v<scalar_t, uint64_t>) {
       const unsigned long long value = PyLong_AsUnsignedLongLong(element);  // negative ones fail too
       if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
-        return python_value_misfit(dtype_, where());
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     } else {
       int overflow = 0;
       const long long value = PyLong_AsLongLongAndOverflow(element, &overflow);
       if (overflow != 0 || (!std::is_same_v<scalar_t, int64_t> && !value_fits(static_cast<double>(value), dtype_))) {
-        return python_value_misfit(dtype_, where());
+        return python_value_misfit(dtype_, flat_);
       }
       out_[flat_] = static_cast<scalar_t>(value);
     }
@@ -130,15 +120,11 @@ class ListReader {
 
 const at::Tensor& Walk::tensor_from_list(PyObject* item, size_t index, const FieldSpec& spec) {
   if (!spec.dtype || !spec.shape || spec.shape->empty()) {
-    fail("type", index, spec.path,
-         "a tensor or numpy array (a list needs the field's dtype and a shape of one dim or more declared)",
-         type_name(item), "declare them on the field, e.g. Field(dtype=torch.int64, shape=(\"T\",), ...)");
+    fail(list_needs_declaration(type_name(item)), index, spec.path);
   }
   const at::ScalarType dtype = *spec.dtype;
   if (!takes_python_numbers(dtype)) {
-    fail("type", index, spec.path,
-         "a tensor or numpy array (a list is read into bool, integer or floating-point dtypes)",
-         type_name(item) + " for a field of " + dtype_string(dtype), "convert the field to a tensor in the dataset");
+    fail(list_of_dtype(type_name(item), dtype), index, spec.path);
   }
   const std::vector<int64_t> sizes = list_sizes(item, spec);
   at::Tensor tensor = at::detail::empty_cpu(sizes, dtype);

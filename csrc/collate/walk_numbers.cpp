@@ -1,8 +1,6 @@
 // Number fields: Python ints, floats and bools, written straight into the batch buffer; mixed numbers
-// are left to torch.tensor's inference, as default_collate leaves them.
-#include <cmath>
-#include <sstream>
-
+// are left to torch.tensor's inference, as default_collate leaves them. Under a contract a number may
+// also be a 0-d tensor, as an Arrays column of one number per sample hands it out.
 #include "collate/contract_rules.h"
 #include "collate/messages.h"
 #include "collate/plan.h"
@@ -23,6 +21,9 @@ bool is_number(PyObject* value) {
 }  // namespace
 
 std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path, const FieldSpec* spec) {
+  if (spec != nullptr && THPVariable_Check(items[0])) {
+    return number_tensors(items, path, *spec);
+  }
   auto node = std::make_unique<Node>();
   node->kind = Node::Kind::Numbers;
   node->path = path;
@@ -37,9 +38,8 @@ std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path,
   } else {
     node->dtype = at::kLong;
   }
-  if (at::isComplexType(node->dtype) || at::isQIntType(node->dtype)) {
-    fail("type", 0, path, "a bool, integer or floating-point dtype for a number field",
-         "declared " + dtype_string(node->dtype), "declare the field as a tensor");
+  if (auto violation = number_dtype_rule(node->dtype)) {
+    fail(*violation, 0, path);
   }
   const bool floating = at::isFloatingType(node->dtype);
   for (size_t i = 0; i < items.size(); ++i) {
@@ -50,8 +50,7 @@ std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path,
       if (spec == nullptr && is_number(item)) {
         return numbers_by_torch(items, i, path, floating);
       }
-      fail("type", i, path, spec ? python_number_for(node->dtype) : "a number (like sample 0)", type_name(item),
-           "return a number for this field in every sample");
+      fail(not_a_number(type_name(item), spec ? std::optional(node->dtype) : std::nullopt), i, path);
     }
     if (!read_number(item, i, path, spec, *node)) {
       return numbers_by_torch(items, i, path, floating);  // torch.tensor takes it beside a float, else names it
@@ -64,8 +63,7 @@ std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path,
 std::unique_ptr<Node> Walk::numbers_by_torch(const Items& items, size_t first, const std::string& path, bool floating) {
   for (size_t j = first + 1; j < items.size(); ++j) {
     if (!is_number(items[j])) {
-      fail("type", j, path, "a number (like sample 0)", type_name(items[j]),
-           "return a number for this field in every sample");
+      fail(not_a_number(type_name(items[j]), std::nullopt), j, path);
     }
   }
   const PythonRefs& refs = python_refs();
@@ -94,9 +92,25 @@ std::unique_ptr<Node> Walk::numbers_by_torch(const Items& items, size_t first, c
         break;
       }
     }
-    fail_from(error, bad, path, "a number torch.tensor can hold (like sample 0)");
+    fail(number_refusal(error_kind(error), first_line(error)), bad, path);
   }
   return node;
+}
+
+// An Arrays column's element is a 0-d tensor: the number field's samples are then that column's rows,
+// checked as a tensor field of shape [] (dtype, cast_from, range), as the column gather checks them.
+std::unique_ptr<Node> Walk::number_tensors(const Items& items, const std::string& path, const FieldSpec& spec) {
+  const at::ScalarType declared = spec.dtype.value_or(THPVariable_Unpack(items[0]).scalar_type());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!THPVariable_Check(items[i])) {
+      fail(not_a_tensor_like_first(type_name(items[i])), i, path);
+    }
+    const at::Tensor& value = THPVariable_Unpack(items[i]);
+    if (value.dim() != 0) {
+      fail(number_tensor_misfit(declared, value.sizes()), i, path);
+    }
+  }
+  return tensors(items, path, &spec);
 }
 
 // Converts sample `index`'s number into node's values, checking it against a declared dtype and range.
@@ -110,7 +124,7 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
     as_double = PyFloat_AsDouble(item);  // an int too large for a double fails here
     if (as_double == -1.0 && PyErr_Occurred()) {
       PyErr_Clear();
-      fail("value", index, path, "a number that fits in float64", "an integer too large for float64");
+      fail(number_past_float64(), index, path);
     }
     node.floats.push_back(as_double);
   } else {
@@ -120,20 +134,17 @@ bool Walk::read_number(PyObject* item, size_t index, const std::string& path, co
       return false;
     }
     if (overflow != 0) {
-      fail("size", index, path, "an integer that fits in int64", "an integer out of int64's range");
+      fail(number_past_int64(), index, path);
     }
     as_double = static_cast<double>(value);
     node.ints.push_back(value);
   }
   // Exact for the narrow integer dtypes (at most 32 bits) and uint64's sign, the only ones checked.
   if (narrow && !value_fits(as_double, node.dtype)) {
-    fail(python_value_misfit(node.dtype, ""), index, path);
+    fail(python_value_misfit(node.dtype, /*flat=*/-1), index, path);
   }
   if (spec != nullptr && spec->range && !(as_double >= spec->range->low && as_double < spec->range->high)) {
-    std::ostringstream expected;
-    expected << "a value in [" << spec->range->low << ", " << spec->range->high << ")";
-    fail("value", index, path, expected.str(), std::isnan(as_double) ? "NaN" : "a value outside that range",
-         "fix the label, or widen the declared range");
+    fail(range_misfit(*spec->range, /*flat=*/-1, as_double), index, path);
   }
   return true;
 }

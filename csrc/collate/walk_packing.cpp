@@ -34,23 +34,15 @@ void Walk::lay_out_packing(const FieldSpec& spec, Node& node) {
     const int64_t length = node.inputs[i].size(0);
     node.starts[i + 1] = node.starts[i] + length;
     if (node.starts[i + 1] > kMaxPackedTokens) {
-      fail("size", i, node.path, "a packed batch of at most 2^31 - 1 tokens (cu_seq_lens are int32)",
-           std::to_string(node.starts[i + 1]) + " tokens up to this sample",
-           "make the batch smaller: fastcollate.TokenBudgetBatches(lengths, max_tokens=...) fills batches by tokens");
+      fail(packed_past_int32(node.starts[i + 1]), i, node.path);
     }
     if (spec.max_tokens > 0 && node.starts[i + 1] > spec.max_tokens) {
-      fail("size", i, node.path,
-           "a batch of at most " + std::to_string(spec.max_tokens) + " tokens (Packing.max_tokens)",
-           std::to_string(node.starts[i + 1]) + " tokens up to this sample",
-           "batch with fastcollate.TokenBudgetBatches(lengths, max_tokens=" + std::to_string(spec.max_tokens) +
-               "), or raise the budget");
+      fail(packed_past_budget(spec.max_tokens, node.starts[i + 1]), i, node.path);
     }
   }
   const int64_t total = node.starts[count];
   if (total == 0) {
-    // DataCollatorWithFlattening refuses it too (a ValueError): there is no row to attend over.
-    fail("value", 0, node.path, "at least one token in the batch", "every sample of the batch empty",
-         "drop empty samples in the dataset, or batch them with others");
+    fail(packed_batch_empty(), 0, node.path);
   }
   // [count, *row] from check_contract_rows becomes [1, total, *fixed dims].
   std::vector<int64_t> shape{1, total};

@@ -1,11 +1,6 @@
 // Tensor fields (tensors and numpy arrays): the drop-in row checks against sample 0, the contract row
 // checks against the declared field, named dims, and padding. Each sample is read once, while in cache.
-#include <ATen/Dispatch_v2.h>
-#include <c10/util/overflows.h>
-
 #include <algorithm>
-#include <cmath>
-#include <sstream>
 
 #include "collate/contract_rules.h"
 #include "collate/messages.h"
@@ -198,18 +193,15 @@ bool Walk::gather_tensors(const Items& items, const std::string& path, const Fie
     }
     const bool array = is_instance(item, refs.ndarray);
     if (spec == nullptr && first_is_tensor) {
-      // default_collate stacks sample 0's tensors with torch.stack, which takes nothing but tensors.
-      fail("type", i, path, "a tensor (like sample 0)", type_name(item),
-           "every sample must give the same type for a field");
+      fail(not_a_tensor_like_first(type_name(item)), i, path);
     }
     if (spec != nullptr && !array) {
-      fail("type", i, path, "a tensor, numpy array or list of numbers", type_name(item));
+      fail(not_a_tensor_or_list(type_name(item)), i, path);
     }
     if (array) {
       const char kind = py::str(py::handle(item).attr("dtype").attr("kind")).cast<std::string>()[0];
       if (kind == 'S' || kind == 'a' || kind == 'U' || kind == 'O') {
-        fail("type", i, path, "a numeric numpy array", "a numpy array of dtype kind '" + std::string(1, kind) + "'",
-             "numpy arrays of strings or objects cannot become tensors: convert them in the dataset");
+        fail(numpy_of_kind(kind), i, path);
       }
     }
     // torch.as_tensor's refusals (datetime or big-endian arrays, negative strides, None) are named here.
@@ -217,8 +209,7 @@ bool Walk::gather_tensors(const Items& items, const std::string& path, const Fie
     try {
       tensor = refs.as_tensor(py::handle(item));
     } catch (py::error_already_set& error) {
-      fail_from(error, i, path, array ? "a numpy array torch can convert" : "a value torch.as_tensor converts",
-                "convert the field to a tensor in the dataset");
+      fail(as_tensor_refusal(error_kind(error), first_line(error), array), i, path);
     }
     node.inputs.push_back(THPVariable_Unpack(tensor.ptr()));
     plan_.keepalive.push_back(std::move(tensor));
@@ -246,9 +237,7 @@ bool Walk::check_dropin_rows(const std::string& path, Node& node) {
       return false;
     }
     if (!same_sizes(value.sizes(), first_sizes)) {
-      fail("size", i, path, "shape " + shape_string(first_sizes) + " (as sample 0)",
-           "shape " + shape_string(value.sizes()),
-           "Resize or crop it in the transform, or declare the conversion or padding in a Contract");
+      fail(shape_unlike_first(first_sizes, value.sizes(), /*has_contract=*/false), i, path);
     }
     if (value.scalar_type() != dtype) {
       return false;  // type promotion: default_collate's rules
@@ -276,11 +265,7 @@ std::vector<int64_t> Walk::check_contract_rows(const std::string& path, const Fi
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& value = node.inputs[i];
     if (!is_dense(value)) {
-      fail("type", i, path, "a dense CPU tensor",
-           "a tensor with layout/device " + std::string(c10::str(value.layout())) + "/" + value.device().str() +
-               (value.is_nested()      ? " (nested)"
-                : value.is_quantized() ? " (quantized)"
-                                       : ""));
+      fail(not_dense(value), i, path);
     }
     if (auto violation = dtype_rule(spec, dtype, value.scalar_type())) {
       fail(*violation, i, path);
@@ -288,11 +273,12 @@ std::vector<int64_t> Walk::check_contract_rows(const std::string& path, const Fi
     if (spec.shape) {
       check_declared_shape(value, spec, i, count);
     } else if (value.sizes() != first.sizes()) {
-      fail("size", i, path, "shape " + shape_string(first.sizes()) + " (as sample 0)",
-           "shape " + shape_string(value.sizes()), "declare the field's shape with named variable dims and a pad");
+      fail(shape_unlike_first(first.sizes(), value.sizes(), /*has_contract=*/true), i, path);
     }
     check_range(value, spec, i);
-    check_cast(value, dtype, path, i);
+    if (auto violation = cast_rule(value, dtype)) {
+      fail(*violation, i, path);
+    }
   }
   if (spec.shape) {
     widen_named_dims(spec, node, row_shape);
@@ -337,18 +323,13 @@ void Walk::widen_named_dims(const FieldSpec& spec, const Node& node, std::vector
     for (size_t i = 0; i < count; ++i) {
       const int64_t size = node.inputs[i].size(dim);
       if (!spec.padded() && !spec.packed && i > 0 && size != first_size) {
-        fail("size", i, spec.path, "dim " + spec.dim_names[d] + " = " + std::to_string(first_size) + " (as sample 0)",
-             "dim " + spec.dim_names[d] + " = " + std::to_string(size),
-             "declare pad=<value> on the field to pad it to the batch's longest");
+        fail(named_dim_unlike_first(spec.dim_names[d], first_size, size), i, spec.path);
       }
       longest = std::max(longest, size);
     }
     row_shape[d] = spec.padded() ? padded_length(longest, spec.pad_to_multiple_of) : longest;
     if (row_shape[d] < 0) {
-      fail("size", 0, spec.path, "a batch that fits in memory",
-           "dim " + spec.dim_names[d] + " = " + std::to_string(longest) + " padded to a multiple of " +
-               std::to_string(spec.pad_to_multiple_of) + " (over 2^63)",
-           "check the sample's shape (an expand() can claim any size)");
+      fail(padded_dim_past_memory(spec.dim_names[d], longest, spec.pad_to_multiple_of), 0, spec.path);
     }
   }
 }
@@ -436,32 +417,6 @@ void Walk::check_range(const at::Tensor& value, const FieldSpec& spec, size_t in
                                          *spec.range, bad_value);
   if (bad >= 0) {
     fail(range_misfit(*spec.range, bad, bad_value), index, spec.path);
-  }
-}
-
-// A declared cast from floating point to an integer dtype must not turn NaN, infinities or values past
-// the dtype's range into arbitrary integers (C++ leaves those conversions undefined).
-void Walk::check_cast(const at::Tensor& value, at::ScalarType dtype, const std::string& path, size_t index) {
-  if (value.scalar_type() == dtype || value.numel() == 0 || !at::isFloatingType(value.scalar_type()) ||
-      !at::isIntegralType(dtype, /*includeBool=*/false)) {
-    return;
-  }
-  const at::Tensor as_double = value.to(at::kDouble);
-  const bool finite = at::isfinite(as_double).all().item<bool>();
-  bool fits = finite;
-  if (finite) {
-    const double low = as_double.min().item<double>();
-    const double high = as_double.max().item<double>();
-    AT_DISPATCH_V2(dtype, "check_cast", AT_WRAP([&] {
-                     fits = !c10::overflows<scalar_t, double>(low) && !c10::overflows<scalar_t, double>(high);
-                   }),
-                   AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
-  }
-  if (!fits) {
-    fail("value", index, path,
-         "values " + dtype_string(dtype) + " can hold (declared cast from " + dtype_string(value.scalar_type()) + ")",
-         finite ? "a value outside that range" : "NaN or an infinity",
-         "fix the value in the dataset, or declare a floating-point dtype");
   }
 }
 

@@ -137,30 +137,31 @@ class Field:
                              f"got {self.copy_of!r}")
 
     def _check_separator(self) -> None:
-        """At declaration, not at the first batch: the separator crosses to C++ as a double, so an integer
-        one must be exact there (|s| <= 2**53) and fit the declared dtype."""
+        """At declaration, not at the first batch: the declared dtype must hold the separator (the walk's
+        rule, _C.value_fits, as for pad values), and an integer one must be exact as the double it crosses
+        to C++ as (|s| <= 2**53)."""
         separator, dtype = self.separator, self.dtype
         if separator is None:
             return
         if isinstance(separator, bool) or not isinstance(separator, numbers.Real):
             raise ValueError(f"separator must be an int or a float, got {separator!r}")
-        if dtype is not None and dtype.itemsize > 8:
-            raise ValueError(f"a packed {dtype} field takes no separator (its elements are over 8 bytes): "
-                             "leave separator unset")
-        if dtype is None or dtype.is_floating_point or dtype.is_complex:
+        if dtype is None:
             return
         if dtype == torch.bool:
             raise ValueError("a packed bool field has no separator value: leave separator unset")
-        if not float(separator).is_integer():
-            raise ValueError(f"separator {separator!r} is not a value of the field's dtype {dtype}")
         from .._ext import _C
 
-        # Whether it fits is the walk's rule (value_fits), as for pad values; exact as a double on top.
-        if not (abs(separator) <= 2**53 and _C.value_fits(float(separator), dtype)):
+        exact = not isinstance(separator, numbers.Integral) or abs(separator) <= 2**53
+        if exact and _C.value_fits(float(separator), dtype):
+            return
+        if dtype.itemsize > 8:
+            why = "its elements are over 8 bytes: leave separator unset"
+        elif dtype.is_floating_point or dtype.is_complex:
+            why = "a value it cannot hold"
+        else:
             info = torch.iinfo(dtype)
-            low, high = max(info.min, -(2**53)), min(info.max, 2**53)
-            raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} "
-                             f"(a separator is from {low} to {high})")
+            why = f"a separator is a whole number from {max(info.min, -(2**53))} to {min(info.max, 2**53)}"
+        raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} ({why})")
 
     def _check_pack(self) -> None:
         shape = self.shape or ()
@@ -319,11 +320,16 @@ class Contract:
                 full = _in_mapping(parent, extra)
                 if full in keys:
                     raise ValueError(f"padded field {path!r} would add {full!r}, which is already a field")
-                if full in added:
-                    self._check_shared_key(full, added[full], (path, role))
-                else:
-                    added[full] = (path, role)
+                first, first_role = added.setdefault(full, (path, role))
+                # Two masks under one key are check_contract's to judge; a key that is also lengths is not.
+                if (first, first_role) != (path, role) and "lengths" in (first_role, role):
+                    raise ValueError(f"padded fields {first!r} ({first_role}) and {path!r} ({role}) would "
+                                     f"both add {full!r}: give one of them another key")
         self._check_packed(keys, added)
+        from .._ext import _C
+
+        # The rules between fields (a shared mask, copies, dropped keys) are the walk's, stated once there.
+        _C.check_contract(self.native_specs())
 
     def _check_packed(self, keys: set[str], added: dict[str, tuple[str, str]]) -> None:
         """Packed fields are one row in one mapping: the same parent and the same named dim, whose
@@ -343,43 +349,15 @@ class Contract:
                 raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
                                  f"name the same first dim ({dim!r}): they are packed into one row")
         object.__setattr__(self, "_packed", (parent, [p.rpartition(".")[2] for p in packed]))
-        for path in packed:
-            self._check_copy(path)
-        self._check_dropped(parent, packed, keys)
+        self._check_attention_mask(packed)
         for key in self.packing.keys():
             full = _in_mapping(parent, key)
             if full in keys or full in added:
                 raise ValueError(f"the packed fields would add {full!r}, which is already a field: give "
                                  "Packing another key for it, or None")
 
-    def _check_copy(self, path: str) -> None:
-        """A copy reads its source's value in the walk: the source is a packed field of the same mapping
-        (the row's starts are the source's) whose samples hold it, not a copy itself."""
-        copy_of = self.fields[path].copy_of
-        if copy_of is None:
-            return
-        parent = path.rpartition(".")[0]
-        source = _in_mapping(parent, copy_of)
-        if source == path:
-            raise ValueError(f"field {path!r} is declared a copy of itself: copy_of names another "
-                             "packed field")
-        field = self.fields.get(source)
-        if field is None:
-            raise ValueError(f"field {path!r} is a copy of {source!r}, which the contract does not declare: "
-                             f"declare {source!r} as a packed field (Field(pack=True))")
-        if not field.pack:
-            raise ValueError(f"field {path!r} is a copy of {source!r}, which is not packed: copy_of names a "
-                             "packed field of the same mapping")
-        if field.copy_of is not None:
-            raise ValueError(f"field {path!r} is a copy of {source!r}, itself a copy of {field.copy_of!r}: "
-                             f"copies do not chain, name {field.copy_of!r}")
-        if field.shape != self.fields[path].shape:
-            raise ValueError(f"field {path!r} is a copy of {source!r}, so it has its shape {field.shape}, "
-                             f"not {self.fields[path].shape}")
-
-    def _check_dropped(self, parent: str, packed: list[str], keys: set[str]) -> None:
-        """Packing.drop's keys are left out of the batch, so no field may be declared under one; and an
-        attention_mask is never packed, whatever Packing.drop says."""
+    def _check_attention_mask(self, packed: list[str]) -> None:
+        """An attention_mask is never packed, whatever Packing.drop says."""
         for path in packed:
             if path.rpartition(".")[2] == "attention_mask":
                 raise ValueError(
@@ -388,33 +366,6 @@ class Contract:
                     "transformers' detection of packed sequences, so that samples attend across their "
                     "boundaries. Leave it out of the contract: Packing.drop leaves it out of the batch"
                 )
-        for key in self.packing.drop:
-            full = _in_mapping(parent, key)
-            if full in keys:
-                raise ValueError(f"{full!r} is declared a field, but Packing.drop leaves it out of packed "
-                                 f"batches: remove the field, or leave {key!r} out of Packing(drop=...)")
-
-    def _check_shared_key(self, key: str, first: tuple[str, str], second: tuple[str, str]) -> None:
-        """Two padded fields may put their masks under one key only when the masks are equal by
-        construction: the same named dims (which agree within a sample), padded to the same multiple on
-        the same side, into the same mask dtype."""
-        (first_path, first_role), (second_path, second_role) = first, second
-        if first_role != "mask" or second_role != "mask":
-            raise ValueError(f"padded fields {first_path!r} ({first_role}) and {second_path!r} "
-                             f"({second_role}) would both add {key!r}: give one of them another key")
-        a, b = self.fields[first_path], self.fields[second_path]
-        a_dims, b_dims = _named_dims(a), _named_dims(b)
-        if (a_dims, a.mask_dtype, a.pad_to_multiple_of, a.padding_side) != (
-            b_dims, b.mask_dtype, b.pad_to_multiple_of, b.padding_side
-        ):
-            raise ValueError(
-                f"padded fields {first_path!r} and {second_path!r} share the mask key {key!r}, but their "
-                f"masks would differ: named dims {list(a_dims)} and {list(b_dims)}, mask dtypes "
-                f"{a.mask_dtype} and {b.mask_dtype}, pad_to_multiple_of {a.pad_to_multiple_of} and "
-                f"{b.pad_to_multiple_of}, padding_side {a.padding_side!r} and {b.padding_side!r}. A shared "
-                "mask needs the same named dims in the same order, mask_dtype, pad_to_multiple_of and "
-                "padding_side; otherwise give one field its own mask=<key>"
-            )
 
     def mask_key(self, path: str) -> str | None:
         field = self.fields[path]
@@ -522,10 +473,6 @@ class Contract:
 def _in_mapping(parent: str, key: str) -> str:
     """The path of ``key`` in the mapping at ``parent`` ("" for the sample itself)."""
     return f"{parent}.{key}" if parent else key
-
-
-def _named_dims(field: Field) -> tuple[str, ...]:
-    return tuple(d for d in field.shape or () if isinstance(d, str))
 
 
 def _infer_field(value: Any, path: str) -> Field:

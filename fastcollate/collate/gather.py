@@ -45,7 +45,6 @@ HANDED_TO_THE_WALK: dict[str, str] = {
                                                 "every value is gathered",
     "a cast from floating point to integers": "the walk refuses NaN, infinities and values out of range",
     "a range with a cast that can change values": "the range is the source's to check, before the cast",
-    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own ranges",
     "a pad on a column of fixed-length rows": "the walk checks each sample's shape",
     "ragged rows under a contract without a pad": "the walk checks each sample's shape",
     "a pad along a dim other than dim 0": "the column gather pads dim 0 alone",
@@ -54,6 +53,8 @@ HANDED_TO_THE_WALK: dict[str, str] = {
     "a packed batch with no token": "the walk raises it for the whole batch",
     "a packed batch past cu_seq_lens' int32 or Packing.max_tokens": "the walk names the sample that crosses",
     "packed fields whose rows differ in length": "the walk names the sample whose fields differ",
+    "a pad or separator the dtype cannot hold": "the walk names it after the samples' own rules, in its "
+                                                "order of fields",
 }
 
 _Kind = _C.GatheredKind
@@ -105,10 +106,11 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
         columns.append(column)
-    by_index = dataset.id_key is not None  # a sample's id is its index
-    names = dataset.id_key or id_key
+    # Samples are named by the collate's id key, as the walk names them: a sample's id is its index when
+    # the dataset's id key is that one.
+    by_index = dataset.id_key is not None and dataset.id_key == id_key
     return _C.ColumnGather(
-        columns, length=len(dataset), id_key=names, ids_are_indices=by_index, rows_of=dataset.rows_of
+        columns, length=len(dataset), id_key=id_key, ids_are_indices=by_index, rows_of=dataset.rows_of
     )
 
 
@@ -133,13 +135,14 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
     """How ``column`` is gathered under ``field``, or None when the per-sample path must collate it."""
     source = column.first
     held = column.dtype or source.dtype  # what a sample holds: the stored dtype, or a Hugging Face format's
+    # The dtype the copy makes; a dtype the source cannot be cast to is C++'s to refuse (dtype_rule).
     declared = field.dtype if field is not None and field.dtype is not None else held
-    # The dtype the copy makes: a dtype the source cannot cast to is refused by the gather, as by the walk.
-    dtype = declared if field is not None and held in (declared, *field.cast_from) else held
     if held != source.dtype and field is not None:
         # The contract's rules are the dtype samples hold's, and the copy casts from the stored one in one
-        # step: the same values only if that dtype was taken, and the stored one's cast to it kept values.
-        if dtype != declared or not (declared == held or _keeps_values(source.dtype, held)):
+        # step: C++ sees the stored dtype, so the samples' one is the walk's to check, unless taken as is or
+        # cast from; and the stored one's cast to it must keep every value.
+        taken = held in (declared, *field.cast_from)
+        if not taken or not (declared == held or _C.keeps_values(source.dtype, held)):
             return None
         spec.cast_from = [*spec.cast_from, source.dtype]
     if field is not None:
@@ -147,13 +150,10 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
             return None
         if field.kind == "number" and (column.ragged or source.dim() != 1):
             return None  # a number per sample is a 1-D column
-        if held.is_floating_point and not (dtype.is_floating_point or dtype.is_complex):
+        if held.is_floating_point and not (declared.is_floating_point or declared.is_complex):
             return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
-        if field.range is not None and not _keeps_values(source.dtype, dtype):
+        if field.range is not None and not _C.keeps_values(source.dtype, declared):
             return None  # a cast that can change values (narrowing): the range is the source's to check
-        for value in (field.pad, field.separator):
-            if value is not None and not _C.value_fits(float(value), dtype):
-                return None  # the walk names it, after the samples' own ranges, as it checks them first
     made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)
@@ -211,21 +211,3 @@ def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:
         seen |= names
     return False
 
-
-def _keeps_values(source: torch.dtype, target: torch.dtype) -> bool:
-    """Whether casting ``source`` to ``target`` keeps every value (a range checked after the cast then
-    holds for the source). torch.promote_types refuses uint16/32/64, so this compares ranges itself."""
-    if source == target or source == torch.bool:
-        return True  # 0 and 1 are values of every dtype
-    if target == torch.bool:
-        return False
-    if source.is_floating_point or source.is_complex:
-        floating = target.is_floating_point or target.is_complex
-        return floating and torch.promote_types(source, target) == target
-    bits = torch.iinfo(source).bits - (torch.iinfo(source).min < 0)  # the integer's magnitude bits
-    if target.is_floating_point or target.is_complex:
-        mantissa = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53,
-                    torch.complex64: 24, torch.complex128: 53}.get(target, 0)
-        return bits <= mantissa
-    low, high = torch.iinfo(source), torch.iinfo(target)
-    return high.min <= low.min and low.max <= high.max

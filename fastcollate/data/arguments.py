@@ -43,7 +43,7 @@ def distributed_split(rank: object, world_size: object) -> tuple[int, int] | Non
     return number, size
 
 
-def index_out_of_range(index: int, length: int, position: int | None = None) -> IndexError:
-    """The error for an Arrays index outside ``[-length, length)``, at ``position`` in its batch if known."""
-    at = "" if position is None else f" (batch position {position})"
-    return IndexError(f"Arrays: index {index}{at} is out of range for a dataset of {length} samples")
+def index_out_of_range(index: int, length: int) -> IndexError:
+    """The error for an Arrays index outside ``[-length, length)``: one wording whether the index came alone
+    (``ds[i]``) or in a batch, so a gathered batch and a walked one fail alike."""
+    return IndexError(f"Arrays: index {index} is out of range for a dataset of {length} samples")

@@ -250,7 +250,7 @@ class ArrayBatch(Sequence):
         # Negative indices count from the end, as in Python and Hugging Face's __getitems__.
         first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
-            raise index_out_of_range(int(indices[first]), len(dataset), position=first)
+            raise index_out_of_range(int(indices[first]), len(dataset))
         self.dataset = dataset
         self._samples: list[dict[str, Any]] | None = None
 

@@ -3,8 +3,8 @@ module itself (one module under two names, never a copy), through an import hook
 the old path, so that git follows every moved file.
 
 ``fastcollate.lightning``, ``.audit``, ``.bench``, ``.transforms``, ``.worker_slots``, ``.terminal`` and
-``.gather`` are the paths the docs have shown users; ``fastcollate.errors`` and ``fastcollate.tree`` are
-the ones the compiled walk imports its callbacks from (csrc/collate/python_refs.cpp). A submodule under
+``.gather`` are the paths the docs have shown users; ``fastcollate.errors`` is where a program imports the
+ContractError subclasses it catches (ContractTypeError, ContractValueError, ...). A submodule under
 an old name (``fastcollate.bench.ratios``) is the moved submodule too.
 """
 
@@ -26,7 +26,6 @@ MOVED = {
     "fastcollate.terminal": "fastcollate.tools.terminal",
     "fastcollate.gather": "fastcollate.collate.gather",
     "fastcollate.errors": "fastcollate.collate.errors",
-    "fastcollate.tree": "fastcollate.collate.tree",
 }
 
 

@@ -49,7 +49,6 @@ def test_an_unknown_attribute_of_the_package_is_still_an_attribute_error():
         ("fastcollate.bench", "fastcollate.tools.bench"),
         ("fastcollate.bench.ratios", "fastcollate.tools.bench.ratios"),
         ("fastcollate.errors", "fastcollate.collate.errors"),
-        ("fastcollate.tree", "fastcollate.collate.tree"),
         ("fastcollate.transforms", "fastcollate.transfer.transforms"),
         ("fastcollate.worker_slots", "fastcollate.transfer.worker_slots"),
         ("fastcollate.terminal", "fastcollate.tools.terminal"),

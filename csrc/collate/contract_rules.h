@@ -13,7 +13,7 @@
 
 namespace fastcollate {
 
-// What a sample's field broke: the ContractError kind (a key of fastcollate.errors.ERROR_KINDS) and the
+// What a sample's field broke: the ContractError kind (a key of fastcollate.collate.errors.ERROR_KINDS) and the
 // words of its message.
 struct Violation {
   std::string kind;

@@ -15,9 +15,9 @@ namespace py = pybind11;
 // Python objects the walk needs, looked up once. Deliberately leaked: they must not be released after
 // the interpreter has shut down.
 struct PythonRefs {
-  py::object make_error;        // fastcollate.errors.make_error
-  py::object error_kind;        // fastcollate.errors.kind_of: the kind of a Python exception
-  py::object rebuild_mapping;   // fastcollate.tree's copy of default_collate's rules for Mapping subclasses
+  py::object make_error;        // fastcollate.collate.errors.make_error
+  py::object error_kind;        // fastcollate.collate.errors.kind_of: the kind of a Python exception
+  py::object rebuild_mapping;   // fastcollate.collate.tree's copy of default_collate's rules for Mapping subclasses
   py::object rebuild_sequence;  // and for Sequence subclasses
   py::object default_collate;   // fastcollate._native_support's, for leaves we deliberately leave to torch
   py::object as_tensor;         // torch.as_tensor

@@ -16,7 +16,7 @@ void Walk::fail(const Violation& violation, size_t index, const std::string& fie
 
 std::string Walk::error_kind(const py::error_already_set& error) {
   // The ContractError kind whose class is also the class of `error` (TypeError stays a TypeError, ...),
-  // so code written for default_collate's errors still works. The table is fastcollate.errors'.
+  // so code written for default_collate's errors still works. The table is fastcollate.collate.errors'.
   return python_refs().error_kind(error.value()).cast<std::string>();
 }
 

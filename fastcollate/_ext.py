@@ -60,6 +60,11 @@ try:
     import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
     from . import _C
+
+    if Path(_C.__file__).resolve().parent != HERE:
+        # An editable install's import hook lends a source folder without its build that install's core,
+        # which need not match this folder's code: this folder is unbuilt, as if nothing had been found.
+        raise ImportError(f"fastcollate._C was found at {_C.__file__}, outside {HERE}")
 except ImportError as error:  # pragma: no cover - exercised by tests in a subprocess
     raise ImportError(missing_core(error)) from error
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -293,14 +294,20 @@ struct BatchLayout {
   }
 };
 
+// A rule a column broke before anything is laid out, and the batch position of the sample named.
+struct Misfit {
+  Violation violation;
+  size_t position;
+};
+
 // The rules a column's rows meet before anything is laid out: dtype, declared shape, named dims and the
 // range's dtype. Every row of a column has its dtype, and every row of a rows column its shape: sample 0
 // stands for all (a ragged column's rows differ only along the padded or packed dim).
-void check_column(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
-                  const std::vector<int64_t>& lengths) {
+std::optional<Misfit> column_misfit(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
+                                    const std::vector<int64_t>& lengths) {
   const at::Tensor& source = column.source();
   if (auto violation = dtype_rule(field, column.dtype, source.scalar_type())) {
-    layout.refuse(*violation, 0, column.key);
+    return Misfit{*violation, 0};
   }
   std::vector<int64_t> sample_shape(source.sizes().begin(), source.sizes().end());
   sample_shape[0] = column.kind == Kind::Rows ? sample_shape[0] : lengths[0];
@@ -308,7 +315,7 @@ void check_column(BatchLayout& layout, const GatheredColumn& column, const Field
       column.kind == Kind::Rows ? at::IntArrayRef(sample_shape).slice(1) : at::IntArrayRef(sample_shape);
   if (field.shape) {
     if (auto violation = declared_shape_rule(field, sample)) {
-      layout.refuse(*violation, 0, column.key);
+      return Misfit{*violation, 0};
     }
     for (size_t d = 0; d < field.dim_names.size(); ++d) {
       const std::string& name = field.dim_names[d];
@@ -317,7 +324,7 @@ void check_column(BatchLayout& layout, const GatheredColumn& column, const Field
       }
       auto [known, first] = layout.named.emplace(name, std::make_pair(sample[d], column.key));
       if (!first && known->second.first != sample[d]) {
-        layout.refuse(named_dim_misfit(name, known->second.first, known->second.second, sample[d]), 0, column.key);
+        return Misfit{named_dim_misfit(name, known->second.first, known->second.second, sample[d]), 0};
       }
     }
   }
@@ -331,10 +338,11 @@ void check_column(BatchLayout& layout, const GatheredColumn& column, const Field
     }
     if (first < layout.size) {
       if (auto violation = range_dtype_rule(source.scalar_type())) {
-        layout.refuse(*violation, static_cast<size_t>(first), column.key);
+        return Misfit{*violation, static_cast<size_t>(first)};
       }
     }
   }
+  return std::nullopt;
 }
 
 // Ids: the batch's indices, int64 [N], known now (no fill).
@@ -493,6 +501,7 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
   auto root = std::make_unique<Node>();
   root->kind = Node::Kind::Dict;
   std::vector<ColumnFill> fills;
+  bool ranged_before = false;  // whether a column laid out so far has a range, checked once it is filled
   for (const GatheredColumn& column : shared.columns) {
     if (column.kind == Kind::Ids) {
       root->keys.push_back(py::str(column.key));
@@ -504,7 +513,15 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     RowSpans rows = spans_of(column, read, size);
     std::vector<int64_t> lengths = rows.lengths;
     if (field != nullptr) {
-      check_column(layout, column, *field, lengths);
+      if (auto misfit = column_misfit(layout, column, *field, lengths)) {
+        if (ranged_before) {
+          // The walk checks field by field, each one's values before the next field's dtype: an earlier
+          // column's range, checked here only once filled, may name a sample first.
+          return py::none();
+        }
+        layout.refuse(misfit->violation, misfit->position, column.key);
+      }
+      ranged_before = ranged_before || field->range.has_value();
     }
     std::unique_ptr<Node> node;
     switch (column.kind) {

@@ -55,6 +55,8 @@ HANDED_TO_THE_WALK: dict[str, str] = {
     "packed fields whose rows differ in length": "the walk names the sample whose fields differ",
     "a pad or separator the dtype cannot hold": "the walk names it after the samples' own rules, in its "
                                                 "order of fields",
+    "a broken dtype, shape or named dim after a column with a range": "the walk checks each field's values "
+                                                                      "before the next field's rules",
 }
 
 _Kind = _C.GatheredKind

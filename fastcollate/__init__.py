@@ -12,8 +12,7 @@ below load it when first used.
 
 import importlib
 
-from . import _aliases
-from ._ext import _C  # noqa: F401  (first after the old names: a missing build says how to fix it)
+from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
 from .collate.assemble import Assembler, assemble
 from .collate.contract import Contract, Field, Packing
 from .collate.errors import ContractError
@@ -57,18 +56,15 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_aliases.install()
-
 _FROM_THE_AUDIT = ("AuditReport", "Ledger", "TagWorker")
 
 
 def __getattr__(name: str):
-    # The audit is a tool, and the old module names are aliases (fastcollate._aliases): each loads when a
-    # program first names it, not with the collate.
+    # The audit is a tool: it loads when a program first names it, not with the collate.
     if name in _FROM_THE_AUDIT:
         return getattr(importlib.import_module(".audit", __name__), name)
-    if f"{__name__}.{name}" in _aliases.MOVED:
-        return importlib.import_module(f".{name}", __name__)
+    if name == "audit":
+        return importlib.import_module(".audit", __name__)
     raise AttributeError(f"module 'fastcollate' has no attribute {name!r}")
 
 

@@ -92,8 +92,9 @@ status=${PIPESTATUS[0]}
 set -e
 
 # A report file that only says an allocation was refused (the tests' petabyte request, returned as a
-# failure by allocator_may_return_null) is not a finding; it is shown, and not counted.
-for report in $(ls "$WORK"/logs/asan.* 2>/dev/null || true); do
+# failure by allocator_may_return_null) is not a finding; it is shown, and not counted. With both
+# sanitizers loaded the warning may land in UBSan's log file instead of ASan's.
+for report in $(ls "$WORK"/logs/asan.* "$WORK"/logs/ubsan.* 2>/dev/null || true); do
   if ! grep -qv "WARNING: AddressSanitizer failed to allocate" "$report"; then
     say "refused allocation, as the tests intend: $(cat "$report")"
     mv "$report" "$WORK/logs/refused-allocation.${report##*.}"

@@ -1,6 +1,6 @@
-"""What a hostile or unlucky user met after the package moved into subpackages and the gather took over the
-walk's rules: several rules broken at once in one batch, threads importing old module names, a source
-folder without its build beside an editable install, and the position ops given a start past int64."""
+"""Cases a hostile or unlucky user meets: several rules broken at once in one batch (both paths name the
+same one), threads importing the kept module names while the package first loads, a source folder
+without its build beside an editable install, and the position ops given a start past int64."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_threads_importing_old_module_names_while_the_package_first_loads_all_ge
     # fastcollate/__init__.py: the old name must be found then too, as a file at that path always was.
     code = """
         import importlib, threading
-        names = ["fastcollate", "fastcollate.errors", "fastcollate.lightning", "fastcollate.gather"]
+        names = ["fastcollate", "fastcollate.errors", "fastcollate.lightning", "fastcollate.audit"]
         start = threading.Barrier(len(names))
         failed = []
         def load(name):

@@ -56,14 +56,19 @@ def test_a_range_broken_in_a_later_sample_of_an_earlier_field_is_named_first_by_
 
 def test_a_later_field_s_dtype_is_still_named_when_the_earlier_field_s_range_holds():
     dataset = Arrays(x=torch.zeros(4, 2), y=torch.zeros(4, 3, dtype=torch.float64))
-    contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.float32, shape=(2,), range=(-1, 1)),
-                         "y": Field(dtype=torch.float32, shape=(3,))})
+    contract = Contract({
+        "id": Field(kind="number"),
+        "x": Field(dtype=torch.float32, shape=(2,), range=(-1, 1)),
+        "y": Field(dtype=torch.float32, shape=(3,)),
+    })
     walked, gathered = walked_and_gathered(dataset, [1, 3], contract)
     assert str(gathered) == str(walked)
     assert gathered.field == "y" and "expected torch.float32, got torch.float64" in str(gathered)
 
 
-def run_python(code: str, cwd: Path, pythonpath: list[Path], site: bool = True) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, cwd: Path, pythonpath: list[Path], site: bool = True
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
     flags = [] if site else ["-S"]
     return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(code)], cwd=cwd, env=env,

@@ -10,7 +10,7 @@ round runs each contender once over --batches batches, in a freshly shuffled ord
 batch is dropped at once. The first round is a warm-up (kept in the JSON, out of the medians).
 Contenders that go through a DataLoader use workers=0 (the ``workers`` case compares 0 and 2 workers).
 A ratio is the median of the per-round paired ratios, their min-max beside, ``~`` unless the runs are
-apart (``fastcollate.bench.ratios``). glibc's
+apart (``fastcollate.tools.bench.ratios``). glibc's
 mmap threshold is fixed at 64 MiB for every contender (``samples_on_the_heap``): fresh outputs of the
 idiom are then reused heap memory, not fresh mappings.
 """

@@ -9,7 +9,7 @@ Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 25
   and, with workers, the same with shared slots off (fresh shared memory, packed into a pinned slot);
 - host copies per batch (DeviceLoader's host_packs) and slot registrations after warm-up;
 - DeviceLoader's host-to-device GB/s (its copy events) against a bare pinned copy_ of the same bytes
-  (``fastcollate.bench.pinned_copy``: the measurement ``python -m fastcollate bench`` reports too);
+  (``fastcollate.tools.bench.pinned_copy``: the measurement ``python -m fastcollate bench`` reports too);
 - the pipelined step time against max(copy time, compute time);
 - pinned bytes held (DeviceLoader's ring, and the shared slots page-locked for it) against their bound:
   depth x batch bytes for the ring, plus (2w+4) x batch bytes with w workers (the default

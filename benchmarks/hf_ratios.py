@@ -38,7 +38,7 @@ round drains a fixed number of batches from each loader, in a freshly shuffled o
 each batch at once, the loader's iterator kept across rounds. The first round is a warm-up (it also
 starts the workers): kept in the JSON, out of the medians. Rates are medians over the rounds (min-max
 beside); a ratio is the median of the per-round paired ratios, their min-max beside, ``~`` unless the
-runs are apart (``fastcollate.bench.ratios``). One torch thread in every
+runs are apart (``fastcollate.tools.bench.ratios``). One torch thread in every
 process; glibc's mmap threshold fixed at 64 MiB in the main process and every worker (``--malloc fixed``,
 as array_ratios.py runs) or left as glibc sets it (``--malloc default``): the header says which ran.
 """

@@ -13,7 +13,7 @@ whole batch and collates it (what a DataLoader worker does), so the collate runs
 once. One torch thread in every thread and process. A round runs one epoch on every contender in a
 freshly shuffled order, dropping each batch at once; the first round is a warm-up (kept in the JSON, left
 out of the medians). A ratio is the median of the per-round paired ratios, their min-max beside, ``~``
-unless the runs are apart (``fastcollate.bench.ratios``). A peer that is not installed is skipped, and
+unless the runs are apart (``fastcollate.tools.bench.ratios``). A peer that is not installed is skipped, and
 the output says so.
 
 glibc's malloc settings move these figures by up to 2x (a 150 KB sample clone, or a 38 MB

@@ -15,8 +15,8 @@ and what differs is the loader's path. Per epoch: samples/s (wall clock, from ``
 batch) and the main
 process's CPU time per batch (``time.process_time``: with workers, what receiving a batch costs it).
 A ratio is the median of the per-round paired ratios, with their min-max, marked ``~`` unless the two
-cells' runs are apart (``fastcollate.bench.ratios``); a cell is named fastest only when its runs are apart
-from every other cell's.
+cells' runs are apart (``fastcollate.tools.bench.ratios``); a cell is named fastest only when its
+runs are apart from every other cell's.
 """
 
 from __future__ import annotations

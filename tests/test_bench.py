@@ -1,5 +1,5 @@
 """``python -m fastcollate bench``: the JSON it keeps, the flag on a configuration that loses a sample,
-the chart, the embedded data sets it measures, and the parts of the ``fastcollate.bench`` package."""
+the chart, the embedded data sets it measures, and the parts of the ``fastcollate.tools.bench`` package."""
 
 from __future__ import annotations
 
@@ -431,7 +431,7 @@ def test_compare_to_reference_compares_targets_by_value_across_dtypes():
 
 def test_importing_the_bench_package_loads_none_of_its_commands_nor_matplotlib():
     code = (
-        "import sys, fastcollate.bench; "
+        "import sys, fastcollate.tools.bench; "
         "print(sorted(m for m in sys.modules "
         "if m == 'matplotlib' or m.startswith('fastcollate.tools.bench.')))"
     )
@@ -454,11 +454,11 @@ def test_the_core_and_the_doctor_load_nothing_of_the_bench():
     assert proc.stdout.strip() == "[]"
 
 
-def test_fastcollate_bench_main_is_still_the_bench_command(capsys):
-    import fastcollate.bench
+def test_the_bench_package_s_main_is_the_bench_command(capsys):
+    from fastcollate.tools import bench
 
     with pytest.raises(SystemExit) as exited:
-        fastcollate.bench.main(["--help"])
+        bench.main(["--help"])
     assert exited.value.code == 0
     assert "python -m fastcollate bench" in capsys.readouterr().out
 

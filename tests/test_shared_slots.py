@@ -1,6 +1,6 @@
-"""Slots shared with DataLoader workers (fastcollate.worker_slots): the same batches as default_collate
-under every start method, the switch, what is left behind (slots, descriptors, /dev/shm) after faults,
-each write received at most once, and the fallback when every slot is held."""
+"""Slots shared with DataLoader workers (fastcollate.transfer.worker_slots): the same batches as
+default_collate under every start method, the switch, what is left behind (slots, descriptors, /dev/shm)
+after faults, each write received at most once, and the fallback when every slot is held."""
 
 from __future__ import annotations
 

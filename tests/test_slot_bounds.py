@@ -1,6 +1,6 @@
-"""The shared slots' bound with several loaders on one collate (fastcollate.worker_slots): each loader's
-workers get their own bound, so a train loader's prefetched batches do not crowd out an eval loader's,
-and the pool's bound is still a bound: the sum over the loaders whose workers are alive."""
+"""The shared slots' bound with several loaders on one collate (fastcollate.transfer.worker_slots): each
+loader's workers get their own bound, so a train loader's prefetched batches do not crowd out an eval
+loader's, and the pool's bound is still a bound: the sum over the loaders whose workers are alive."""
 
 from __future__ import annotations
 

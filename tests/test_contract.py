@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastcollate import Contract, ContractError, Field, assemble, with_ids
-from fastcollate.collate.errors import ContractValueError
+from fastcollate import Arrays, Contract, ContractError, Field, assemble, with_ids
+from fastcollate.collate.errors import ContractEmptyError, ContractValueError
 
 RECORDS_CONTRACT = Contract(
     fields={
@@ -502,3 +502,16 @@ def test_a_complex32_field_is_padded():
     batch = assemble.using(contract)(samples)
     assert batch["x"].dtype == torch.complex32
     assert batch["x"].to(torch.complex64).tolist() == [[1 + 1j, -1, -1], [1 + 1j] * 3]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_an_empty_batch_is_refused_as_the_batch_with_no_sample_named(gathered):
+    dataset = Arrays(x=torch.zeros(4, 2))
+    batch = dataset.__getitems__([]) if gathered else []
+    with pytest.raises(ContractEmptyError) as refused:
+        assemble(batch)
+    message = str(refused.value)
+    assert message.startswith("the batch, field '<batch>': expected at least one sample, got an empty batch")
+    assert "position None" not in message and "with_ids" not in message
+    again = pickle.loads(pickle.dumps(refused.value))  # as a DataLoader worker hands it over
+    assert type(again) is ContractEmptyError and str(again) == message

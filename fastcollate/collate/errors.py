@@ -55,6 +55,8 @@ class ContractError(Exception):
             who = f"sample id={sample_id!r}"
             if position is not None:
                 who += f" (batch position {position})"
+        elif position is None:
+            who = "the batch"  # a rule of the whole batch (it is empty): no sample to name, nor ids to add
         else:
             who = (
                 f"sample at batch position {position} (samples carry no {id_key!r}; "

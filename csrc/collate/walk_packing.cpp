@@ -92,7 +92,6 @@ void Walk::lay_out_beside_packing(const FieldSpec& spec, Node& node) {
   }
   if (!spec.cu_seq_lens_names.empty()) {
     node.cu_seq_lens = numbers_node(node.path, at::kInt, {static_cast<int64_t>(count) + 1});
-    node.cu_seq_lens->ints = node.starts;
     lay_out(*node.cu_seq_lens);
   }
 }

@@ -361,11 +361,6 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
   if (node.var_dims.size() > 1) {
     node.lengths->shape.push_back(static_cast<int64_t>(node.var_dims.size()));
   }
-  for (size_t i = 0; i < count; ++i) {
-    for (int64_t d : node.var_dims) {
-      node.lengths->ints.push_back(node.inputs[i].size(d));
-    }
-  }
   auto [owner, first] = mask_owners_.emplace(child_path(parent_path(node.path), spec.mask_name), &node);
   if (first) {
     node.mask = numbers_beside(spec.mask_dtype);
@@ -375,8 +370,16 @@ void Walk::lay_out_padding(const FieldSpec& spec, const std::vector<int64_t>& ro
     lay_out(*node.mask);
   } else {
     // Named dims agree within a sample (check_named_dim), so the lengths, and with them the masks, agree.
-    TORCH_INTERNAL_ASSERT(owner->second->lengths->ints == node.lengths->ints, "fields ", owner->second->path, " and ",
-                          node.path, " share mask ", spec.mask_name, " but differ in length");
+    const Node& other = *owner->second;
+    TORCH_INTERNAL_ASSERT(other.var_dims.size() == node.var_dims.size(), "fields ", other.path, " and ", node.path,
+                          " share mask ", spec.mask_name, " but pad different numbers of dims");
+    for (size_t i = 0; i < count; ++i) {
+      for (size_t k = 0; k < node.var_dims.size(); ++k) {
+        TORCH_INTERNAL_ASSERT(other.inputs[i].size(other.var_dims[k]) == node.inputs[i].size(node.var_dims[k]),
+                              "fields ", other.path, " and ", node.path, " share mask ", spec.mask_name,
+                              " but differ in length");
+      }
+    }
   }
   lay_out(*node.lengths);
 }

@@ -21,6 +21,7 @@ from .data.arrays import Arrays
 from .data.columns import Chunked, Ragged
 from .data.index_batches import IndexBatches
 from .data.mapped_files import MappedFileError
+from .data.sampler_state import sampler_state
 from .data.token_batches import TokenBudgetBatches
 from .data.token_windows import TokenWindows
 from .integrations.thread_pipelines import fetch_batches
@@ -51,6 +52,7 @@ __all__ = [
     "assemble",
     "audit",
     "fetch_batches",
+    "sampler_state",
     "with_ids",
 ]
 

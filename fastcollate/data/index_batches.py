@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
+from .sampler_state import Position, read_state, write_state
 
 __all__ = ["IndexBatches"]
 
@@ -87,10 +88,13 @@ class IndexBatches(Sampler[np.ndarray]):
         else:
             self.num_samples = -(-self.n // self.world_size)
         self.epoch = 0
+        self._position: Position | None = None  # the epoch under way, or the one a state loaded
+        self._resume_next = False  # whether the next iter() continues a loaded position
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` (and no generator) the permutation is seeded ``seed + epoch``.
-        Call it before each epoch's ``iter()``, as for DistributedSampler."""
+        Call it before each epoch's ``iter()``, as for DistributedSampler. After ``load_state_dict``, the
+        saved epoch keeps the loaded position and another epoch starts from its beginning."""
         self.epoch = integer("epoch", epoch)
 
     @property
@@ -99,23 +103,118 @@ class IndexBatches(Sampler[np.ndarray]):
         through ``batch_sampler.sampler.set_epoch(epoch)``, never the batch sampler's own."""
         return self
 
+    def for_rank(self, rank: int, world_size: int) -> IndexBatches:
+        """The same sampler for one rank of ``world_size``: what each process of a run makes."""
+        return IndexBatches(
+            self.n,
+            self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            rank=rank,
+            world_size=world_size,
+            sampler_drop_last=self.sampler_drop_last,
+        )
+
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.num_samples // self.batch_size
-        return -(-self.num_samples // self.batch_size)
+        """Batches this rank runs in the current epoch; after ``load_state_dict``, those it ran before
+        the checkpoint and those left, so a step count restored with the state ends where this does."""
+        position = self._position
+        if position is not None and position.epoch == self.epoch and not position.exhausted:
+            return position.epoch_length
+        return self._layout(self.epoch, 0, self.world_size).count
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        # A generator, so the order is drawn at the first next() as BatchSampler(...) draws it: a
-        # set_epoch between iter() and next() counts, and a shared generator moves at the same calls.
-        order = self._order()
-        stop = len(self) * self.batch_size if self.drop_last else len(order)
-        for start in range(0, stop, self.batch_size):
-            batch = order[start : start + self.batch_size]
-            if len(batch) < self.batch_size:  # BatchSampler reads past the end to fill a short batch
+        # The resume is claimed here, at iter(), so one loaded position serves one iteration (a loader
+        # that builds an iterator only to restore it, then a fresh one, gets the position once); the
+        # order is drawn at the first next(), as BatchSampler(...) draws it.
+        resume, self._resume_next = self._resume_next, False
+        return self._batches(resume)
+
+    def _batches(self, resume: bool) -> Iterator[np.ndarray]:
+        position = self._position
+        if not (resume and position is not None and position.epoch == self.epoch):
+            generator_state = self._generator_state()
+            layout = self._layout(self.epoch, 0, self.world_size, self._order(self.epoch))
+            position = Position(self.epoch, 0, self.world_size, 0, layout, generator_state=generator_state)
+            draws = True
+        else:
+            draws = False  # a loaded position drew its order, and the tail, at load
+        self._position = position
+        layout = position.layout
+        while position.taken < layout.count:
+            batch = layout.batch(position.taken)
+            if draws and len(batch) < self.batch_size:  # BatchSampler reads past the end to fill it
                 self._tail_draw()
+            position.taken += 1
             yield batch
-        if self.drop_last or len(order) % self.batch_size == 0:
+        if draws and layout.short_batch_missing:
             self._tail_draw()  # no short batch: BatchSampler reads past the end at the next() that stops
+        position.exhausted = True
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands, in sample terms: the epoch, the samples of its order consumed
+        by the batches handed out (every rank's, DDP ranks stepping in lockstep), and the arguments the
+        sampler was made with. Small (no index arrays) and plain values: ``torch.save`` it with the model.
+
+        A state never changes once returned. Any rank's will do: they are equal but for nothing."""
+        position = self._position
+        if position is None or position.epoch != self.epoch:
+            position = Position(
+                self.epoch,
+                0,
+                self.world_size,
+                0,
+                self._layout(self.epoch, 0, self.world_size),
+                generator_state=self._generator_state(),
+            )
+        return write_state("IndexBatches", self._made_for(), position, self.n)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the epoch ``state`` was taken in, for one iteration: the next ``iter()`` hands out
+        the batches the saved run had not, each sample once, then ``set_epoch(epoch + 1)`` gives the
+        ordinary next epoch. Restores the epoch too.
+
+        Any world size: with the saved one, the batches are the uninterrupted run's; with another, the
+        samples not yet consumed are split afresh (padded as DistributedSampler pads, from the start of
+        the epoch's order, or cut with ``sampler_drop_last``), every rank running as many batches.
+
+        Raises:
+            ValueError: the state is another sampler's, or was made for other arguments (it names them).
+        """
+        position = read_state("IndexBatches", self._made_for(), state, self.world_size, self._layout)
+        if self.generator is not None:
+            # The epoch's order and its tail draw, taken now: the generator then stands where the
+            # uninterrupted epoch leaves it, whether this epoch is continued or skipped by set_epoch.
+            self.generator.set_state(torch.frombuffer(bytearray(position.generator_state), dtype=torch.uint8))
+            order = self._order(position.epoch)
+            self._tail_draw()
+            position.layout = self._layout(position.epoch, position.start, position.world_size, order)
+        self.epoch = position.epoch
+        self._position = position
+        self._resume_next = True
+
+    def _made_for(self) -> dict:
+        return {
+            "n": self.n,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "sampler_drop_last": self.sampler_drop_last,
+            "generator": self.generator is not None,
+        }
+
+    def _generator_state(self) -> bytes | None:
+        return None if self.generator is None else self.generator.get_state().numpy().tobytes()
+
+    def _layout(
+        self, epoch: int, start: int, world_size: int, order: np.ndarray | None = None
+    ) -> _RankBatches:
+        """The batches of the epoch's order from ``start`` on, cut for ``world_size`` ranks, as this rank
+        takes them (rank 0's when ``world_size`` is not this sampler's: only the counts are read)."""
+        rank = self.rank if world_size == self.world_size else 0
+        return _RankBatches(self, epoch, start, world_size, rank, order)
 
     def _tail_draw(self) -> None:
         # RandomSampler draws a second randperm (for its num_samples % n tail, empty) when its first
@@ -123,19 +222,60 @@ class IndexBatches(Sampler[np.ndarray]):
         if self.shuffle and self.generator is not None and self.n:
             torch.randperm(self.n, generator=self.generator)
 
-    def _order(self) -> np.ndarray:
+    def _order(self, epoch: int) -> np.ndarray:
+        """The epoch's order of all ``n`` samples, before the distributed split."""
         if not self.shuffle or self.n == 0:
-            order = np.arange(self.n, dtype=np.int64)
-        else:
-            generator = self.generator
-            if generator is None:
-                generator = torch.Generator()
-                generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=generator).numpy()
-        if not self.distributed:
-            return order
-        # np.resize repeats the order cyclically (DistributedSampler's padding, several rounds when
-        # world_size > n) or cuts it (sampler_drop_last); contiguous so each batch is one plain block.
-        total = self.num_samples * self.world_size
-        return np.ascontiguousarray(np.resize(order, total)[self.rank : total : self.world_size])
+            return np.arange(self.n, dtype=np.int64)
+        generator = self.generator
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=generator).numpy()
 
+
+class _RankBatches:
+    """One segment of an IndexBatches epoch as one rank takes it: the epoch's order from ``start`` on,
+    padded with repeats of the start of the order (DistributedSampler's padding, several rounds when
+    ``world_size`` exceeds the samples) or cut (``sampler_drop_last``) to a multiple of ``world_size``,
+    every ``world_size``-th from ``rank``, in batches. The counts need no order; the order is drawn at
+    the first ``batch()``."""
+
+    def __init__(
+        self,
+        sampler: IndexBatches,
+        epoch: int,
+        start: int,
+        world_size: int,
+        rank: int,
+        order: np.ndarray | None,
+    ) -> None:
+        self._sampler, self._epoch, self._order = sampler, epoch, order
+        self.start, self.world_size, self.rank = start, world_size, rank
+        rest = sampler.n - start
+        self.per_rank = rest // world_size if sampler.sampler_drop_last else -(-rest // world_size)
+        size = sampler.batch_size
+        self.count = self.per_rank // size if sampler.drop_last else -(-self.per_rank // size)
+        # No short last batch: BatchSampler reads past the end once more, at the next() that stops.
+        self.short_batch_missing = sampler.drop_last or self.per_rank % size == 0
+        self._rank_order: np.ndarray | None = None
+
+    def samples_done(self, taken: int) -> int:
+        # Rank r's first taken batches are positions r, r + W, ... of the segment: together a prefix.
+        return self.start + self.world_size * taken * self._sampler.batch_size
+
+    def batch(self, j: int) -> np.ndarray:
+        if self._rank_order is None:
+            self._rank_order = self._cut()
+        size = self._sampler.batch_size
+        return self._rank_order[j * size : (j + 1) * size]
+
+    def _cut(self) -> np.ndarray:
+        order = self._order if self._order is not None else self._sampler._order(self._epoch)
+        rest = order[self.start :]
+        if self.world_size == 1:
+            return rest
+        total = self.per_rank * self.world_size
+        if total > len(rest):
+            rest = np.concatenate([rest, np.resize(order, total - len(rest))])
+        # Contiguous, so each batch is one plain block.
+        return np.ascontiguousarray(rest[self.rank : total : self.world_size])

@@ -3,6 +3,7 @@ tokens a step instead of a steady number of samples."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
+from .sampler_state import Position, read_state, write_state
 
 __all__ = ["TokenBudgetBatches"]
 
@@ -74,11 +76,14 @@ class TokenBudgetBatches(Sampler[list[int]]):
                 "in the dataset"
             )
         self.epoch = 0
-        self._batches: tuple[int, list[np.ndarray]] | None = None  # (epoch, every rank's batches)
+        self._position: Position | None = None  # the epoch under way, or the one a state loaded
+        self._resume_next = False  # whether the next iter() continues a loaded position
+        self._last_layout: tuple[tuple, _RankBatches] | None = None
+        self._lengths_digest: str | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` the order is seeded ``seed + epoch``. Call it before each
-        epoch."""
+        epoch. After ``load_state_dict``, the saved epoch keeps the loaded position."""
         self.epoch = integer("epoch", epoch)
 
     @property
@@ -86,29 +91,116 @@ class TokenBudgetBatches(Sampler[list[int]]):
         """This batch sampler itself, for code that calls ``batch_sampler.sampler.set_epoch(epoch)``."""
         return self
 
+    def for_rank(self, rank: int, world_size: int) -> TokenBudgetBatches:
+        """The same sampler for one rank of ``world_size``: what each process of a run makes."""
+        return TokenBudgetBatches(
+            self.lengths,
+            self.max_tokens,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=rank,
+            world_size=world_size,
+        )
+
     def __len__(self) -> int:
-        return len(self._all_batches()) // self.world_size
+        """Batches this rank runs in the current epoch (after ``load_state_dict``: before the checkpoint
+        and after it)."""
+        position = self._position
+        if position is not None and position.epoch == self.epoch and not position.exhausted:
+            return position.epoch_length
+        return self._layout(self.epoch, 0, self.world_size).count
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self._all_batches()
-        for batch in batches[self.rank :: self.world_size]:
-            yield batch.tolist()
+        # The resume is claimed at iter(): one loaded position serves one iteration (see IndexBatches).
+        resume, self._resume_next = self._resume_next, False
+        return self._batches(resume)
 
-    def _all_batches(self) -> list[np.ndarray]:
-        """Every rank's batches for this epoch, cut once an epoch (len() and iter() share them)."""
-        if self._batches is not None and self._batches[0] == self.epoch:
-            return self._batches[1]
-        n = len(self.lengths)
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=generator).numpy()
-        else:
-            order = np.arange(n, dtype=np.int64)
-        batches = _fill(order, self.lengths[order], self.max_tokens)
-        batches = _split_to_multiple(batches, self.lengths, self.world_size)
-        self._batches = (self.epoch, batches)
-        return batches
+    def _batches(self, resume: bool) -> Iterator[list[int]]:
+        position = self._position
+        if not (resume and position is not None and position.epoch == self.epoch):
+            position = Position(
+                self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size)
+            )
+        self._position = position
+        while position.taken < position.layout.count:
+            batch = position.layout.batch(position.taken)
+            position.taken += 1
+            yield batch
+        position.exhausted = True
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands, in sample terms (see ``IndexBatches.state_dict``); the lengths
+        are recorded by their count, total and a digest, not copied."""
+        position = self._position
+        if position is None or position.epoch != self.epoch:
+            position = Position(
+                self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size)
+            )
+        return write_state("TokenBudgetBatches", self._made_for(), position, len(self.lengths))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the epoch ``state`` was taken in, for one iteration, at any world size: the samples
+        not yet consumed, each once, nothing repeated (see ``IndexBatches.load_state_dict``). With the
+        saved world size the batches are the uninterrupted run's; with another, the rest of the order is
+        filled and split afresh, so a resume onto more ranks than samples left is refused.
+
+        Raises:
+            ValueError: the state is another sampler's, made for other lengths or arguments, or its
+                rest cannot give every new rank a batch.
+        """
+        position = read_state("TokenBudgetBatches", self._made_for(), state, self.world_size, self._layout)
+        self.epoch = position.epoch
+        self._position = position
+        self._resume_next = True
+
+    def _made_for(self) -> dict:
+        if self._lengths_digest is None:
+            self._lengths_digest = hashlib.blake2b(self.lengths.tobytes(), digest_size=8).hexdigest()
+        return {
+            "n": len(self.lengths),
+            "tokens": int(self.lengths.sum()),
+            "lengths_digest": self._lengths_digest,
+            "max_tokens": self.max_tokens,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def _layout(self, epoch: int, start: int, world_size: int) -> _RankBatches:
+        """The batches of the epoch's order from ``start`` on, for ``world_size`` ranks, as this rank
+        takes them (rank 0's when ``world_size`` is not this sampler's: only the counts are read);
+        the last one laid out is kept, as len() and iter() ask for the same."""
+        rank = self.rank if world_size == self.world_size else 0
+        key = (epoch, start, world_size, rank)
+        if self._last_layout is None or self._last_layout[0] != key:
+            n = len(self.lengths)
+            if self.shuffle:
+                generator = torch.Generator()
+                generator.manual_seed(self.seed + epoch)
+                order = torch.randperm(n, generator=generator).numpy()
+            else:
+                order = np.arange(n, dtype=np.int64)
+            rest = order[start:]
+            batches = _fill(rest, self.lengths[rest], self.max_tokens)
+            batches = _split_to_multiple(batches, self.lengths, world_size)
+            self._last_layout = (key, _RankBatches(batches, start, world_size, rank))
+        return self._last_layout[1]
+
+
+class _RankBatches:
+    """One segment of a TokenBudgetBatches epoch as one rank takes it: every ``world_size``-th batch of
+    the segment from ``rank``."""
+
+    def __init__(self, batches: list[np.ndarray], start: int, world_size: int, rank: int) -> None:
+        self._batches, self._world_size, self._rank, self._start = batches, world_size, rank, start
+        self.count = len(batches) // world_size
+        # Samples in the segment's first i batches: the ranks' first k batches are its first k * W.
+        self._consumed = np.concatenate([[0], np.cumsum([len(b) for b in batches], dtype=np.int64)])
+
+    def samples_done(self, taken: int) -> int:
+        return self._start + int(self._consumed[taken * self._world_size])
+
+    def batch(self, j: int) -> list[int]:
+        return self._batches[self._rank + j * self._world_size].tolist()
 
 
 def _fill(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:

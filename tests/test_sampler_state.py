@@ -1,0 +1,323 @@
+"""IndexBatches and TokenBudgetBatches across a checkpoint: W ranks each take k batches, any rank's state
+loads into W' fresh ranks, and the epoch is delivered exactly once (by the stated padding rule), every
+rank running as many steps; the next epoch is the uninterrupted run's."""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastcollate import IndexBatches, TokenBudgetBatches
+
+
+def index_ranks(n, batch_size, world, **options):
+    if world == 0:  # no split at all: the plain sampler
+        return [IndexBatches(n, batch_size, **options)]
+    return [IndexBatches(n, batch_size, rank=r, world_size=world, **options) for r in range(world)]
+
+
+def token_ranks(lengths, max_tokens, world, **options):
+    if world == 0:
+        return [TokenBudgetBatches(lengths, max_tokens, **options)]
+    return [
+        TokenBudgetBatches(lengths, max_tokens, rank=r, world_size=world, **options) for r in range(world)
+    ]
+
+
+def at_epoch(sampler, epoch):
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def take(samplers, k):
+    """Each rank takes k batches (or all it has), in lockstep; returns every index handed out."""
+    taken = []
+    iterators = [iter(s) for s in samplers]
+    for _ in range(k):
+        for it in iterators:
+            batch = next(it, None)
+            if batch is not None:
+                taken.extend(int(i) for i in batch)
+    return taken
+
+
+def rest(samplers):
+    """Each rank's remaining batches of the iteration, as lists."""
+    return [[[int(i) for i in b] for b in s] for s in samplers]
+
+
+def resume(make, world, k, world_after, epoch=0):
+    """W ranks take k batches of ``epoch``; rank 0's state loads into W' fresh ranks, which run out
+    the epoch. Returns (consumed indices, each new rank's batches, the states of every old rank)."""
+    before = make(world)
+    for s in before:
+        s.set_epoch(epoch)
+    consumed = take(before, k)
+    states = [s.state_dict() for s in before]
+    after = make(world_after)
+    for s in after:
+        s.load_state_dict(states[-1])  # any rank's: the last one here
+    return consumed, rest(after), states
+
+
+def delivered_counts(consumed, batches_by_rank):
+    counts = collections.Counter(consumed)
+    for batches in batches_by_rank:
+        for batch in batches:
+            counts.update(batch)
+    return counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(0, 60),
+    batch_size=st.integers(1, 7),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    sampler_drop_last=st.booleans(),
+    world=st.sampled_from([0, 1, 2, 3, 4]),
+    world_after=st.sampled_from([0, 1, 2, 3, 4]),
+    k=st.integers(0, 12),
+    epoch=st.integers(0, 3),
+)
+def test_index_batches_resume_on_any_world_size_delivers_the_epoch_exactly_once(
+    n, batch_size, shuffle, drop_last, sampler_drop_last, world, world_after, k, epoch
+):
+    split_drop = sampler_drop_last and world > 0 and world_after > 0
+    options = dict(shuffle=shuffle, seed=5, drop_last=drop_last, sampler_drop_last=split_drop)
+    consumed, after, states = resume(
+        lambda w: index_ranks(n, batch_size, w, **options), world, k, world_after, epoch
+    )
+    assert all(state == states[0] for state in states), "every rank's state is the same state"
+    assert len({len(batches) for batches in after}) == 1, "every new rank runs as many steps"
+    counts = delivered_counts(consumed, after)
+    w, w2 = max(world, 1), max(world_after, 1)
+    assert set(counts) <= set(range(n))
+    repeats = sum(c - 1 for c in counts.values())
+    missing = n - len(counts)
+    if drop_last or split_drop:
+        assert missing <= (w + w2) * (batch_size - 1) + (w - 1) + (w2 - 1)
+    else:
+        assert missing == 0, "every sample at least once"
+    assert repeats <= (w - 1) + (w2 - 1)
+    if not split_drop and n % w == 0 and (n - len(set(consumed))) % w2 == 0:
+        assert repeats == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 50),
+    batch_size=st.integers(1, 6),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    sampler_drop_last=st.booleans(),
+    world=st.sampled_from([0, 1, 2, 3, 4]),
+    k=st.integers(0, 10),
+)
+def test_index_batches_resumed_on_the_same_world_size_are_the_uninterrupted_run_s(
+    n, batch_size, shuffle, drop_last, sampler_drop_last, world, k
+):
+    options = dict(
+        shuffle=shuffle, seed=1, drop_last=drop_last, sampler_drop_last=sampler_drop_last and world > 0
+    )
+    uninterrupted = [
+        [[int(i) for i in b] for b in s][k:] for s in index_ranks(n, batch_size, world, **options)
+    ]
+    _, after, _ = resume(lambda w: index_ranks(n, batch_size, w, **options), world, k, world)
+    assert after == uninterrupted
+
+
+@pytest.mark.parametrize("world, world_after", [(0, 0), (2, 3), (4, 1), (3, 3)])
+def test_the_next_epoch_after_a_resume_is_the_ordinary_one(world, world_after):
+    make = lambda w: index_ranks(103, 4, w, shuffle=True, seed=9)  # noqa: E731
+    _, _, states = resume(make, world, 5, world_after, epoch=2)
+    after, fresh = make(world_after), make(world_after)
+    for s in after:
+        s.load_state_dict(states[0])
+        list(s)
+        s.set_epoch(3)
+    for s in fresh:
+        s.set_epoch(3)
+    assert rest(after) == rest(fresh)
+
+
+def test_len_counts_the_batches_before_the_checkpoint_and_those_left():
+    before = index_ranks(100, 4, 2, shuffle=True)
+    take(before, 3)
+    after = index_ranks(100, 4, 4, shuffle=True)
+    after[1].load_state_dict(before[0].state_dict())
+    left = len(list(iter(after[1])))
+    assert left == 100 // 4 // 4 - 1  # 76 samples left, 19 a rank, 5 batches of 4
+    fresh = index_ranks(100, 4, 4, shuffle=True)[1]
+    fresh.load_state_dict(before[0].state_dict())
+    assert len(fresh) == 3 + left
+    list(fresh)
+    assert len(fresh) == 100 // 4 // 4 + 1, "once through, len is the ordinary epoch's again"
+
+
+def test_a_state_is_small_plain_and_survives_torch_save_with_weights_only():
+    sampler = IndexBatches(10_000_000, 256, shuffle=True, seed=3)
+    take([sampler], 2)
+    state = sampler.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert buffer.tell() < 64 * 1024
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded == state
+    assert loaded["samples_done"] == 512 and loaded["epoch"] == 0
+
+
+def test_a_returned_state_never_changes_and_counts_the_batches_handed_out():
+    sampler = IndexBatches(50, 5)
+    iterator = iter(sampler)
+    next(iterator)
+    first = sampler.state_dict()
+    snapshot = repr(first)
+    next(iterator)
+    second = sampler.state_dict()
+    assert repr(first) == snapshot
+    assert (first["batches_done"], second["batches_done"]) == (1, 2)
+    assert (first["samples_done"], second["samples_done"]) == (5, 10)
+
+
+def test_a_state_loaded_twice_serves_one_iteration_each_time():
+    before = IndexBatches(40, 4, shuffle=True)
+    take([before], 3)
+    state = before.state_dict()
+    after = IndexBatches(40, 4, shuffle=True)
+    after.load_state_dict(state)
+    first = rest([after])
+    after.load_state_dict(state)
+    assert rest([after]) == first
+    assert len(rest([after])[0]) == 10, "the third iteration is the whole epoch again"
+
+
+def test_a_state_at_the_epoch_s_very_end_resumes_to_nothing_then_the_next_epoch():
+    before = IndexBatches(30, 4, shuffle=True, rank=0, world_size=2)
+    list(before)
+    state = before.state_dict()
+    assert state["epoch_done"] and state["samples_done"] == 30
+    after = IndexBatches(30, 4, shuffle=True, rank=1, world_size=3)
+    after.load_state_dict(state)
+    assert list(after) == []
+    after.set_epoch(1)
+    assert rest([after]) == rest([at_epoch(IndexBatches(30, 4, shuffle=True, rank=1, world_size=3), 1)])
+
+
+def test_set_epoch_to_another_epoch_after_loading_starts_that_epoch_from_its_beginning():
+    before = IndexBatches(40, 4, shuffle=True)
+    take([before], 3)
+    after = IndexBatches(40, 4, shuffle=True)
+    after.load_state_dict(before.state_dict())
+    after.set_epoch(0)  # the saved epoch: the position holds
+    assert len(rest([after])[0]) == 7
+    after.load_state_dict(before.state_dict())
+    after.set_epoch(1)
+    assert rest([after]) == rest([at_epoch(IndexBatches(40, 4, shuffle=True), 1)])
+
+
+def test_a_resume_with_a_generator_continues_its_draws_as_the_uninterrupted_run_does():
+    def make():
+        generator = torch.Generator()
+        generator.manual_seed(11)
+        return IndexBatches(23, 4, shuffle=True, generator=generator)
+
+    uninterrupted = make()
+    whole = [rest([uninterrupted]) for _ in range(3)]
+    before = make()
+    rest([before])  # epoch one, whole
+    take([before], 2)  # two batches of epoch two
+    after = make()
+    after.load_state_dict(before.state_dict())
+    assert rest([after])[0] == whole[1][0][2:]
+    assert rest([after]) == whole[2]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(n=41), "n=40 in the state, 41 here"),
+        (dict(seed=1), "seed=0 in the state, 1 here"),
+        (dict(batch_size=5), "batch_size=4 in the state, 5 here"),
+        (dict(shuffle=False), "shuffle=True in the state, False here"),
+        (dict(drop_last=True), "drop_last=False in the state, True here"),
+    ],
+)
+def test_a_state_from_another_run_is_refused_naming_what_differs(change, named):
+    state = IndexBatches(40, 4, shuffle=True).state_dict()
+    options = dict(n=40, batch_size=4, shuffle=True) | change
+    with pytest.raises(ValueError, match=named):
+        IndexBatches(options.pop("n"), options.pop("batch_size"), **options).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"sampler": "TokenBudgetBatches"}, "is 'TokenBudgetBatches''s"),
+        ({"_snapshot": {}}, "fastcollate.sampler_state"),
+        ({"samples_done": -1}, "samples_done must be an integer"),
+        ({"segment_batches": 99}, "took 99 batches of a segment that has 10"),
+        ({"samples_done": 7}, "disagree with its segment"),
+    ],
+)
+def test_a_malformed_state_is_refused_naming_the_key(state, message):
+    good = IndexBatches(40, 4).state_dict()
+    with pytest.raises(ValueError, match=message):
+        IndexBatches(40, 4).load_state_dict(good | state)
+
+
+def lengths(n, seed):
+    return np.random.default_rng(seed).integers(0, 40, size=n)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(0, 60),
+    max_tokens=st.integers(40, 200),
+    shuffle=st.booleans(),
+    world=st.sampled_from([0, 1, 2, 3, 4]),
+    world_after=st.sampled_from([0, 1, 2, 3, 4]),
+    k=st.integers(0, 8),
+    seed=st.integers(0, 5),
+)
+def test_token_budget_batches_resume_on_any_world_size_repeats_and_loses_nothing(
+    n, max_tokens, shuffle, world, world_after, k, seed
+):
+    sizes = lengths(n, seed)
+
+    def make(w):
+        return token_ranks(sizes, max_tokens, w, shuffle=shuffle, seed=seed)
+
+    try:
+        consumed, after, states = resume(make, world, k, world_after, epoch=seed)
+    except ValueError as error:  # too few samples (or splittable batches) for the ranks: said, not repeated
+        assert "ranks" in str(error)
+        return
+    assert all(state == states[0] for state in states)
+    assert len({len(batches) for batches in after}) == 1
+    counts = delivered_counts(consumed, after)
+    assert sorted(counts) == list(range(n)) and set(counts.values()) <= {1}
+    if world == world_after:
+        fresh = [at_epoch(s, seed) for s in make(world)]
+        assert after == [b[k:] for b in rest(fresh)]
+
+
+def test_token_budget_state_from_other_lengths_is_refused():
+    state = TokenBudgetBatches(lengths(30, 0), 100).state_dict()
+    with pytest.raises(ValueError, match="lengths_digest="):
+        TokenBudgetBatches(lengths(30, 1), 100).load_state_dict(state)
+
+
+def test_token_budget_resume_onto_more_ranks_than_samples_left_is_refused_with_the_count():
+    sizes = np.full(10, 10)
+    before = token_ranks(sizes, 20, 1)
+    take(before, 4)  # 8 of 10 samples consumed
+    with pytest.raises(ValueError, match="2 samples cannot make a batch for each of 4 ranks"):
+        token_ranks(sizes, 20, 4)[0].load_state_dict(before[0].state_dict())

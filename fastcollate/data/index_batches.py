@@ -9,12 +9,12 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
-from .sampler_state import Position, read_state, write_state
+from .sampler_state import Position, ResumableEpochs
 
 __all__ = ["IndexBatches"]
 
 
-class IndexBatches(Sampler[np.ndarray]):
+class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
     """A batch sampler that yields each batch of indices as one ``np.ndarray`` of int64, shape (k,).
 
     ``BatchSampler`` over a stock sampler builds one Python int per sample; a dataset that gathers a
@@ -88,8 +88,7 @@ class IndexBatches(Sampler[np.ndarray]):
         else:
             self.num_samples = -(-self.n // self.world_size)
         self.epoch = 0
-        self._position: Position | None = None  # the epoch under way, or the one a state loaded
-        self._resume_next = False  # whether the next iter() continues a loaded position
+        self._count = self.n
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` (and no generator) the permutation is seeded ``seed + epoch``.
@@ -116,30 +115,14 @@ class IndexBatches(Sampler[np.ndarray]):
             sampler_drop_last=self.sampler_drop_last,
         )
 
-    def __len__(self) -> int:
-        """Batches this rank runs in the current epoch; after ``load_state_dict``, those it ran before
-        the checkpoint and those left, so a step count restored with the state ends where this does."""
-        position = self._position
-        if position is not None and position.epoch == self.epoch and not position.exhausted:
-            return position.epoch_length
-        return self._layout(self.epoch, 0, self.world_size).count
-
     def __iter__(self) -> Iterator[np.ndarray]:
-        # The resume is claimed here, at iter(), so one loaded position serves one iteration (a loader
-        # that builds an iterator only to restore it, then a fresh one, gets the position once); the
-        # order is drawn at the first next(), as BatchSampler(...) draws it.
-        resume, self._resume_next = self._resume_next, False
-        return self._batches(resume)
-
-    def _batches(self, resume: bool) -> Iterator[np.ndarray]:
-        position = self._position
-        if not (resume and position is not None and position.epoch == self.epoch):
+        # A generator: the order is drawn at the first next(), as BatchSampler(...) draws it.
+        position = self._claim()
+        draws = position is None  # a loaded position drew its order, and the tail, at load
+        if position is None:
             generator_state = self._generator_state()
             layout = self._layout(self.epoch, 0, self.world_size, self._order(self.epoch))
             position = Position(self.epoch, 0, self.world_size, 0, layout, generator_state=generator_state)
-            draws = True
-        else:
-            draws = False  # a loaded position drew its order, and the tail, at load
         self._position = position
         layout = position.layout
         while position.taken < layout.count:
@@ -152,47 +135,19 @@ class IndexBatches(Sampler[np.ndarray]):
             self._tail_draw()  # no short batch: BatchSampler reads past the end at the next() that stops
         position.exhausted = True
 
-    def state_dict(self) -> dict:
-        """Where the current epoch stands, in sample terms: the epoch, the samples of its order consumed
-        by the batches handed out (every rank's, DDP ranks stepping in lockstep), and the arguments the
-        sampler was made with. Small (no index arrays) and plain values: ``torch.save`` it with the model.
+    def _fresh_position(self) -> Position:
+        position = super()._fresh_position()
+        position.generator_state = self._generator_state()
+        return position
 
-        A state never changes once returned. Any rank's will do: they are equal but for nothing."""
-        position = self._position
-        if position is None or position.epoch != self.epoch:
-            position = Position(
-                self.epoch,
-                0,
-                self.world_size,
-                0,
-                self._layout(self.epoch, 0, self.world_size),
-                generator_state=self._generator_state(),
-            )
-        return write_state("IndexBatches", self._made_for(), position, self.n)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continues the epoch ``state`` was taken in, for one iteration: the next ``iter()`` hands out
-        the batches the saved run had not, each sample once, then ``set_epoch(epoch + 1)`` gives the
-        ordinary next epoch. Restores the epoch too.
-
-        Any world size: with the saved one, the batches are the uninterrupted run's; with another, the
-        samples not yet consumed are split afresh (padded as DistributedSampler pads, from the start of
-        the epoch's order, or cut with ``sampler_drop_last``), every rank running as many batches.
-
-        Raises:
-            ValueError: the state is another sampler's, or was made for other arguments (it names them).
-        """
-        position = read_state("IndexBatches", self._made_for(), state, self.world_size, self._layout)
+    def _restore(self, position: Position) -> None:
         if self.generator is not None:
             # The epoch's order and its tail draw, taken now: the generator then stands where the
-            # uninterrupted epoch leaves it, whether this epoch is continued or skipped by set_epoch.
+            # uninterrupted epoch leaves it, whether this epoch is continued or dropped by set_epoch.
             self.generator.set_state(torch.frombuffer(bytearray(position.generator_state), dtype=torch.uint8))
             order = self._order(position.epoch)
             self._tail_draw()
             position.layout = self._layout(position.epoch, position.start, position.world_size, order)
-        self.epoch = position.epoch
-        self._position = position
-        self._resume_next = True
 
     def _made_for(self) -> dict:
         return {

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Layout", "Position", "read_state", "sampler_state", "write_state"]
+__all__ = ["Layout", "Position", "ResumableEpochs", "read_state", "sampler_state", "write_state"]
 
 STATE_FORMAT = 1
 
@@ -119,6 +119,75 @@ def read_state(
     # Another world size: the rest of the order, cut afresh for the new ranks.
     layout = layout_of(epoch, samples_done, world_size)
     return Position(epoch, samples_done, world_size, before + taken, layout, generator_state=generator_state)
+
+
+class ResumableEpochs:
+    """What IndexBatches and TokenBudgetBatches share: the epoch under way (or the one a state loaded),
+    its state, and a length that counts the batches run before a checkpoint. A sampler supplies
+    ``_layout(epoch, start, world_size)``, ``_made_for()``, ``_count`` (the samples an epoch has) and
+    ``_fresh_position()``, and claims a loaded position with ``_claim()`` at its iteration's first next()."""
+
+    epoch: int
+    world_size: int
+    _count: int
+    _position: Position | None = None  # the epoch under way, or the one a state loaded
+    _resume_next: bool = False  # whether the next iteration continues a loaded position
+
+    def _layout(self, epoch: int, start: int, world_size: int) -> Layout:
+        raise NotImplementedError
+
+    def _made_for(self) -> dict:
+        raise NotImplementedError
+
+    def _fresh_position(self) -> Position:
+        return Position(self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size))
+
+    def _claim(self) -> Position | None:
+        """The loaded position, once, if it is this epoch's. Claimed at an iteration's first next(),
+        not at iter(): DataLoader makes iterators it never advances (one in its iterator's __init__,
+        one in _reset, a restoring one a finished StatefulDataLoader throws away)."""
+        position, resume = self._position, self._resume_next
+        self._resume_next = False
+        return position if resume and position is not None and position.epoch == self.epoch else None
+
+    def __len__(self) -> int:
+        """Batches this rank runs in the current epoch; after ``load_state_dict``, those it ran before
+        the checkpoint and those left, so a step count restored with the state ends where this does."""
+        position = self._position
+        if position is not None and position.epoch == self.epoch and not position.exhausted:
+            return position.epoch_length
+        return self._layout(self.epoch, 0, self.world_size).count
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands, in sample terms: the epoch, how many samples of its order the
+        batches handed out consumed (every rank's, as DDP ranks step in lockstep), the segment they were
+        cut in, and the arguments the sampler was made with. Small (no index arrays) and plain values:
+        ``torch.save`` it with the model. A returned state never changes; every rank's is the same."""
+        position = self._position
+        if position is None or position.epoch != self.epoch:
+            position = self._fresh_position()
+        return write_state(type(self).__name__, self._made_for(), position, self._count)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the epoch ``state`` was taken in, for one iteration: the next iteration hands out
+        the batches the saved run had not, each sample once, and ``set_epoch(epoch + 1)`` then gives the
+        ordinary next epoch. Restores the epoch; ``set_epoch`` with another epoch drops the position.
+
+        Any world size: with the saved one, the batches are the uninterrupted run's; with another, the
+        samples not yet consumed are cut afresh for the new ranks, every rank running as many batches.
+
+        Raises:
+            ValueError: the state is another sampler's, or was made for other arguments (it names them),
+                or is malformed.
+        """
+        position = read_state(type(self).__name__, self._made_for(), state, self.world_size, self._layout)
+        self._restore(position)
+        self.epoch = position.epoch
+        self._position = position
+        self._resume_next = True
+
+    def _restore(self, position: Position) -> None:
+        """What a sampler does with a loaded position before it waits for the next iteration."""
 
 
 _INTEGERS = ("epoch", "samples_done", "batches_done", "world_size", "segment_start", "segment_batches")

@@ -11,12 +11,12 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
-from .sampler_state import Position, read_state, write_state
+from .sampler_state import ResumableEpochs
 
 __all__ = ["TokenBudgetBatches"]
 
 
-class TokenBudgetBatches(Sampler[list[int]]):
+class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
     """A batch sampler whose batches hold at most ``max_tokens`` tokens each, every index once an epoch.
 
         loader = DataLoader(dataset, batch_sampler=TokenBudgetBatches(lengths, 16384, shuffle=True),
@@ -76,8 +76,7 @@ class TokenBudgetBatches(Sampler[list[int]]):
                 "in the dataset"
             )
         self.epoch = 0
-        self._position: Position | None = None  # the epoch under way, or the one a state loaded
-        self._resume_next = False  # whether the next iter() continues a loaded position
+        self._count = len(self.lengths)
         self._last_layout: tuple[tuple, _RankBatches] | None = None
         self._lengths_digest: str | None = None
 
@@ -102,56 +101,14 @@ class TokenBudgetBatches(Sampler[list[int]]):
             world_size=world_size,
         )
 
-    def __len__(self) -> int:
-        """Batches this rank runs in the current epoch (after ``load_state_dict``: before the checkpoint
-        and after it)."""
-        position = self._position
-        if position is not None and position.epoch == self.epoch and not position.exhausted:
-            return position.epoch_length
-        return self._layout(self.epoch, 0, self.world_size).count
-
     def __iter__(self) -> Iterator[list[int]]:
-        # The resume is claimed at iter(): one loaded position serves one iteration (see IndexBatches).
-        resume, self._resume_next = self._resume_next, False
-        return self._batches(resume)
-
-    def _batches(self, resume: bool) -> Iterator[list[int]]:
-        position = self._position
-        if not (resume and position is not None and position.epoch == self.epoch):
-            position = Position(
-                self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size)
-            )
+        position = self._claim() or self._fresh_position()
         self._position = position
         while position.taken < position.layout.count:
             batch = position.layout.batch(position.taken)
             position.taken += 1
             yield batch
         position.exhausted = True
-
-    def state_dict(self) -> dict:
-        """Where the current epoch stands, in sample terms (see ``IndexBatches.state_dict``); the lengths
-        are recorded by their count, total and a digest, not copied."""
-        position = self._position
-        if position is None or position.epoch != self.epoch:
-            position = Position(
-                self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size)
-            )
-        return write_state("TokenBudgetBatches", self._made_for(), position, len(self.lengths))
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continues the epoch ``state`` was taken in, for one iteration, at any world size: the samples
-        not yet consumed, each once, nothing repeated (see ``IndexBatches.load_state_dict``). With the
-        saved world size the batches are the uninterrupted run's; with another, the rest of the order is
-        filled and split afresh, so a resume onto more ranks than samples left is refused.
-
-        Raises:
-            ValueError: the state is another sampler's, made for other lengths or arguments, or its
-                rest cannot give every new rank a batch.
-        """
-        position = read_state("TokenBudgetBatches", self._made_for(), state, self.world_size, self._layout)
-        self.epoch = position.epoch
-        self._position = position
-        self._resume_next = True
 
     def _made_for(self) -> dict:
         if self._lengths_digest is None:

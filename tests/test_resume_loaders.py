@@ -201,3 +201,44 @@ def test_torchdata_nodes_sampler_wrapper_resumes_exactly_once():
     fresh, sampler = make()
     sampler.set_epoch(1)
     assert following == [int(i) for batch in sampler for i in batch], "the next epoch is the ordinary one"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_resumes_from_a_mid_epoch_checkpoint_as_the_uninterrupted_run_goes_on(workers, tmp_path):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Linear(1, 1)
+            self.seen = []
+
+        def training_step(self, batch, index):
+            self.seen.append(batch.tolist())
+            return self.weight(batch.float()[:, None]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(module, checkpoints=None, ckpt_path=None):
+        loader = StatefulDataLoader(
+            Indices(50), batch_sampler=IndexBatches(50, 4, shuffle=True, seed=1), num_workers=workers
+        )
+        callbacks = [ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=5, save_top_k=-1)]
+        trainer = L.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=checkpoints is not None,
+            callbacks=callbacks if checkpoints else None,
+        )
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return module.seen
+
+    uninterrupted = fit(Recorder(), checkpoints=tmp_path)
+    resumed = fit(Recorder(), ckpt_path=str(tmp_path / "epoch=0-step=5.ckpt"))
+    assert len(uninterrupted) == 2 * 13
+    assert uninterrupted[:5] + resumed == uninterrupted, "the rest of epoch 0, then epoch 1, batch for batch"

@@ -117,6 +117,10 @@ def worker_epoch_audited(lines: list[str]) -> None:
                          "  delivered 100 samples; reference has 100 ids"], lines  # every id once
 
 
+def resumed_every_sample_once(lines: list[str]) -> None:
+    assert lines == ["True", "True"], lines
+
+
 def pipeline_batches(lines: list[str]) -> None:
     assert len(lines) == 4 and all(line.startswith("torch.Size([256, 3, 64, 64])") for line in lines), lines
 
@@ -132,6 +136,7 @@ RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
     ("docs/usage.md", 'copy_of="input_ids"'): labels_copied_from_input_ids,
     ("docs/how-it-works.md", "rows.__getitems__([0, 1])"): walk_and_gather_agree,
     ("docs/integrations.md", "PipelineBuilder"): pipeline_batches,
+    ("docs/integrations.md", "fastcollate.sampler_state(checkpoint"): resumed_every_sample_once,
     ("docs/integrations.md", "nodes.ParallelMapper"): pipeline_batches,
     ("docs/measuring.md", "ledger.watch(DataLoader"): worker_epoch_audited,
 }

@@ -40,6 +40,10 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
 
     A DataLoader hands each array to ``dataset.__getitems__`` when the dataset has it, else indexes
     ``dataset[i]`` per element (numpy integers index tensors and lists like ints do).
+
+    ``state_dict()`` and ``load_state_dict()`` resume an epoch mid-way, exactly once, on any world size
+    (``ResumableEpochs``): the rest of the order, padded as DistributedSampler pads, from the start of
+    the epoch's order, or cut with ``sampler_drop_last``.
     """
 
     def __init__(

@@ -34,6 +34,9 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
     batch holds a single sample that has tokens, as when each sample nearly fills ``max_tokens``).
     Raise ``max_tokens`` (so batches hold two samples to split), use fewer ranks, or drop a few samples.
 
+    ``state_dict()`` and ``load_state_dict()`` resume an epoch mid-way on any world size, repeating
+    nothing (``ResumableEpochs``).
+
     Args:
         lengths: each sample's token count (what the packed field's length will be).
         max_tokens: the budget; a sample longer on its own is an error naming it.

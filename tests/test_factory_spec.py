@@ -244,6 +244,19 @@ def test_bench_labels_a_factorys_collate_by_its_name(capsys, tmp_path, factories
     assert results["reference"]["config"].startswith("PadBatch + pinned copy")
 
 
+def test_bench_reads_the_factorys_batches_in_every_run(capsys, tmp_path, factories):
+    options = ["--quick", "--dataset", f"{factories}:reversed_batches", "--no-model", "--repeat", "1",
+               "--workers", "0", "1", "--no-progress", "--out", str(tmp_path)]
+    assert bench_command.main(options) == 0
+    out = capsys.readouterr().out
+    assert "batches from the factory's list: its first 3" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["reference"]["samples"] == 12
+    assert all(e["ranked"] for e in results["configs"])
+    assert bench_command.main([*options, "--batch-size", "4"]) == 2
+    assert "leave --batch-size out" in capsys.readouterr().err
+
+
 def test_profile_runs_padded_text_on_the_contract_path(capsys, tmp_path):
     options = ["--dataset", PADDED_TEXT, "--size", "64", "--steps", "2", "--warmup", "1", "--workers", "1",
                "--no-model", "--out", str(tmp_path)]

@@ -326,7 +326,7 @@ class Doctor:
     # -- 2. the reference -------------------------------------------------------------------------
 
     def step_reference(self) -> Epoch | None:
-        setting = f"workers=0, {'' if self.batch_sampler else 'shuffle=False, '}{self.batching}"
+        setting = f"workers=0, {'' if self.batch_sampler is not None else 'shuffle=False, '}{self.batching}"
         self.heading(f"Reference: {setting}")
         started = time.perf_counter()
         run = run_setting(self.plan(), workers=0, epochs=1, transfer=True)

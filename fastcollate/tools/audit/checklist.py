@@ -8,37 +8,36 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
 from ...collate.assemble import assemble
 from ...collate.contract import Contract
-from ...collate.errors import ContractError, sample_id
+from ...collate.errors import sample_id
 from ...collate.ids import guess_target_path, with_ids
+from ..factory_spec import collate_name
 from ..terminal import TERMINAL_COLUMNS, fit_to_terminal
 from .checks import check, compare
 from .digests import top_level_fields
 from .epoch import Epoch
-from .failures import Failure, error_text
+from .failures import Failure
 from .record_sheet import (
     EXIT_OK,
     TIMEOUT_ADVICE,
     Findings,
     Row,
-    conclusion,
     duration,
     epoch_time,
     problem_summary,
-    speed_against,
-    startup_comparison,
     table_lines,
     verdict,
+    worker_rows,
 )
 from .report import AuditReport, Order
 from .setting_run import LoaderPlan, SettingRun, cuda_available, run_setting
-from .tracing import StepBoard, Stuck, TracedMap, TracedStream, alarm, timed, transform_owner
+from .tracing import StepBoard, Stuck, TracedMap, TracedStream, alarm, collated, timed, transform_owner
 
 __all__ = ["Doctor"]
 
@@ -58,6 +57,10 @@ class Doctor:
         targets: the fields compared between settings; None picks ``y``/``label``/``target``... itself.
         persistent_workers: the workers setting keeps its workers between the two epochs.
         show_errors: print exception messages, which may quote a sample's content.
+        collate_fn: the collate every step runs (the user's loader's); None: ``assemble``, under
+            ``contract`` when one is given.
+        contract: the samples' declared contract, shown in step 1 instead of one inferred.
+        batch_sampler: makes the batches instead of ``batch_size``; the settings' orders not compared.
         out: where progress lines go.
     """
 
@@ -72,6 +75,9 @@ class Doctor:
         targets: Sequence[str] | None = None,
         persistent_workers: bool = False,
         show_errors: bool = False,
+        collate_fn: Callable[[list], Any] | None = None,
+        contract: Contract | None = None,
+        batch_sampler: Any = None,
         out: Any = print,
     ) -> None:
         self.dataset = dataset
@@ -83,6 +89,9 @@ class Doctor:
         self.targets = list(targets) if targets is not None else None
         self.persistent_workers = persistent_workers
         self.show_errors = show_errors
+        self.contract = contract
+        self.collate_fn = collate_fn or (assemble.using(contract) if contract is not None else assemble)
+        self.batch_sampler = batch_sampler
         self.out = out
         self.rows: list[Row] = []
         self.steps: list[dict] = []
@@ -99,8 +108,8 @@ class Doctor:
         kind = "iterable" if self.iterable else "map-style"
         size = "" if self.iterable else f", {len(self.dataset)} samples"  # type: ignore[arg-type]
         self.say(
-            f"fastcollate doctor: {type(self.dataset).__name__} ({kind}{size}), batch {self.batch_size}, "
-            f"{self.workers} workers, timeout {self.timeout:g} s"
+            f"fastcollate doctor: {type(self.dataset).__name__} ({kind}{size}), {self.batching}, collate "
+            f"{collate_name(self.collate_fn)}, {self.workers} workers, timeout {self.timeout:g} s"
         )
         reference = None
         if self.step_samples():
@@ -120,6 +129,13 @@ class Doctor:
         self.say(f"\n{self.headings}. {title}")
 
     @property
+    def batching(self) -> str:
+        """How the settings make their batches, as the report says it."""
+        if self.batch_sampler is not None:
+            return f"batches from {type(self.batch_sampler).__name__}"
+        return f"batch {self.batch_size}"
+
+    @property
     def unit(self) -> str:
         """What a sample's position is called in the messages."""
         return "stream position" if self.iterable else "index"
@@ -136,6 +152,8 @@ class Doctor:
             timeout=self.timeout,
             persistent_workers=self.persistent_workers,
             show_errors=self.show_errors,
+            collate_fn=self.collate_fn,
+            batch_sampler=self.batch_sampler,
         )
 
     # -- 1. representative samples ----------------------------------------------------------------
@@ -256,6 +274,10 @@ class Doctor:
 
     def _infer_contracts(self, picked: list[tuple[str, Any]]) -> list[Contract] | Failure:
         """Each picked sample's contract, the first shown and the others as differences from it."""
+        if self.contract is not None:
+            self.say("   the factory's contract:")
+            self.say("     " + str(self.contract).replace("\n", "\n     "))
+            return [self.contract]
         contracts = []
         for where, sample in picked:
             try:
@@ -278,16 +300,9 @@ class Doctor:
         return "transform stage not separable (no `transform` attribute): raw access includes it"
 
     def _collate_together(self, samples: list) -> Failure | None:
-        try:
-            assemble(samples)
-        except ContractError as error:
-            return Failure(
-                "collate",
-                f"id {error.sample_id!r}",
-                error_text(error, True),
-                field=error.field,
-                sample_id=error.sample_id,
-            )
+        failure = collated(self.collate_fn, samples, self.id_key, self.show_errors)
+        if isinstance(failure, Failure):
+            return failure
         self.say(f"   collate of the {len(samples)} together: ok")
         return None
 
@@ -311,7 +326,7 @@ class Doctor:
     # -- 2. the reference -------------------------------------------------------------------------
 
     def step_reference(self) -> Epoch | None:
-        setting = f"workers=0, shuffle=False, batch {self.batch_size}"
+        setting = f"workers=0, {'' if self.batch_sampler is not None else 'shuffle=False, '}{self.batching}"
         self.heading(f"Reference: {setting}")
         started = time.perf_counter()
         run = run_setting(self.plan(), workers=0, epochs=1, transfer=True)
@@ -358,7 +373,12 @@ class Doctor:
     def _note_shapes(self, run: SettingRun) -> None:
         for note in run.notes:
             self.say(f"   note: {note}")
-        if run.notes:
+        declared = self.contract is not None and any(
+            f.pad is not None or f.pack for f in self.contract.fields.values()
+        )
+        if run.notes and declared:
+            self._note("padded or packed lengths vary from batch to batch, as the contract declares")
+        elif run.notes:
             self.findings.shapes_vary = True
             self.notes.append(
                 "shapes or dtypes vary from batch to batch (step 2): declare a fastcollate.Contract "
@@ -380,7 +400,7 @@ class Doctor:
             )
             self.say(f"   note: {notes[-1]}")
         reports = self._compare_with_reference(reference, run)
-        self._add_worker_rows(reference, run, reports)
+        self.rows += worker_rows(self.workers, reference, run.epochs, reports, self.persistent_workers)
         self.steps.append(
             {
                 "step": 3,
@@ -407,10 +427,15 @@ class Doctor:
             )
 
     def _compare_with_reference(self, reference: Epoch, run: SettingRun) -> list[AuditReport]:
-        order: Order = "any" if self.iterable else "same"
+        order: Order = "any" if self.iterable or self.batch_sampler is not None else "same"
         if self.iterable:
             self.notes.append(
                 "an IterableDataset's batches interleave its workers' streams: order not compared"
+            )
+        elif self.batch_sampler is not None:
+            self.notes.append(
+                f"the factory's {type(self.batch_sampler).__name__} may order each pass anew: order not "
+                "compared"
             )
         reports = []
         for number, epoch in enumerate(run.epochs, start=1):
@@ -426,32 +451,6 @@ class Doctor:
                     f"workers={self.workers} epoch {number}: {problem_summary(report)}"
                 )
         return reports
-
-    def _add_worker_rows(self, reference: Epoch, run: SettingRun, reports: list[AuditReport]) -> None:
-        if run.epochs:
-            first = run.epochs[0]
-            detail = speed_against(first, reference)
-            self.rows.append(
-                Row(
-                    f"workers={self.workers}",
-                    "ids, targets as the reference",
-                    epoch_time(first),
-                    conclusion(reports[0], detail),
-                    reports[0].ok,
-                )
-            )
-        if len(run.epochs) > 1:
-            second = run.epochs[1]
-            detail = startup_comparison(run.epochs[0], second, self.persistent_workers)
-            self.rows.append(
-                Row(
-                    f"workers={self.workers}, second epoch",
-                    "nothing missing or duplicated",
-                    epoch_time(second),
-                    conclusion(reports[1], detail),
-                    reports[1].ok,
-                )
-            )
 
     # -- the record sheet -------------------------------------------------------------------------
 
@@ -483,7 +482,9 @@ class Doctor:
         return {
             "dataset": type(self.dataset).__name__,
             "kind": "iterable" if self.iterable else "map-style",
-            "batch_size": self.batch_size,
+            "batch_size": None if self.batch_sampler is not None else self.batch_size,
+            "batch_sampler": type(self.batch_sampler).__name__ if self.batch_sampler is not None else None,
+            "collate": collate_name(self.collate_fn),
             "workers": self.workers,
             "timeout": self.timeout,
             "ids": "dataset indices (with_ids)" if self.ids_are_indices else f"the samples' {self.id_key!r}",

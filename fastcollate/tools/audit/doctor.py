@@ -1,9 +1,10 @@
-"""``python -m fastcollate doctor module:factory``: the loader checklist, run on a dataset.
+"""``python -m fastcollate doctor module:factory``: the loader checklist, run on a dataset with the
+collate and batch sampler its factory gives (``factory_spec``, as ``bench`` and ``profile`` read it).
 
 Representative samples one by one, then one process (the reference), then a few workers for two
 epochs: the report says whether the faster setting delivers the same samples and targets, which stage
 failed on which sample if one did, and how long each setting took. It never prints a sample's content.
-The checklist itself is ``checklist.Doctor``; this module loads the dataset and reads the options.
+The checklist itself is ``checklist.Doctor``; this module reads the options.
 """
 
 from __future__ import annotations
@@ -16,24 +17,15 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from ..cli import UsageError, at_least, loading, run_verb
-from ..factory_spec import load_factory
+from ..cli import UsageError, at_least, run_verb
+from ..factory_spec import load_factory_output, loader_arguments
 from .checklist import Doctor
 from .failures import Failure
 
-__all__ = ["Doctor", "Failure", "load_dataset", "main", "run_doctor"]
+__all__ = ["DEFAULT_BATCH_SIZE", "Doctor", "Failure", "main", "run_doctor"]
 
-
-def load_dataset(spec: str) -> Dataset:
-    """``module:factory`` (or ``path/to/file.py:factory``, see ``load_factory``): the factory's
-    dataset. A factory is a callable returning a Dataset; a Dataset object there is taken as it is."""
-    target = load_factory(spec)
-    dataset = target if isinstance(target, Dataset) or not callable(target) else target()
-    if not isinstance(dataset, Dataset) and not (
-        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
-    ):
-        raise TypeError(f"{spec} gave a {type(dataset).__name__}, not a Dataset")
-    return dataset
+DEFAULT_BATCH_SIZE = 8
+"""Every setting's batch size when neither ``--batch-size`` nor the factory gives one."""
 
 
 def run_doctor(dataset: Dataset, **options: Any) -> dict:
@@ -53,11 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dataset",
         metavar="MODULE:FACTORY",
-        help="module:factory (or file.py:factory), a callable returning a map-style or iterable Dataset, "
-        "as bench and profile take it",
+        help="module:factory (or file.py:factory), as bench and profile take it: a callable returning a "
+        "map-style or iterable Dataset, or a dict with 'dataset' and optionally 'collate', 'contract', "
+        "'batch_sampler', 'batch_size' (the collate and batch sampler are the ones checked)",
     )
     parser.add_argument("factory", nargs="?", help="the same, given without --dataset")
-    parser.add_argument("--batch-size", type=int, default=8, help="batch size of every setting (default 8)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"batch size of every setting (default: the factory's, else {DEFAULT_BATCH_SIZE}); "
+        "not with a factory's batch_sampler",
+    )
     parser.add_argument("--workers", type=int, default=2, help="the 'few workers' setting (default 2)")
     parser.add_argument(
         "--timeout",
@@ -108,11 +106,17 @@ def run_command(args: argparse.Namespace) -> int:
     if not spec:
         raise UsageError("--dataset", "required: the data set to check, as module:factory")
     argument = "--dataset" if args.dataset else "factory"
-    with loading(argument, spec):
-        dataset = load_dataset(spec)
+    made = load_factory_output(spec, argument=argument)
+    arguments = loader_arguments(made, batch_size=args.batch_size, default_batch_size=DEFAULT_BATCH_SIZE)
+    if made.collate is not None and made.contract is not None:
+        print(f"note: {spec} gives a collate and a contract: the collate is checked, as your loader runs it "
+              "(bench and profile give the contract to assemble)")
     report = run_doctor(
-        dataset,
-        batch_size=args.batch_size,
+        made.dataset,
+        collate_fn=arguments["collate_fn"],
+        contract=made.contract if made.collate is None else None,
+        batch_sampler=arguments.get("batch_sampler"),
+        batch_size=arguments.get("batch_size", DEFAULT_BATCH_SIZE),
         workers=args.workers,
         timeout=args.timeout,
         id_key=args.id_key,

@@ -28,6 +28,7 @@ __all__ = [
     "startup_comparison",
     "table_lines",
     "verdict",
+    "worker_rows",
 ]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED = 0, 1, 2
@@ -238,3 +239,20 @@ def problem_summary(report: AuditReport) -> str:
 def conclusion(report: AuditReport, detail: str) -> str:
     head = "same data" if report.ok else "DATA DIFFERS: " + ", ".join(report.problems())
     return head + (f"; {detail}" if detail else "")
+
+
+def worker_rows(
+    workers: int, reference: Epoch, epochs: list[Epoch], reports: list[AuditReport], persistent: bool
+) -> list[Row]:
+    """The few-workers setting's rows: each epoch it completed against the reference, its speed, and
+    the second epoch's start-up against the first's."""
+    rows = []
+    if epochs:
+        detail = speed_against(epochs[0], reference)
+        rows.append(Row(f"workers={workers}", "ids, targets as the reference", epoch_time(epochs[0]),
+                        conclusion(reports[0], detail), reports[0].ok))
+    if len(epochs) > 1:
+        detail = startup_comparison(epochs[0], epochs[1], persistent)
+        rows.append(Row(f"workers={workers}, second epoch", "nothing missing or duplicated",
+                        epoch_time(epochs[1]), conclusion(reports[1], detail), reports[1].ok))
+    return rows

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ class LoaderPlan:
         timeout: seconds to wait for one batch (0: forever).
         persistent_workers: keep the workers between epochs.
         show_errors: errors quote their messages.
+        collate_fn: the collate every setting runs (the factory's, or ``assemble`` under its contract).
+        batch_sampler: the factory's batch sampler, which replaces ``batch_size``; None: in order.
     """
 
     dataset: Dataset
@@ -55,6 +57,8 @@ class LoaderPlan:
     timeout: float
     persistent_workers: bool
     show_errors: bool
+    collate_fn: Callable[[list], Any] | None = None
+    batch_sampler: Any = None
 
     @property
     def unit(self) -> str:
@@ -122,12 +126,15 @@ def _run_setting(plan: LoaderPlan, workers: int, epochs: int, transfer: bool) ->
         traced: Dataset = TracedStream(plan.dataset, board, plan.show_errors, plan.id_key)  # type: ignore[arg-type]
     else:
         traced = TracedMap(plan.dataset, board, plan.show_errors, plan.ids_are_indices)
+    if plan.batch_sampler is not None:
+        batching: dict[str, Any] = {"batch_sampler": plan.batch_sampler}
+    else:
+        batching = {"batch_size": plan.batch_size, "shuffle": False}
     loader = DataLoader(
         traced,
-        batch_size=plan.batch_size,
-        shuffle=False,
         num_workers=workers,
-        collate_fn=TracedCollate(board, plan.id_key, plan.show_errors),
+        collate_fn=TracedCollate(board, plan.id_key, plan.show_errors, plan.collate_fn),
+        **batching,
         timeout=plan.timeout if workers else 0,
         persistent_workers=plan.persistent_workers and workers > 0,
     )

@@ -11,7 +11,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ __all__ = [
     "TracedMap",
     "TracedStream",
     "alarm",
+    "collated",
+    "failing_sample",
     "timed",
     "transform_owner",
 ]
@@ -204,13 +206,21 @@ class TracedStream(IterableDataset):
 
 
 class TracedCollate:
-    """``assemble`` that marks the collate step, tags the batch with its worker, and returns a
-    ``Failure`` (the sample's id and field, from ContractError) instead of raising."""
+    """A collate (``assemble`` unless given) that marks the collate step, tags the batch with its
+    worker, and returns a ``Failure`` instead of raising: the sample's id and field from a
+    ContractError, and for any other error the sample that fails alone or beside the batch's first."""
 
-    def __init__(self, board: StepBoard, id_key: str, show_errors: bool) -> None:
+    def __init__(
+        self,
+        board: StepBoard,
+        id_key: str,
+        show_errors: bool,
+        collate_fn: Callable[[list], Any] | None = None,
+    ) -> None:
         self.board = board
         self.id_key = id_key
         self.show_errors = show_errors
+        self.collate_fn = collate_fn or assemble
 
     def __call__(self, samples: list) -> WorkerTagged:
         worker = current_worker()
@@ -218,39 +228,53 @@ class TracedCollate:
             if isinstance(sample, Failure):
                 return WorkerTagged(worker, sample)
         self.board.mark(_COLLATE, -1)
-        try:
-            batch = assemble(samples)
-        except ContractError as error:
-            who = (
-                f"id {error.sample_id!r}"
-                if error.sample_id is not None
-                else f"batch position {error.position}"
-            )
-            return WorkerTagged(
-                worker,
-                Failure(  # no `where`: it would point into assemble
-                    stage="collate",
-                    sample=who,
-                    error=error_text(error, True),
-                    field=error.field,
-                    worker=worker,
-                    sample_id=error.sample_id,
-                ),
-            )
-        except Exception as error:
-            ids = [sample_id(s, self.id_key) for s in samples]
-            return WorkerTagged(
-                worker,
-                Failure(
-                    stage="collate",
-                    sample=f"the batch of ids {ids}",
-                    error=error_text(error, self.show_errors),
-                    where=raised_at(error),
-                    worker=worker,
-                ),
-            )
-        self.board.mark(_IDLE, -1)
+        batch = collated(self.collate_fn, samples, self.id_key, self.show_errors)
+        if isinstance(batch, Failure):
+            batch.worker = worker
+        else:
+            self.board.mark(_IDLE, -1)
         return WorkerTagged(worker, batch)
+
+
+def collated(collate_fn: Callable[[list], Any], samples: list, id_key: str, show_errors: bool) -> Any:
+    """``collate_fn(samples)``, or the ``Failure`` it ended on: a ContractError's sample and field, or
+    for any other error the batch's ids and the one sample ``failing_sample`` narrows it to."""
+    try:
+        return collate_fn(samples)
+    except ContractError as error:
+        who = f"id {error.sample_id!r}" if error.sample_id is not None else f"batch position {error.position}"
+        return Failure(  # no `where`: it would point into assemble
+            stage="collate", sample=who, error=error_text(error, True), field=error.field,
+            sample_id=error.sample_id,
+        )
+    except Exception as error:
+        ids = [sample_id(s, id_key) for s in samples]
+        culprit = failing_sample(collate_fn, samples)
+        named = "" if culprit is None else f"id {ids[culprit[0]]!r} ({culprit[1]}) in "
+        return Failure(
+            stage="collate",
+            sample=f"{named}the batch of ids {ids}",
+            error=error_text(error, show_errors),
+            where=raised_at(error),
+            sample_id=None if culprit is None else ids[culprit[0]],
+        )
+
+
+def failing_sample(collate_fn: Callable[[list], Any], samples: list) -> tuple[int, str] | None:
+    """After ``collate_fn`` failed on ``samples``: the position of the sample it fails on alone, or
+    else of the first it fails on beside the first sample, and which of the two it was; None when
+    neither narrows it down. Runs only after a failure, so a healthy batch pays nothing for it."""
+    for position, sample in enumerate(samples):
+        try:
+            collate_fn([sample])
+        except Exception:
+            return position, "fails alone"
+    for position, sample in enumerate(samples[1:], start=1):
+        try:
+            collate_fn([samples[0], sample])
+        except Exception:
+            return position, "does not collate with the batch's first"
+    return None
 
 
 class Stuck(BaseException):

@@ -48,12 +48,11 @@ from .report import (
 __all__ = ["build_parser", "main"]
 
 Config = tuple[str, str, int]  # (observation, variant key, workers)
-REFERENCE: Config = ("loader", "default", 0)
 
 LEGEND = (
     "  w: DataLoader workers; pinned copy: pin_memory() then .to(device, non_blocking=True); samples/s: "
     "samples delivered in the measured steps / their seconds (median over runs); x dflt: samples/s over "
-    "default_collate's at the same workers, the median of the per-round ratios (their min-max); "
+    "the baseline collate's at the same workers, the median of the per-round ratios (their min-max); "
     f"{NOT_DIFFERENT}: not beyond the machine's noise: the two's runs overlap (from {MIN_ROUNDS_ONE_SIDE} "
     "runs on, unless every round's ratio is on one side of 1), or the rounds are too small to time; "
     "p50, p95 ms: the wait, "
@@ -88,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "whose epoch does not deliver the workers=0 reference's ids and targets is flagged, not ranked. "
         "--dataset module:factory (or file.py:factory): factory() (given size=/seed= if it takes them) "
         "returns a Dataset with dict samples (an 'id' key, else with_ids adds one), or a dict with "
-        "'dataset' and optionally 'collate' (the baseline), 'contract', 'device_transforms', 'step' "
-        "(callable on a device batch, for the integrated observation), 'unit', 'batch_size'.",
+        "'dataset' and optionally 'collate' (the baseline), 'contract', 'batch_sampler', 'batch_size', "
+        "'step' (callable on a device batch, for the integrated observation), 'device_transforms', "
+        "'unit', 'transforms_note'; as profile and doctor take it (docs/measuring.md).",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
@@ -199,7 +199,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         "warmup_steps": setup.warmup,
         "notes": setup.notes,
         "limits": limits,
-        "reference": reference_record(reference),
+        "reference": reference_record(reference, setup),
         "configs": entries,
         "verdicts": {o: verdict([e for e in entries if e["observation"] == o]) for o in setup.observations},
         "elapsed_s": time.perf_counter() - started,
@@ -236,7 +236,7 @@ def print_plan(setup: Setup, machine: dict[str, Any]) -> None:
         f"  batch {setup.batch_size}; each run is one epoch: {setup.warmup} warm-up batches (excluded from "
         f"timing) + {setup.steps} measured + the batches the configuration holds in flight, untimed "
         f"({PREFETCH_FACTOR} x workers, +{DEVICE_LOADER_DEPTH} with DeviceLoader), so no pipeline runs dry "
-        f"while timed; the reference (default_collate, 0 workers) reads the whole fixed subset of "
+        f"while timed; the reference ({setup.variants[0].label}, 0 workers) reads the whole fixed subset of "
         f"{epoch_samples} samples; {setup.repeat} runs per configuration, interleaved; median shown"
     )
     _say(f"  observations: {', '.join(setup.observations)}")
@@ -272,14 +272,16 @@ def run_configs(
     own when the observations leave that configuration out.
     """
     variants = {v.key: v for v in setup.variants}
+    first = setup.variants[0]  # the baseline, unless it could not batch the data
+    reference_config: Config = ("loader", first.key, 0)
     runs: dict[Config, list[EpochRun]] = {c: [] for c in configs}
-    bar = progress(len(configs) * setup.repeat + (0 if REFERENCE in runs else 1), disable_progress)
+    bar = progress(len(configs) * setup.repeat + (0 if reference_config in runs else 1), disable_progress)
     reference = None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
-        if REFERENCE not in runs:
-            bar.set_postfix_str("reference: default_collate, 0 workers")
-            reference = run_epoch(setup, variants["default"], 0, "loader", full=True)
+        if reference_config not in runs:
+            bar.set_postfix_str(f"reference: {first.label}, 0 workers")
+            reference = run_epoch(setup, first, 0, "loader", full=True)
             bar.update(1)
         for round_index in range(setup.repeat):
             # Rotate the order, spreading the rounds' starting points over the whole list: the positions
@@ -290,7 +292,7 @@ def run_configs(
             shift = round_index * count // setup.repeat if setup.repeat <= count else round_index % count
             ordered = configs[shift:] + configs[:shift]
             if reference is None and round_index == 0:
-                ordered = [REFERENCE] + [c for c in ordered if c != REFERENCE]
+                ordered = [reference_config] + [c for c in ordered if c != reference_config]
             for observation, variant_key, workers in ordered:
                 bar.set_postfix_str(
                     f"{observation} {variants[variant_key].label}, {workers} workers, "
@@ -365,11 +367,11 @@ def config_record(setup: Setup, quick: bool) -> dict[str, Any]:
     }
 
 
-def reference_record(reference: EpochRun | None) -> dict[str, Any]:
+def reference_record(reference: EpochRun | None, setup: Setup) -> dict[str, Any]:
     """The reference epoch as results.json keeps it: its size and the checksums of its ids and targets."""
     delivered = reference.delivered if reference is not None else None
     return {
-        "config": "default_collate, 0 workers, loader-only, first run",
+        "config": f"{setup.variants[0].label}, 0 workers, loader-only, first run",
         "samples": int(delivered.ids.size) if delivered is not None else 0,
         "ids_crc32": fingerprint(delivered.ids) if delivered is not None else None,
         "targets_crc32": fingerprint(delivered.targets)

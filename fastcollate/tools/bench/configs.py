@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,8 +16,8 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 import fastcollate
 
-from ..cli import UsageError, at_least, loading
-from ..factory_spec import load_factory
+from ..cli import UsageError, at_least
+from ..factory_spec import collate_name, load_factory_output, loader_arguments
 from .machine import cuda_available, usable_cpus
 from .models import TrainStep
 from .presets import PRESETS
@@ -57,6 +56,59 @@ VARIANTS = (
 )
 
 
+def variants_for(baseline_collate: Callable) -> list[Variant]:
+    """The variants, the baseline labelled by its collate's name (``default_collate`` or the user's)."""
+    name = collate_name(baseline_collate)
+    baseline = dataclasses.replace(VARIANTS[0], collate=name, label=f"{name} + pinned copy")
+    return [baseline, *VARIANTS[1:]]
+
+
+def first_batches(batch_sampler: Any, count: int, notes: list[str]) -> list[list[int]]:
+    """The first ``count`` batches of one pass of ``batch_sampler`` (fewer if its epoch is shorter):
+    every run reads these, so every run's ids can be checked against the reference's."""
+    batches = []
+    for batch in batch_sampler:
+        batches.append([int(i) for i in batch])
+        if len(batches) == count:
+            break
+    if not batches:
+        raise UsageError("--dataset", f"the factory's batch_sampler ({type(batch_sampler).__name__}) "
+                         "gave no batch")
+    notes.append(
+        f"batches from the factory's {type(batch_sampler).__name__}: its first {len(batches)}, the same in "
+        f"every run, of up to {max(len(b) for b in batches)} samples"
+    )
+    return batches
+
+
+def baseline_problem(dataset: Dataset, collate: Callable, first: list[int] | None) -> str | None:
+    """Why ``collate`` cannot batch the samples at ``first`` (tried once, in this process), naming
+    the ids and the first field that fails; None when it can, or for a stream.
+
+    In a worker, ``default_collate`` stacks into a shared-memory tensor sized from the samples'
+    total, and on samples of different lengths dies with "Trying to resize storage that is not
+    resizable", naming neither the field nor the samples: this says it before any worker starts."""
+    if not first or isinstance(dataset, IterableDataset):
+        return None
+    samples = [dataset[i] for i in first]
+    try:
+        collate(samples)
+    except Exception as error:
+        ids = [s.get("id", i) if isinstance(s, Mapping) else i for s, i in zip(samples, first, strict=True)]
+        field = ""
+        if all(isinstance(s, Mapping) for s in samples):
+            for key in samples[0]:
+                try:
+                    collate([{key: s.get(key)} for s in samples])
+                except Exception:
+                    field = f", field {key!r}"
+                    break
+        message = " ".join(str(error).split())
+        return (f"{collate_name(collate)} cannot batch this data set (the batch of ids {ids[:8]}"
+                f"{' ...' if len(ids) > 8 else ''}{field}: {type(error).__name__}: {message})")
+    return None
+
+
 def tail_batches(variant: Variant, workers: int) -> int:
     """Batches a configuration can hold in flight past the one being consumed: a DataLoader keeps
     ``prefetch_factor * workers`` outstanding, a DeviceLoader ``depth`` more. Without that many after
@@ -81,6 +133,7 @@ class DataChoice:
     model_note: str
     unit: str
     transforms_note: str
+    batch_sampler: Any  # the factory's, or None: then batch_size makes the batches
 
 
 @dataclasses.dataclass
@@ -100,6 +153,8 @@ class Setup(DataChoice):
     pin_memory: bool
     target_path: str | None = None  # found in the first batch, for the runs after it
     tail: int = 0  # untimed batches after the measured ones
+    batches: list[list[int]] | None = None  # the batch_sampler's first batches, read by every run
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # variant key -> why
 
     def times_device_transforms(self, observation: str) -> bool:
         """Whether ``observation``'s timed loop runs the device transforms.
@@ -152,7 +207,6 @@ def resolve(args: argparse.Namespace) -> Setup:
     observations = {"loader": ["loader"], "integrated": ["integrated"], "both": ["loader", "integrated"]}[
         "loader" if args.no_model else args.observation
     ]
-    variants = list(VARIANTS)
     if args.dataset:
         data = _user_data(args, notes)
         if data.make_step is None and "integrated" in observations:
@@ -167,10 +221,27 @@ def resolve(args: argparse.Namespace) -> Setup:
             "--observation", f"integrated needs a model step, and {args.dataset} gave no 'step' (a callable "
             "on the device batch): add one, or run --observation loader"
         )
+    variants = variants_for(data.baseline_collate)
     tail = 0
     if not isinstance(data.dataset, IterableDataset):
         tail = max(tail_batches(v, w) for v in variants for w in workers)
-    indices = _fixed_subset(data.dataset, (warmup + steps + tail) * data.batch_size, args.seed, notes)
+    batches = indices = None
+    if data.batch_sampler is not None:
+        batches = first_batches(data.batch_sampler, warmup + steps + tail, notes)
+        data.batch_size = max(len(b) for b in batches)
+    else:
+        indices = _fixed_subset(data.dataset, (warmup + steps + tail) * data.batch_size, args.seed, notes)
+    left_out = {}
+    if args.dataset:  # a preset's baseline batches its own data
+        first = batches[0] if batches else indices[: data.batch_size] if indices else None
+        problem = baseline_problem(data.dataset, data.baseline_collate, first)
+        if problem is not None:
+            left_out[variants[0].key] = problem
+            notes.append(
+                f"{variants[0].label} left out: {problem}; the factory's 'collate' (the collate your "
+                "loader runs) sets the baseline"
+            )
+            variants = variants[1:]
     chosen = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
     chosen["make_step"] = data.make_step if "integrated" in observations else None
     return Setup(
@@ -187,6 +258,8 @@ def resolve(args: argparse.Namespace) -> Setup:
         notes=notes,
         pin_memory=device.type == "cuda",
         tail=tail,
+        batches=batches,
+        left_out=left_out,
     )
 
 
@@ -270,70 +343,33 @@ def _preset_data(args: argparse.Namespace, device: torch.device) -> DataChoice:
         model_note=make_step().describe(),
         unit=preset.unit,
         transforms_note=preset.transforms_note,
+        batch_sampler=None,
     )
 
 
 def _user_data(args: argparse.Namespace, notes: list[str]) -> DataChoice:
-    user = _user_factory_output(args.dataset, args)
-    dataset = user["dataset"]
-    _check_user_dataset(args.dataset, dataset)
-    contract = user.get("contract")
-    user_step = user.get("step")
+    user = load_factory_output(args.dataset, size=args.size, seed=args.seed)
+    dataset = user.dataset
     if not isinstance(dataset, IterableDataset) and not _has_id(dataset):
         dataset = fastcollate.with_ids(dataset)
         notes.append("samples have no 'id': fastcollate.with_ids attached dataset indices")
+    batching = loader_arguments(user, batch_size=args.batch_size, default_batch_size=256)
     return DataChoice(
         name=args.dataset,
         description=f"user data set from {args.dataset}",
         dataset=dataset,
-        batch_size=args.batch_size or int(user.get("batch_size", 256)),
-        baseline_collate=user.get("collate", default_collate),
-        assemble_fn=fastcollate.assemble.using(contract) if contract is not None else fastcollate.assemble,
-        device_transforms=dict(user.get("device_transforms") or {}),
-        make_step=(lambda: user_step) if user_step is not None else None,
-        model_note=(
-            f"user step {getattr(user_step, '__name__', type(user_step).__name__)}" if user_step else ""
+        batch_size=batching.get("batch_size", 0),
+        baseline_collate=user.collate or default_collate,
+        assemble_fn=(
+            fastcollate.assemble.using(user.contract) if user.contract is not None else fastcollate.assemble
         ),
-        unit=user.get("unit", "bytes"),
-        transforms_note=user.get("transforms_note", "the data set's own"),
+        device_transforms=dict(user.extra.get("device_transforms") or {}),
+        make_step=(lambda: user.step) if user.step is not None else None,
+        model_note=f"user step {collate_name(user.step)}" if user.step is not None else "",
+        unit=user.extra.get("unit", "bytes"),
+        transforms_note=user.extra.get("transforms_note", "the data set's own"),
+        batch_sampler=user.batch_sampler,
     )
-
-
-def _user_factory_output(spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    """What ``--dataset module:factory`` makes, as a mapping with at least ``"dataset"``; a factory
-    that does not load, raises, or returns a mapping without ``"dataset"`` is a ``UsageError``."""
-    with loading("--dataset", spec):
-        factory = load_factory(spec)
-        kwargs = {}
-        params = inspect.signature(factory).parameters if callable(factory) else {}
-        if args.size is not None and "size" in params:
-            kwargs["size"] = args.size
-        if "seed" in params:
-            kwargs["seed"] = args.seed
-        made = factory(**kwargs) if callable(factory) and not isinstance(factory, Dataset) else factory
-    spec_dict = dict(made) if isinstance(made, Mapping) else {"dataset": made}
-    if "dataset" not in spec_dict:
-        keys = ", ".join(map(repr, spec_dict))
-        raise UsageError("--dataset", f"{spec} returned a mapping without 'dataset' (its keys: {keys})")
-    return spec_dict
-
-
-def _check_user_dataset(spec: str, dataset: Any) -> None:
-    """A data set every configuration can read: a Dataset, and, map-style, a length above zero
-    (the sample order is drawn from ``len()``)."""
-    if isinstance(dataset, IterableDataset):
-        return
-    if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
-        raise UsageError("--dataset", f"{spec} gave a {type(dataset).__name__}, not a Dataset")
-    try:
-        size = len(dataset)
-    except TypeError:
-        raise UsageError(
-            "--dataset", f"{spec} gave a map-style {type(dataset).__name__} without len(): "
-            "define __len__, or make it an IterableDataset"
-        ) from None
-    if size == 0:
-        raise UsageError("--dataset", f"{spec} gave an empty data set (len 0)")
 
 
 def _has_id(dataset: Dataset) -> bool:

@@ -133,7 +133,12 @@ class EpochRecorder:
         self.workers = workers
         self.device = setup.device
         self.asked: int | None = None
-        if setup.indices is not None:
+        self.index_batches = None
+        if setup.batches is not None:
+            needed = setup.warmup + setup.steps + tail_batches(variant, workers)
+            self.index_batches = setup.batches if full else setup.batches[:needed]
+            self.asked = sum(len(b) for b in self.index_batches)
+        elif setup.indices is not None:
             self.asked = len(setup.indices)
             if not full:
                 needed = (setup.warmup + setup.steps + tail_batches(variant, workers)) * setup.batch_size
@@ -173,6 +178,7 @@ class EpochRecorder:
             dataset,
             self.transforms,
             record_copy_events=self.device.type == "cuda",
+            batches=self.index_batches,
         )
         error = None
         stats: dict[str, Any] = {}

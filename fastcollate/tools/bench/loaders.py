@@ -23,22 +23,25 @@ def open_loader(
     dataset: Dataset,
     transforms: Mapping[str, Callable] | None,
     record_copy_events: bool = False,
+    batches: list[list[int]] | None = None,
 ) -> tuple[DataLoader, Any]:
     """The DataLoader over ``dataset``, and what to iterate: the DataLoader itself, or the DeviceLoader
     around it (given ``transforms``) for a DeviceLoader variant. Workers are persistent, so an epoch's
-    start-up is measured once and its end does not wait for workers to exit."""
+    start-up is measured once and its end does not wait for workers to exit. ``batches`` (indices into
+    ``dataset``) replace ``setup.batch_size`` as the loader's batch sampler."""
     uses_device_loader = variant.transfer == "DeviceLoader"
     extra: dict[str, Any] = {}
     if workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": PREFETCH_FACTOR}
+    if batches is not None:
+        extra["batch_sampler"] = batches
+    else:
+        extra.update(batch_size=setup.batch_size, shuffle=False, drop_last=False)
     loader = DataLoader(
         dataset,
-        batch_size=setup.batch_size,
-        shuffle=False,
         num_workers=workers,
-        collate_fn=setup.baseline_collate if variant.collate == "default_collate" else setup.assemble_fn,
+        collate_fn=setup.baseline_collate if variant.key == "default" else setup.assemble_fn,
         pin_memory=setup.pin_memory and not uses_device_loader,  # DeviceLoader pins into its own ring
-        drop_last=False,
         **extra,
     )
     if not uses_device_loader:

@@ -27,6 +27,7 @@ from torch.utils.data import Subset
 
 from ...transfer.transforms import apply_to_fields
 from ..cli import output_folder, run_verb
+from ..factory_spec import collate_name
 from ..terminal import fit_to_terminal
 from .batches import to_device
 from .configs import Setup, Variant, resolve
@@ -39,9 +40,10 @@ from .timeline import NOT_THROUGHPUT, RANGES, count_of, draw_timeline, range_sum
 __all__ = ["main", "profile_path"]
 
 PATHS = {
-    "default": ("default_collate + pin_memory + .to(non_blocking=True)", "default"),
+    "default": ("{collate} + pin_memory + .to(non_blocking=True)", "default"),
     "device_loader": ("assemble + DeviceLoader", "device_loader"),
 }
+"""Each ``--paths`` name: its label (``{collate}``: the baseline collate's name) and the bench variant."""
 
 
 def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path) -> dict[str, int]:
@@ -55,7 +57,8 @@ def profile_path(setup: Setup, variant: Variant, workers: int, trace_path: Path)
     """
     device = setup.device
     dataset = setup.dataset if setup.indices is None else Subset(setup.dataset, setup.indices)
-    loader, source = open_loader(setup, variant, workers, dataset, setup.device_transforms)
+    loader, source = open_loader(setup, variant, workers, dataset, setup.device_transforms,
+                                 batches=setup.batches)
     device_loader = variant.transfer == "DeviceLoader"
     step = setup.make_step() if setup.make_step is not None else None
     activities = [ProfilerActivity.CPU]
@@ -366,8 +369,9 @@ def profile_paths(
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
         for key in paths:
             label, variant_key = PATHS[key]
+            label = label.format(collate=collate_name(setup.baseline_collate))
             if variant_key not in variants:
-                say(f"  skipped {label}: not available in this build")
+                say(f"  skipped {label}: {setup.left_out.get(variant_key, 'not available in this build')}")
                 continue
             trace_path = out / f"trace_{key}.json"
             started = time.perf_counter()

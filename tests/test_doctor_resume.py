@@ -44,7 +44,7 @@ def test_index_batches_resume_exactly_once_on_the_same_and_another_worker_count(
     report = check(stateful(lambda r, w: IndexBatches(N, 7, shuffle=True, seed=1).for_rank(r, w)), lines)
     assert report["exit_status"] == 0, lines
     assert [run["report"]["delivered"] for run in report["runs"]] == [N, N]
-    assert "  workers 1 -> 0 (the sampler's part of it): OK, 60 samples delivered, each once" in lines
+    assert "  workers 1 -> 0 (the sampler's part of it): OK, every one of 60 samples delivered once" in lines
 
 
 class Reshuffled(Sampler):
@@ -90,8 +90,10 @@ def test_a_loader_that_resumes_wrong_fails_naming_the_ids_lost_and_repeated(batc
     named = [entry["id"] for entry in resumed["duplicated"]["ids"]] + resumed["missing"]["ids"]
     text = "\n".join(lines)
     assert "FAILED" in text
-    assert f"duplicated ({resumed['duplicated']['count']}): {named[0]} x" in text or \
-        f"missing ({resumed['missing']['count']}): {named[0]}" in text, "the ids and their count are named"
+    assert (
+        f"duplicated ({resumed['duplicated']['count']}): {named[0]} x" in text
+        or f"missing ({resumed['missing']['count']}): {named[0]}" in text
+    ), "the ids and their count are named"
 
 
 def test_a_loader_without_state_is_not_verified_and_says_why():
@@ -135,3 +137,65 @@ def test_ranks_that_resume_unevenly_fail():
     report = check(stateful(lambda r, w: Uneven(N, 4, rank=r, world_size=w)), lines, world_sizes=(2, 2))
     assert report["exit_status"] == 1
     assert "different numbers of steps" in "\n".join(lines)
+
+
+def doctor(argv, capsys):
+    from fastcollate.tools.audit.doctor import main
+
+    status = main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+EXAMPLE = "examples/padded_text.py"
+
+
+def test_padded_text_from_its_factory_resumes_exactly_once_through_the_command(capsys):
+    status, text = doctor(["--resume", "--workers", "1", "--dataset", f"{EXAMPLE}:make_resumable"], capsys)
+    assert status == 0, text
+    assert "workers 1 -> 0 (the sampler's part of it): OK, every one of 512 samples delivered once" in text
+
+
+def test_the_command_resumes_ranks_on_another_world_size(capsys):
+    argv = ["--resume-world-size", "3,2", "--workers", "1", "--dataset", f"{EXAMPLE}:make_resumable"]
+    status, text = doctor(argv, capsys)
+    assert status == 0, text
+    assert "3 ranks -> 2 ranks, workers 1: OK" in text
+
+
+def test_a_loader_whose_sampler_keeps_no_state_is_not_verified_across_worker_counts(capsys):
+    status, text = doctor(["--resume", "--workers", "1", "--dataset", f"{EXAMPLE}:make"], capsys)
+    assert status == 2, text
+    assert "workers 1 -> 1 (the loader's own state): OK" in text
+    assert "NOT VERIFIED: its batch sampler (BatchSampler) keeps no state" in text
+
+
+def test_a_factory_whose_sampler_resumes_wrong_fails_through_the_command(capsys, tmp_path):
+    factory = tmp_path / "reshuffled_text.py"
+    factory.write_text(
+        "from torch.utils.data import BatchSampler, RandomSampler\n"
+        "import fastcollate\n"
+        "def make():\n"
+        "    data = fastcollate.with_ids([{'x': float(i)} for i in range(40)])\n"
+        "    return {'dataset': data, 'batch_sampler': BatchSampler(RandomSampler(data), 5, False)}\n"
+    )
+    status, text = doctor(["--resume", "--workers", "1", "--dataset", f"{factory}:make"], capsys)
+    assert status == 1, text
+    assert "FAILED" in text and "duplicated (" in text and "missing (" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--resume-world-size", "2"], "want two world sizes as W,W2"),
+        (["--resume-world-size", "0,2"], "must be at least 1"),
+    ],
+)
+def test_bad_world_sizes_are_usage_errors(argv, message, capsys):
+    status, text = doctor([*argv, "--dataset", f"{EXAMPLE}:make_resumable"], capsys)
+    assert status == 2 and message in text
+
+
+def test_world_sizes_need_a_batch_sampler_that_splits_by_rank(capsys):
+    status, text = doctor(["--resume-world-size", "2,3", "--dataset", f"{EXAMPLE}:make"], capsys)
+    assert status == 2 and "gives no batch_sampler that splits by rank" in text

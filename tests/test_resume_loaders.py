@@ -75,9 +75,9 @@ def resumed_epoch(make_sampler, workers, workers_after, k, world=1, world_after=
     del iterators, loaders  # the checkpointed job is gone
     after = [make_sampler(r, world_after) for r in range(world_after)]
     new_loaders = [loader_for(s, workers_after) for s in after]
-    for sampler, loader in zip(after, new_loaders):
+    for rank, (sampler, loader) in enumerate(zip(after, new_loaders, strict=True)):
         if workers_after == workers and world_after == world:
-            loader.load_state_dict(states[0] if world == 1 else states[after.index(sampler)])
+            loader.load_state_dict(states[rank])
         else:
             sampler.load_state_dict(sampler_state(states[0]))
     return consumed, [run_out(loader) for loader in new_loaders], after, new_loaders

@@ -29,13 +29,25 @@ from .cli import UsageError, loading
 __all__ = ["KNOWN_KEYS", "Factory", "collate_name", "load_factory", "load_factory_output", "loader_arguments"]
 
 KNOWN_KEYS = (
-    "dataset", "collate", "contract", "batch_sampler", "batch_size", "step",
-    "device_transforms", "unit", "transforms_note",
+    "dataset",
+    "collate",
+    "contract",
+    "batch_sampler",
+    "batch_size",
+    "step",
+    "device_transforms",
+    "unit",
+    "transforms_note",
 )
 """What a factory's mapping may hold; ``dataset`` is required. The last three only the bench reads."""
 
-_INDEX_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler,
-                   DistributedSampler)
+_INDEX_SAMPLERS = (
+    SequentialSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    DistributedSampler,
+)
 """Samplers of single indices, which a DataLoader takes as ``sampler=``, never as ``batch_sampler=``."""
 
 
@@ -122,22 +134,32 @@ def load_factory_output(
         made = factory
         if callable(factory) and not isinstance(factory, Dataset):
             params = inspect.signature(factory).parameters
-            kwargs = {name: value for name, value in (("size", size), ("seed", seed))
-                      if value is not None and name in params}
+            kwargs = {
+                name: value
+                for name, value in (("size", size), ("seed", seed))
+                if value is not None and name in params
+            }
             made = factory(**kwargs)
     given = dict(made) if isinstance(made, Mapping) else {"dataset": made}
     unknown = [key for key in given if key not in KNOWN_KEYS]
     if unknown:
-        raise UsageError(argument, f"{spec} returned unknown keys {', '.join(map(repr, unknown))}: "
-                         f"a factory's mapping holds {', '.join(map(repr, KNOWN_KEYS))}")
+        raise UsageError(
+            argument,
+            f"{spec} returned unknown keys {', '.join(map(repr, unknown))}: "
+            f"a factory's mapping holds {', '.join(map(repr, KNOWN_KEYS))}",
+        )
     if "dataset" not in given:
-        raise UsageError(argument, f"{spec} returned a mapping without 'dataset' (its keys: "
-                         f"{', '.join(map(repr, given))}): add the data set under 'dataset'")
+        raise UsageError(
+            argument,
+            f"{spec} returned a mapping without 'dataset' (its keys: "
+            f"{', '.join(map(repr, given))}): add the data set under 'dataset'",
+        )
     _check_dataset(argument, spec, given["dataset"])
     for key in ("collate", "step"):
         if given.get(key) is not None and not callable(given[key]):
-            raise UsageError(argument, f"{spec}: {key!r} must be a callable, got a "
-                             f"{type(given[key]).__name__}")
+            raise UsageError(
+                argument, f"{spec}: {key!r} must be a callable, got a {type(given[key]).__name__}"
+            )
     _check_contract(argument, spec, given.get("contract"))
     _check_batching(argument, spec, given.get("batch_sampler"), given.get("batch_size"))
     return Factory(
@@ -170,9 +192,12 @@ def loader_arguments(
     arguments: dict[str, Any] = {"collate_fn": collate_fn or made.collate_fn()}
     if made.batch_sampler is not None:
         if batch_size is not None:
-            raise UsageError(argument, f"{made.spec} gives a batch_sampler "
-                             f"({type(made.batch_sampler).__name__}), which makes the batches: leave "
-                             f"{argument} out, or drop the factory's batch_sampler")
+            raise UsageError(
+                argument,
+                f"{made.spec} gives a batch_sampler "
+                f"({type(made.batch_sampler).__name__}), which makes the batches: leave "
+                f"{argument} out, or drop the factory's batch_sampler",
+            )
         arguments["batch_sampler"] = made.batch_sampler
     else:
         arguments["batch_size"] = batch_size or made.batch_size or default_batch_size
@@ -199,8 +224,9 @@ def _check_dataset(argument: str, spec: str, dataset: Any) -> None:
         size = len(dataset)
     except TypeError:
         raise UsageError(
-            argument, f"{spec} gave a map-style {type(dataset).__name__} without len(): "
-            "define __len__, or make it an IterableDataset"
+            argument,
+            f"{spec} gave a map-style {type(dataset).__name__} without len(): "
+            "define __len__, or make it an IterableDataset",
         ) from None
     if size == 0:
         raise UsageError(argument, f"{spec} gave an empty data set (len 0)")
@@ -212,25 +238,37 @@ def _check_contract(argument: str, spec: str, contract: Any) -> None:
     from ..collate.contract import Contract  # late: the spec loads without the native extension
 
     if not isinstance(contract, Contract):
-        raise UsageError(argument, f"{spec}: 'contract' must be a fastcollate.Contract, got a "
-                         f"{type(contract).__name__}")
+        raise UsageError(
+            argument, f"{spec}: 'contract' must be a fastcollate.Contract, got a {type(contract).__name__}"
+        )
 
 
 def _check_batching(argument: str, spec: str, batch_sampler: Any, batch_size: Any) -> None:
     """A batch sampler that yields batches of indices, and a batch size only without one."""
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise UsageError(argument, f"{spec}: 'batch_size' must be a whole number of at least 1, got "
-                         f"{batch_size!r}")
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise UsageError(
+            argument, f"{spec}: 'batch_size' must be a whole number of at least 1, got {batch_size!r}"
+        )
     if batch_sampler is None:
         return
     name = type(batch_sampler).__name__
     if isinstance(batch_sampler, _INDEX_SAMPLERS):
-        raise UsageError(argument, f"{spec}: 'batch_sampler' is a {name}, which yields one index at a "
-                         f"time: wrap it, BatchSampler({name}(...), batch_size, drop_last=False)")
+        raise UsageError(
+            argument,
+            f"{spec}: 'batch_sampler' is a {name}, which yields one index at a "
+            f"time: wrap it, BatchSampler({name}(...), batch_size, drop_last=False)",
+        )
     if isinstance(batch_sampler, (str, bytes, Mapping, Dataset)) or not hasattr(batch_sampler, "__iter__"):
-        raise UsageError(argument, f"{spec}: 'batch_sampler' must yield lists of indices (a "
-                         f"BatchSampler, fastcollate.IndexBatches), got a {name}")
+        raise UsageError(
+            argument,
+            f"{spec}: 'batch_sampler' must yield lists of indices (a "
+            f"BatchSampler, fastcollate.IndexBatches), got a {name}",
+        )
     if batch_size is not None:
-        raise UsageError(argument, f"{spec} gives both 'batch_sampler' and 'batch_size': the batch "
-                         "sampler makes the batches, leave 'batch_size' out")
+        raise UsageError(
+            argument,
+            f"{spec} gives both 'batch_sampler' and 'batch_size': the batch "
+            "sampler makes the batches, leave 'batch_size' out",
+        )

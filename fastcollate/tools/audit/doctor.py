@@ -15,12 +15,15 @@ import os
 import sys
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
+from ...collate.errors import sample_id
+from ...collate.ids import with_ids
 from ..cli import UsageError, at_least, run_verb
-from ..factory_spec import load_factory_output, loader_arguments
+from ..factory_spec import Factory, load_factory_output, loader_arguments
 from .checklist import Doctor
 from .failures import Failure
+from .resume_check import ResumeCheck
 
 __all__ = ["DEFAULT_BATCH_SIZE", "Doctor", "Failure", "main", "run_doctor"]
 
@@ -84,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print exception messages (they may quote a sample's content)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="instead of the checklist: checkpoint the loader (a torchdata StatefulDataLoader over the "
+        "factory's parts) at a random batch and resume a fresh one, with --workers and with 0 workers; "
+        "prove from the ids that the epoch came exactly once",
+    )
+    parser.add_argument(
+        "--resume-world-size",
+        metavar="W,W2",
+        help="with --resume: W rank loaders (in this process) take the checkpoint and W2 resume it; the "
+        "factory's batch_sampler must split by rank (fastcollate.IndexBatches, TokenBudgetBatches)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="with --resume: draws the checkpoint's batch")
     return parser
 
 
@@ -108,9 +125,13 @@ def run_command(args: argparse.Namespace) -> int:
     argument = "--dataset" if args.dataset else "factory"
     made = load_factory_output(spec, argument=argument)
     arguments = loader_arguments(made, batch_size=args.batch_size, default_batch_size=DEFAULT_BATCH_SIZE)
+    if args.resume or args.resume_world_size:
+        return _finish(args, spec, _resume(args, spec, argument, made))
     if made.collate is not None and made.contract is not None:
-        print(f"note: {spec} gives a collate and a contract: the collate is checked, as your loader runs it "
-              "(bench and profile give the contract to assemble)")
+        print(
+            f"note: {spec} gives a collate and a contract: the collate is checked, as your loader runs it "
+            "(bench and profile give the contract to assemble)"
+        )
     report = run_doctor(
         made.dataset,
         collate_fn=arguments["collate_fn"],
@@ -124,11 +145,92 @@ def run_command(args: argparse.Namespace) -> int:
         persistent_workers=args.persistent_workers,
         show_errors=args.show_errors,
     )
+    return _finish(args, spec, report)
+
+
+def _finish(args: argparse.Namespace, spec: str, report: dict) -> int:
     report["factory"] = spec
     if args.json:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=2, default=str)
     return int(report["exit_status"])
+
+
+def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -> dict:
+    """The resume check on StatefulDataLoaders made afresh from the factory for every loader (a resumed
+    loader is a new process's: nothing carries over but the state)."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise UsageError(
+            "--resume",
+            "needs torchdata (pip install torchdata): its StatefulDataLoader is the loader a "
+            "checkpoint can hold",
+        ) from None
+    world_sizes = _world_sizes(args.resume_world_size, made)
+    shuffles = made.batch_sampler is None and not isinstance(made.dataset, IterableDataset)
+    if shuffles:
+        print(
+            "note: the factory gives no batch_sampler: the loader shuffles with StatefulDataLoader's own "
+            "sampler (shuffle=True)"
+        )
+
+    def make_loader(workers: int, rank: int, world_size: int) -> Any:
+        fresh = load_factory_output(spec, argument=argument)
+        arguments = loader_arguments(fresh, batch_size=args.batch_size, default_batch_size=DEFAULT_BATCH_SIZE)
+        if world_sizes is not None:
+            arguments["batch_sampler"] = arguments["batch_sampler"].for_rank(rank, world_size)
+        elif shuffles:
+            arguments["shuffle"] = True
+        return StatefulDataLoader(_identified(fresh.dataset, args.id_key), num_workers=workers, **arguments)
+
+    world, world_after = world_sizes or (1, 1)
+    check = ResumeCheck(
+        make_loader,
+        workers=args.workers,
+        other_workers=0,
+        id_key=args.id_key,
+        seed=args.seed,
+        world_sizes=world_sizes,
+        allowed_repeats=(world - 1) + (world_after - 1),
+        allowed_dropped=_allowed_dropped(made.batch_sampler, world, world_after),
+    )
+    return check.run()
+
+
+def _world_sizes(given: str | None, made: Factory) -> tuple[int, int] | None:
+    if given is None:
+        return None
+    try:
+        world, world_after = (int(part) for part in given.split(","))
+    except ValueError:
+        raise UsageError(
+            "--resume-world-size", f"want two world sizes as W,W2 (e.g. 2,3), got {given!r}"
+        ) from None
+    at_least("--resume-world-size", min(world, world_after), 1)
+    if not hasattr(made.batch_sampler, "for_rank"):
+        raise UsageError(
+            "--resume-world-size",
+            f"{made.spec} gives no batch_sampler that splits by rank (got "
+            f"{type(made.batch_sampler).__name__}): give fastcollate.IndexBatches or TokenBudgetBatches",
+        )
+    return world, world_after
+
+
+def _allowed_dropped(batch_sampler: Any, world: int, world_after: int) -> int:
+    """What drop_last may leave out of an epoch resumed from W ranks on W2 (IndexBatches' stated rule)."""
+    if not getattr(batch_sampler, "drop_last", False) and not getattr(
+        batch_sampler, "sampler_drop_last", False
+    ):
+        return 0
+    return (world + world_after) * (batch_sampler.batch_size - 1) + (world - 1) + (world_after - 1)
+
+
+def _identified(dataset: Any, id_key: str) -> Any:
+    """The data set with ids to prove exactly-once with: its own, else its indices (``with_ids``)."""
+    if isinstance(dataset, IterableDataset) or len(dataset) == 0:
+        return dataset
+    return dataset if sample_id(dataset[0], id_key) is not None else with_ids(dataset, id_key)
 
 
 def _check_json_path(path: str) -> None:

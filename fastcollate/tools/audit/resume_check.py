@@ -98,6 +98,9 @@ class ResumeCheck:
             reference = self._uninterrupted(world)
         except Unresumable as error:
             return self._finish([], None, str(error))
+        except Exception as error:  # the loader itself fails: no resume can be judged
+            failed = self._said(ResumeRun("the uninterrupted epoch", problems=[_failure(error)]))
+            return self._finish([failed], None, None)
         if reference.batches // world < 2:
             return self._finish(
                 [],
@@ -112,7 +115,8 @@ class ResumeCheck:
             + f" (--seed {self.seed})"
         )
         if self.world_sizes:
-            plans = [(f"{world} ranks -> {world_after} ranks, workers {self.workers}", self.workers)]
+            ranks = f"{_ranks(world)} -> {_ranks(world_after)}, workers {self.workers}"
+            plans = [(ranks, self.workers)]
         else:
             plans = [
                 (f"workers {self.workers} -> {self.workers} (the loader's own state)", self.workers),
@@ -131,7 +135,7 @@ class ResumeCheck:
         ledger.begin_epoch()
         for rank in range(world):
             for item in self.make_loader(self.workers, rank, world):
-                ledger.record(item)
+                _record(ledger, item)
         return ledger.end_epoch()
 
     def _resume(
@@ -148,11 +152,14 @@ class ResumeCheck:
                 self._load(loader, states[rank % world], same)  # any rank's state will do
                 steps.append(0)
                 for item in loader:
-                    ledger.record(item)
+                    _record(ledger, item)
                     steps[-1] += 1
         except Unresumable as error:
             ledger.end_epoch(complete=False)
             return self._said(ResumeRun(what, unverified=str(error)))
+        except Exception as error:
+            ledger.end_epoch(complete=False)
+            return self._said(ResumeRun(what, problems=[_failure(error)]))
         report = compare(
             reference,
             ledger.end_epoch(),
@@ -177,7 +184,7 @@ class ResumeCheck:
             for iterator in iterators:
                 item = next(iterator, None)
                 if item is not None:
-                    ledger.record(item)
+                    _record(ledger, item)
         states = [self._saved_and_loaded(_state_of(loader)) for loader in loaders]
         del iterators  # the job is gone, and its workers with it
         return states
@@ -226,14 +233,13 @@ class ResumeCheck:
             self.out(f"  {run.what}: NOT VERIFIED: {run.unverified}")
             return run
         report = run.report
-        if run.status == EXIT_OK:
-            repeats = (
-                f", {sum(report.padded.values()) - len(report.padded)} repeated by the sampler's padding"
-                if report.padded
-                else ""
-            )
-            dropped = f", {len(report.dropped)} dropped by drop_last" if report.dropped else ""
-            self.out(f"  {run.what}: OK, {report.delivered} samples delivered, each once{repeats}{dropped}")
+        if report is None:
+            self.out(f"  {run.what}: FAILED: {'; '.join(run.problems)}")
+        elif run.status == EXIT_OK:
+            repeats = sum(report.padded.values()) - len(report.padded)
+            extra = f", and {repeats} repeated by the sampler's padding" if repeats else ""
+            extra += f", {len(report.dropped)} left out by drop_last" if report.dropped else ""
+            self.out(f"  {run.what}: OK, every one of {report.expected} samples delivered once{extra}")
         else:
             self.out(f"  {run.what}: FAILED")
             for line in [*run.problems, *str(report).splitlines()[1:]]:
@@ -247,6 +253,8 @@ class ResumeCheck:
         else:
             statuses = {run.status for run in runs}
             status = EXIT_PROBLEM if EXIT_PROBLEM in statuses else max(statuses)
+            verdict = {EXIT_OK: "OK", EXIT_PROBLEM: "FAILED", EXIT_UNVERIFIED: "NOT VERIFIED"}[status]
+            self.out(f"resume check: {verdict} (exit status {status})")
         return {
             "check": "resume",
             "checkpoint_batch": batch,
@@ -276,3 +284,21 @@ def _state_of(loader: Any) -> dict:
         return loader.state_dict()
     except Exception as error:
         raise Unresumable(f"the loader's state_dict() raised {type(error).__name__}: {error}") from error
+
+
+def _record(ledger: Ledger, batch: Any) -> None:
+    try:
+        ledger.record(batch)
+    except KeyError as error:  # no ids in the batch: nothing to prove exactly-once with
+        raise Unresumable(error.args[0] if error.args else str(error)) from error
+
+
+def _failure(error: Exception) -> str:
+    """An exception in one line: its class and its message's first line (a contract's error names the
+    sample and the field, never its values)."""
+    lines = str(error).strip().splitlines()
+    return f"the loader raised {type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count != 1 else ''}"

@@ -5,6 +5,7 @@ exit 2, with the reason."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +200,12 @@ def test_bad_world_sizes_are_usage_errors(argv, message, capsys):
 def test_world_sizes_need_a_batch_sampler_that_splits_by_rank(capsys):
     status, text = doctor(["--resume-world-size", "2,3", "--dataset", f"{EXAMPLE}:make"], capsys)
     assert status == 2 and "gives no batch_sampler that splits by rank" in text
+
+
+def test_the_resume_check_the_docs_show_is_what_the_command_prints(capsys):
+    page = (Path(__file__).resolve().parent.parent / "docs" / "measuring.md").read_text()
+    shown = page.split("resume check: a checkpoint after batch", 1)[1].split("```", 1)[0]
+    status, text = doctor(["--resume", "--dataset", f"{EXAMPLE}:make_resumable"], capsys)
+    assert status == 0
+    printed = text.split("resume check: a checkpoint after batch", 1)[1]
+    assert printed.strip() == shown.strip()

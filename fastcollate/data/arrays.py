@@ -42,6 +42,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+
 class Arrays(Dataset):
     """A map-style dataset over named columns that share a leading sample dim.
 
@@ -80,7 +81,9 @@ class Arrays(Dataset):
         self.rows_of: torch.Tensor | None = None  # sample i is row rows_of[i] of every column, if set
 
     @classmethod
-    def from_hf(cls, dataset: Any, columns: ColumnChoice = None, *, id_key: str | None = None) -> Arrays:
+    def from_hf(
+        cls, dataset: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+    ) -> Arrays:
         """The columns of a Hugging Face ``datasets.Dataset``, read where they lie in its Arrow files (no
         copy of their values), sample ``i`` being row ``dataset[i]`` (through ``select``, ``shuffle``,
         ``shard``, ``train_test_split``). ``columns``: None for every column ``dataset[i]`` holds, a list
@@ -91,7 +94,9 @@ class Arrays(Dataset):
         return ARROW_FACTORIES["from_hf"](dataset, columns, id_key)
 
     @classmethod
-    def from_arrow(cls, table: Any, columns: ColumnChoice = None, *, id_key: str | None = None) -> Arrays:
+    def from_arrow(
+        cls, table: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+    ) -> Arrays:
         """The columns of a ``pyarrow.Table``, or of the Arrow IPC file at a path (memory-mapped, and
         pickled as its path), read where they lie, chunk by chunk. Columns map as in :meth:`from_hf`."""
         return ARROW_FACTORIES["from_arrow"](table, columns, id_key)

@@ -111,10 +111,8 @@ class Column:
         self.parts = [Column(self.name, piece) for piece in pieces]
         first = self.parts[0]
         for number, part in enumerate(self.parts):
-            if (
-                part.ragged != first.ragged
-                or part.first.dtype != first.first.dtype
-                or (part.first.shape[1:] != first.first.shape[1:])
+            if part.ragged != first.ragged or part.first.dtype != first.first.dtype or (
+                part.first.shape[1:] != first.first.shape[1:]
             ):
                 raise ValueError(
                     f"Arrays: column {self.name!r}: piece {number} ({_described(part)}) differs from piece 0 "

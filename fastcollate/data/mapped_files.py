@@ -26,12 +26,7 @@ from .._ext import _C
 from .arrow_layout import layout_digest
 
 __all__ = [
-    "FileIdentity",
-    "MappedFile",
-    "MappedFileError",
-    "WatchedFile",
-    "is_read_fault",
-    "read_fault_error",
+    "FileIdentity", "MappedFile", "MappedFileError", "WatchedFile", "is_read_fault", "read_fault_error",
 ]
 
 
@@ -103,15 +98,8 @@ class MappedFile:
     """
 
     def __init__(
-        self,
-        path: str,
-        offset: int,
-        dtype: str,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        identity: FileIdentity | None = None,
-        writable: bool = False,
-        mapped_at: int | None = None,
+        self, path: str, offset: int, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...],
+        identity: FileIdentity | None = None, writable: bool = False, mapped_at: int | None = None,
     ) -> None:
         self.path, self.offset, self.dtype = path, offset, dtype
         self.shape, self.strides, self.writable = shape, strides, writable
@@ -419,10 +407,8 @@ class WatchedFile:
         mine = self.identity
         same = [i for i in identities if (i.device, i.inode, i.size) == (mine.device, mine.inode, mine.size)]
         # The same layout where both are known (a touched file is read on), else the same time.
-        if any(
-            i.layout == mine.layout if None not in (i.layout, mine.layout) else i.mtime_ns == mine.mtime_ns
-            for i in same
-        ):
+        if any(i.layout == mine.layout if None not in (i.layout, mine.layout) else i.mtime_ns == mine.mtime_ns
+               for i in same):
             return
         if same:
             self._refusal = self._relaid(same[0], mine)

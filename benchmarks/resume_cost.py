@@ -154,11 +154,20 @@ def _random_sampler(setup: Setup, workers: int) -> StatefulDataLoader:
 
 CONTENDERS = (
     Contender("IndexBatches", _index_batches, lambda s, w, state: _loaded(_index_batches(s, w), state)),
-    Contender("IndexBatches, sampler's part", _index_batches, _sampler_part, states_of="IndexBatches",
-              with_workers=False),
+    Contender(
+        "IndexBatches, sampler's part",
+        _index_batches,
+        _sampler_part,
+        states_of="IndexBatches",
+        with_workers=False,
+    ),
     Contender("replay", _replay, lambda s, w, state: _loaded(_replay(s, w), state)),
-    Contender("RandomSampler", _random_sampler, lambda s, w, state: _loaded(_random_sampler(s, w), state),
-              with_workers=False),
+    Contender(
+        "RandomSampler",
+        _random_sampler,
+        lambda s, w, state: _loaded(_random_sampler(s, w), state),
+        with_workers=False,
+    ),
 )
 
 
@@ -224,8 +233,10 @@ def run(setup: Setup, workers: list[int], rounds: int, contenders=CONTENDERS) ->
             started = time.perf_counter()
             source = next(c for c in contenders if c.name == contender.source)
             states[(contender.source, count)] = take_states(source, setup, count, at)
-            print(f"  states of {contender.source} at workers={count}: "
-                  f"{time.perf_counter() - started:.1f} s", flush=True)
+            print(
+                f"  states of {contender.source} at workers={count}: {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
     order = random.Random(setup.seed)
     runs = []
     for round_index in range(rounds + 1):
@@ -234,9 +245,18 @@ def run(setup: Setup, workers: list[int], rounds: int, contenders=CONTENDERS) ->
         for contender, count, position in timed:
             taken = states[(contender.source, count)][position]
             seconds = timed_resume(contender, setup, count, taken)
-            runs.append({"round": round_index, "warmup": round_index == 0, "contender": contender.name,
-                         "workers": count, "position": position, "batches_before": taken["k"],
-                         "seconds": seconds, "resumed_batch_checked": True})
+            runs.append(
+                {
+                    "round": round_index,
+                    "warmup": round_index == 0,
+                    "contender": contender.name,
+                    "workers": count,
+                    "position": position,
+                    "batches_before": taken["k"],
+                    "seconds": seconds,
+                    "resumed_batch_checked": True,
+                }
+            )
         print(f"  round {round_index}/{rounds}{' (warm-up)' if round_index == 0 else ''}", flush=True)
     return {
         "cells": [[c.name, w] for c, w in cells],
@@ -244,8 +264,12 @@ def run(setup: Setup, workers: list[int], rounds: int, contenders=CONTENDERS) ->
         "batch_size": setup.batch_size,
         "batches_per_epoch": batches,
         "positions": at,
-        "state_bytes": {f"{c.name} @ workers={w}": states[(c.source, w)]["last"]["bytes"] if c.states_of
-                        is None else _part_bytes(states[(c.source, w)]["last"]["state"]) for c, w in cells},
+        "state_bytes": {
+            f"{c.name} @ workers={w}": states[(c.source, w)]["last"]["bytes"]
+            if c.states_of is None
+            else _part_bytes(states[(c.source, w)]["last"]["state"])
+            for c, w in cells
+        },
         "runs": runs,
     }
 
@@ -280,8 +304,11 @@ def summarize(result: dict) -> list[str]:
             against = paired_ratio(by[(contender, count, "last")], by[("IndexBatches", count, "last")])
             result["ratios"][f"{key}: last / IndexBatches @ workers={count} last"] = against.to_json()
         name = f"{contender}, workers={count}"
-        lines.append(f"  {name:<40}" + "".join(f"{medians[p]:>8.3f}" for p in POSITIONS)
-                     + f"{ratio.text():>21}{result['state_bytes'][key]:>8,}B")
+        lines.append(
+            f"  {name:<40}"
+            + "".join(f"{medians[p]:>8.3f}" for p in POSITIONS)
+            + f"{ratio.text():>21}{result['state_bytes'][key]:>8,}B"
+        )
     lines.append("  at the last batch, against IndexBatches at the same workers:")
     for name, kept in result["ratios"].items():
         if "/ IndexBatches" in name:
@@ -294,8 +321,13 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=1 << 22, help="samples in the epoch")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--workers", nargs="+", type=int, default=[0, 2],
-                        help="worker counts; above 0, only IndexBatches and replay are measured")
+    parser.add_argument(
+        "--workers",
+        nargs="+",
+        type=int,
+        default=[0, 2],
+        help="worker counts; above 0, only IndexBatches and replay are measured",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -306,8 +338,11 @@ def main() -> int:
     torch.set_num_threads(1)
     header = report_header()
     print(header_line(header))
-    print(f"{args.rounds} rounds after one warm-up; one torch thread; seconds are medians; ratios: the\n"
-          "median (min-max) of the per-round ratios, ~ where the runs overlap", flush=True)
+    print(
+        f"{args.rounds} rounds after one warm-up; one torch thread; seconds are medians; ratios: the\n"
+        "median (min-max) of the per-round ratios, ~ where the runs overlap",
+        flush=True,
+    )
     started = time.perf_counter()
     result = run(Setup(args.n, args.batch_size, args.seed), sorted(set(args.workers)), args.rounds)
     lines = summarize(result)

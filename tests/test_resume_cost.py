@@ -57,9 +57,27 @@ def test_an_epoch_without_a_middle_is_refused_with_the_advice():
 def test_the_script_writes_every_cell_every_round_with_its_resume_checked(tmp_path):
     out = tmp_path / "resume.json"
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", str(SCRIPT), "--n", "600", "--batch-size", "8", "--rounds", "1",
-         "--workers", "0", "2", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            str(SCRIPT),
+            "--n",
+            "600",
+            "--batch-size",
+            "8",
+            "--rounds",
+            "1",
+            "--workers",
+            "0",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

@@ -111,11 +111,12 @@ class Setup:
 @dataclasses.dataclass(frozen=True)
 class Contender:
     """``make(setup, workers)``: the loader an uninterrupted run uses; ``resume(setup, workers, state)``:
-    a fresh loader that continues from ``state``. ``states_of``: the contender whose states it loads."""
+    a fresh loader that continues from ``state`` (by default ``make``'s, given ``load_state_dict(state)``).
+    ``states_of``: the contender whose states it loads."""
 
     name: str
     make: Callable[[Setup, int], StatefulDataLoader]
-    resume: Callable[[Setup, int, dict], StatefulDataLoader]
+    resumes_by: Callable[[Setup, int, dict], StatefulDataLoader] | None = None
     states_of: str | None = None
     with_workers: bool = True  # measured at every --workers count, not only at 0
 
@@ -123,10 +124,12 @@ class Contender:
     def source(self) -> str:
         return self.states_of or self.name
 
-
-def _loaded(loader: StatefulDataLoader, state: dict) -> StatefulDataLoader:
-    loader.load_state_dict(state)
-    return loader
+    def resume(self, setup: Setup, workers: int, state: dict) -> StatefulDataLoader:
+        if self.resumes_by is not None:
+            return self.resumes_by(setup, workers, state)
+        loader = self.make(setup, workers)
+        loader.load_state_dict(state)
+        return loader
 
 
 def _index_batches(setup: Setup, workers: int) -> StatefulDataLoader:
@@ -153,21 +156,12 @@ def _random_sampler(setup: Setup, workers: int) -> StatefulDataLoader:
 
 
 CONTENDERS = (
-    Contender("IndexBatches", _index_batches, lambda s, w, state: _loaded(_index_batches(s, w), state)),
+    Contender("IndexBatches", _index_batches),
     Contender(
-        "IndexBatches, sampler's part",
-        _index_batches,
-        _sampler_part,
-        states_of="IndexBatches",
-        with_workers=False,
+        "IndexBatches, sampler's part", _index_batches, _sampler_part, "IndexBatches", with_workers=False
     ),
-    Contender("replay", _replay, lambda s, w, state: _loaded(_replay(s, w), state)),
-    Contender(
-        "RandomSampler",
-        _random_sampler,
-        lambda s, w, state: _loaded(_random_sampler(s, w), state),
-        with_workers=False,
-    ),
+    Contender("replay", _replay),
+    Contender("RandomSampler", _random_sampler, with_workers=False),
 )
 
 

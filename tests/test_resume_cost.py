@@ -36,7 +36,9 @@ def test_each_contender_resumes_on_the_uninterrupted_run_s_batch_k(contender):
 
 def test_a_resume_that_ignores_the_state_stops_the_run_naming_the_contender_and_k():
     make = resume_cost.CONTENDERS[0].make
-    ignores = resume_cost.Contender("starts over", make, lambda setup, workers, state: make(setup, workers))
+    ignores = resume_cost.Contender(
+        "starts over", make, resumes_by=lambda setup, workers, state: make(setup, workers)
+    )
     taken = resume_cost.take_states(resume_cost.CONTENDERS[0], SETUP, 0, AT)
     with pytest.raises(AssertionError, match=r"starts over at workers=0: the resume after 13 batches"):
         resume_cost.timed_resume(ignores, SETUP, 0, taken["middle"])
@@ -87,7 +89,8 @@ def test_the_script_writes_every_cell_every_round_with_its_resume_checked(tmp_pa
     names = [c.name for c in resume_cost.CONTENDERS]
     assert cells == {(name, 0) for name in names} | {("IndexBatches", 2), ("replay", 2)}
     runs = report["runs"]
-    assert len(runs) == 2 * len(cells) * 3 and all(r["resumed_batch_checked"] for r in runs)
+    assert len(runs) == 2 * len(cells) * 3
+    assert all(r["batches_before"] == report["positions"][r["position"]] for r in runs)
     assert {(r["contender"], r["workers"], r["position"]) for r in runs if not r["warmup"]} == {
         (name, workers, position) for name, workers in cells for position in resume_cost.POSITIONS
     }

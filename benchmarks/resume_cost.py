@@ -2,7 +2,7 @@
 epoch in hand, for a state taken after batch 1, at the middle and before the last batch of an epoch,
 for four ways to resume a shuffled epoch with torchdata's ``StatefulDataLoader``, side by side in one run.
 
-    python benchmarks/resume_cost.py [--n 4194304] [--batch-size 256] [--rounds 5] [--workers 0 2]
+    python benchmarks/resume_cost.py [--n 4194304] [--batch-size 256] [--rounds 8] [--workers 0 2]
                                      [--seed 0] [--json PATH]
 
 The contenders (``CONTENDERS``), each a ``StatefulDataLoader`` over a dataset whose sample i is i (one
@@ -19,19 +19,20 @@ The contenders (``CONTENDERS``), each a ``StatefulDataLoader`` over a dataset wh
   from a list, the cheapest replay a user's sampler can have.
 * ``RandomSampler``: ``shuffle=True, batch_size=...``, for which ``StatefulDataLoader`` swaps in its
   own stateful ``RandomSampler`` and ``BatchSampler``. Its state is the generator's and a count of
-  samples yielded; its load draws the permutation and steps through it one ``next()`` a sample:
-  O(samples consumed) in Python.
+  samples yielded; its resume draws the permutation as a list of n ints (four times over, with
+  torchdata 0.11) and steps through it one ``next()`` a sample: O(samples consumed) in Python.
 
-Method. The states are taken once, before the rounds: one loader a contender runs the epoch (epoch 0)
-and, after k batches, its ``state_dict()`` goes through ``torch.save`` and
+Method. The states are taken once, before the rounds: one loader per contender runs epoch 0 and,
+after k batches, its ``state_dict()`` goes through ``torch.save`` and
 ``torch.load(weights_only=True)`` (its size is reported), and the batch the loader yields next is kept:
 the uninterrupted run's batch k. A timed resume makes a fresh loader (and sampler), loads the state,
 and takes ``next(iter(loader))``; the batch must equal batch k, or the run stops (a benchmark that
-times a wrong resume is worthless). With ``--workers`` above 0, the first two contenders' rows are
+times a wrong resume is worthless). With ``--workers`` above 0, ``IndexBatches`` and ``replay`` are
 measured there too: starting the workers is then in every resume. A round times every cell once in a
 freshly shuffled order (seeded); the first round is a warm-up (kept in the JSON, left out of the
-medians). A ratio is the median of the per-round ratios, min-max beside, ``~`` unless the two cells'
-runs are apart (``fastcollate.tools.bench.ratios``). One torch thread; glibc's malloc as it comes.
+medians). A ratio is the median of the per-round ratios, min-max beside, ``~`` unless it clears the
+noise (the two cells' runs apart or, from 8 rounds, every per-round ratio on one side of 1:
+``fastcollate.tools.bench.ratios``). One torch thread; glibc's malloc as it comes.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1 << 22, help="samples in the epoch")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument(
         "--workers",
         nargs="+",

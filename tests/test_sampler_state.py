@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 
 import numpy as np
 import pytest
@@ -36,9 +37,11 @@ def at_epoch(sampler, epoch):
 
 
 def take(samplers, k):
-    """Each rank takes k batches (or all it has), in lockstep; returns every index handed out."""
+    """Each rank takes k batches (or all it has, without asking past its last one: the iteration stays
+    open, as a training loop checkpointing after a step leaves it), in lockstep; returns every index
+    handed out."""
     taken = []
-    iterators = [iter(s) for s in samplers]
+    iterators = [itertools.islice(iter(s), min(k, len(s))) for s in samplers]
     for _ in range(k):
         for it in iterators:
             batch = next(it, None)
@@ -212,16 +215,29 @@ def test_a_state_loaded_twice_serves_one_iteration_each_time():
     assert len(rest([after])[0]) == 10, "the third iteration is the whole epoch again"
 
 
-def test_a_state_at_the_epoch_s_very_end_resumes_to_nothing_then_the_next_epoch():
+def test_a_state_after_the_epoch_s_last_batch_resumes_to_nothing_then_the_next_epoch():
     before = IndexBatches(30, 4, shuffle=True, rank=0, world_size=2)
-    list(before)
+    take([before], len(before))
     state = before.state_dict()
-    assert state["epoch_done"] and state["samples_done"] == 30
+    assert state["epoch_done"] and state["samples_done"] == 30 and not state["iteration_ended"]
     after = IndexBatches(30, 4, shuffle=True, rank=1, world_size=3)
     after.load_state_dict(state)
     assert list(after) == []
     after.set_epoch(1)
     assert rest([after]) == rest([at_epoch(IndexBatches(30, 4, shuffle=True, rank=1, world_size=3), 1)])
+
+
+def test_a_state_after_the_iteration_ended_resumes_to_what_the_uninterrupted_run_starts_next():
+    before = IndexBatches(30, 4, shuffle=True)
+    list(before)  # through StopIteration
+    state = before.state_dict()
+    assert state["iteration_ended"]
+    after = IndexBatches(30, 4, shuffle=True)
+    after.load_state_dict(state)
+    assert rest([after]) == rest([before]), "without set_epoch, the epoch's order again, as uninterrupted"
+    after.load_state_dict(state)
+    after.set_epoch(1)
+    assert rest([after]) == rest([at_epoch(IndexBatches(30, 4, shuffle=True), 1)])
 
 
 def test_set_epoch_to_another_epoch_after_loading_starts_that_epoch_from_its_beginning():

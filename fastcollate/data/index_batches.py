@@ -97,8 +97,8 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` (and no generator) the permutation is seeded ``seed + epoch``.
         Call it before each epoch's ``iter()``, as for DistributedSampler. After ``load_state_dict``, the
-        saved epoch keeps the loaded position and another epoch starts from its beginning."""
-        self.epoch = integer("epoch", epoch)
+        saved epoch keeps the loaded position; another drops it and starts from its beginning."""
+        self._change_epoch(integer("epoch", epoch))
 
     @property
     def sampler(self) -> IndexBatches:
@@ -148,7 +148,14 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
         if self.generator is not None:
             # The epoch's order and its tail draw, taken now: the generator then stands where the
             # uninterrupted epoch leaves it, whether this epoch is continued or dropped by set_epoch.
-            self.generator.set_state(torch.frombuffer(bytearray(position.generator_state), dtype=torch.uint8))
+            try:
+                self.generator.set_state(
+                    torch.frombuffer(bytearray(position.generator_state), dtype=torch.uint8)
+                )
+            except RuntimeError as error:
+                raise ValueError(
+                    f"IndexBatches.load_state_dict: generator_state is not a state of this generator: {error}"
+                ) from None
             order = self._order(position.epoch)
             self._tail_draw()
             position.layout = self._layout(position.epoch, position.start, position.world_size, order)

@@ -69,6 +69,7 @@ def write_state(sampler: str, made_for: dict, position: Position, n: int) -> dic
         "epoch": position.epoch,
         "samples_done": n if done else position.layout.samples_done(position.taken),
         "epoch_done": done,
+        "iteration_ended": position.exhausted,
         "batches_done": position.batches_before + position.taken,
         "world_size": position.world_size,
         "segment_start": position.start,
@@ -111,10 +112,25 @@ def read_state(
             f"segment_batches={taken}"
         )
     generator_state = fields["generator_state"]
+    if (fields["segment_start"] == 0) != (before == 0):
+        raise ValueError(
+            f"{sampler}.load_state_dict: batches_done={fields['batches_done']} with segment_start="
+            f"{fields['segment_start']} and segment_batches={taken}: a segment that starts the epoch has "
+            "no batches before it, and one that starts later has some"
+        )
+    if fields["iteration_ended"] and not done:
+        raise ValueError(f"{sampler}.load_state_dict: iteration_ended with epoch_done=False")
     if world_size == saved_world or done:
         # The same batches the uninterrupted run takes next (none once the epoch is through).
         return Position(
-            epoch, fields["segment_start"], saved_world, before, saved, taken, generator_state=generator_state
+            epoch,
+            fields["segment_start"],
+            saved_world,
+            before,
+            saved,
+            taken,
+            exhausted=fields["iteration_ended"],
+            generator_state=generator_state,
         )
     # Another world size: the rest of the order, cut afresh for the new ranks.
     layout = layout_of(epoch, samples_done, world_size)
@@ -141,6 +157,11 @@ class ResumableEpochs:
 
     def _fresh_position(self) -> Position:
         return Position(self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size))
+
+    def _change_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._resume_next = False  # a loaded position is its epoch's only
+        self.epoch = epoch
 
     def _claim(self) -> Position | None:
         """The loaded position, once, if it is this epoch's. Claimed at an iteration's first next(),
@@ -170,8 +191,10 @@ class ResumableEpochs:
 
     def load_state_dict(self, state: dict) -> None:
         """Continues the epoch ``state`` was taken in, for one iteration: the next iteration hands out
-        the batches the saved run had not, each sample once, and ``set_epoch(epoch + 1)`` then gives the
-        ordinary next epoch. Restores the epoch; ``set_epoch`` with another epoch drops the position.
+        the batches the saved run had not, each sample once (none for a state taken after its last
+        batch), and ``set_epoch(epoch + 1)`` then gives the ordinary next epoch; a state taken after the
+        iteration ended leaves the next iteration the ordinary one. Restores the epoch; ``set_epoch``
+        with another epoch drops the position.
 
         Any world size: with the saved one, the batches are the uninterrupted run's; with another, the
         samples not yet consumed are cut afresh for the new ranks, every rank running as many batches.
@@ -184,7 +207,9 @@ class ResumableEpochs:
         self._restore(position)
         self.epoch = position.epoch
         self._position = position
-        self._resume_next = True
+        # A state taken after the iteration ended leaves nothing to continue: the next iteration is the
+        # one the uninterrupted run would start (its next epoch, after set_epoch).
+        self._resume_next = not position.exhausted
 
     def _restore(self, position: Position) -> None:
         """What a sampler does with a loaded position before it waits for the next iteration."""
@@ -203,11 +228,20 @@ def _checked_fields(sampler: str, made_for: dict, state: object) -> dict:
             "take the sampler's part with fastcollate.sampler_state(loader_state) (any num_workers)"
         )
     kind = state.get("sampler")
+    if kind is None:
+        keys = ", ".join(map(repr, list(state)[:8]))
+        raise ValueError(
+            f"{where}: not a fastcollate sampler state (it has no 'sampler' key; its keys: {keys})"
+        )
     if kind != sampler:
         raise ValueError(f"{where}: the state is {kind!r}'s, not {sampler}'s")
     if state.get("format") != STATE_FORMAT:
         raise ValueError(f"{where}: state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
-    missing = [key for key in (*_INTEGERS, "made_for", "epoch_done", "generator_state") if key not in state]
+    missing = [
+        key
+        for key in (*_INTEGERS, "made_for", "epoch_done", "iteration_ended", "generator_state")
+        if key not in state
+    ]
     if missing:
         raise ValueError(f"{where}: the state lacks {', '.join(missing)}")
     for key in _INTEGERS:
@@ -232,8 +266,12 @@ def _checked_fields(sampler: str, made_for: dict, state: object) -> dict:
     if state["segment_start"] > made_for["n"] or state["samples_done"] > made_for["n"]:
         raise ValueError(f"{where}: the state's position is past the {made_for['n']} samples of the epoch")
     generator_state = state["generator_state"]
-    if generator_state is not None and not isinstance(generator_state, bytes):
-        raise ValueError(f"{where}: generator_state must be bytes or None")
+    if made_for.get("generator") and not isinstance(generator_state, bytes):
+        raise ValueError(
+            f"{where}: generator_state must be the bytes of a generator's state, got {generator_state!r:.40}"
+        )
+    if not made_for.get("generator") and generator_state is not None:
+        raise ValueError(f"{where}: generator_state must be None for a sampler without a generator")
     return {**state, "n": made_for["n"]}
 
 

@@ -85,8 +85,8 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` the order is seeded ``seed + epoch``. Call it before each
-        epoch. After ``load_state_dict``, the saved epoch keeps the loaded position."""
-        self.epoch = integer("epoch", epoch)
+        epoch. After ``load_state_dict``, the saved epoch keeps the loaded position; another drops it."""
+        self._change_epoch(integer("epoch", epoch))
 
     @property
     def sampler(self) -> TokenBudgetBatches:

@@ -19,11 +19,12 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ...collate.errors import sample_id
 from ...collate.ids import with_ids
+from ...data.index_batches import IndexBatches
 from ..cli import UsageError, at_least, run_verb
 from ..factory_spec import Factory, load_factory_output, loader_arguments
 from .checklist import Doctor
 from .failures import Failure
-from .resume_check import ResumeCheck
+from .resume_check import ResumeCheck, Unresumable
 
 __all__ = ["DEFAULT_BATCH_SIZE", "Doctor", "Failure", "main", "run_doctor"]
 
@@ -176,7 +177,13 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
         )
 
     def make_loader(workers: int, rank: int, world_size: int) -> Any:
-        fresh = load_factory_output(spec, argument=argument)
+        try:
+            fresh = load_factory_output(spec, argument=argument)
+        except UsageError as error:
+            raise Unresumable(
+                f"--resume calls the factory again for every loader (a resumed loader is a new process's), "
+                f"and a later call failed: {error.problem}"
+            ) from error
         arguments = loader_arguments(fresh, batch_size=args.batch_size, default_batch_size=DEFAULT_BATCH_SIZE)
         if world_sizes is not None:
             arguments["batch_sampler"] = arguments["batch_sampler"].for_rank(rank, world_size)
@@ -192,8 +199,9 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
         id_key=args.id_key,
         seed=args.seed,
         world_sizes=world_sizes,
-        allowed_repeats=(world - 1) + (world_after - 1),
+        allowed_repeats=_allowed_repeats(made.batch_sampler, world, world_after),
         allowed_dropped=_allowed_dropped(made.batch_sampler, world, world_after),
+        timeout=args.timeout,
     )
     return check.run()
 
@@ -217,13 +225,20 @@ def _world_sizes(given: str | None, made: Factory) -> tuple[int, int] | None:
     return world, world_after
 
 
-def _allowed_dropped(batch_sampler: Any, world: int, world_after: int) -> int:
-    """What drop_last may leave out of an epoch resumed from W ranks on W2 (IndexBatches' stated rule)."""
-    if not getattr(batch_sampler, "drop_last", False) and not getattr(
-        batch_sampler, "sampler_drop_last", False
-    ):
+def _allowed_repeats(batch_sampler: Any, world: int, world_after: int) -> int:
+    """What IndexBatches' stated padding may repeat in an epoch resumed from W ranks on W2; any other
+    sampler (TokenBudgetBatches repeats nothing) is held to none."""
+    if not isinstance(batch_sampler, IndexBatches) or batch_sampler.sampler_drop_last:
         return 0
-    return (world + world_after) * (batch_sampler.batch_size - 1) + (world - 1) + (world_after - 1)
+    return (world - 1) + (world_after - 1)
+
+
+def _allowed_dropped(batch_sampler: Any, world: int, world_after: int) -> int:
+    """What IndexBatches' ``drop_last`` and ``sampler_drop_last`` may leave out of such an epoch."""
+    if not isinstance(batch_sampler, IndexBatches):
+        return 0
+    dropped = (world + world_after) * (batch_sampler.batch_size - 1) if batch_sampler.drop_last else 0
+    return dropped + ((world - 1) + (world_after - 1) if batch_sampler.sampler_drop_last else 0)
 
 
 def _identified(dataset: Any, id_key: str) -> Any:

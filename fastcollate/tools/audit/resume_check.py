@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from ...data.sampler_state import sampler_state
 from .checks import compare
@@ -25,6 +26,7 @@ from .epoch import Epoch
 from .ledger import Ledger
 from .record_sheet import EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED
 from .report import AuditReport
+from .tracing import Stuck, timed
 
 __all__ = ["LoaderMaker", "ResumeCheck", "Unresumable"]
 
@@ -65,6 +67,7 @@ class ResumeCheck:
         world_sizes: ``(W, W')`` to resume W ranks' checkpoint on W' ranks; None for one process.
         allowed_repeats, allowed_dropped: what the sampler's rule lets an elastic resume repeat or
             drop (its padding and ``drop_last``), reported apart from real losses and repeats.
+        timeout: seconds to wait for one batch (0: forever); a batch later than that is a failure.
         out: where progress lines go.
     """
 
@@ -79,6 +82,7 @@ class ResumeCheck:
         world_sizes: tuple[int, int] | None = None,
         allowed_repeats: int = 0,
         allowed_dropped: int = 0,
+        timeout: float = 0,
         out: Callable[[str], Any] = print,
     ) -> None:
         self.make_loader = make_loader
@@ -87,6 +91,7 @@ class ResumeCheck:
         self.seed = seed
         self.world_sizes = world_sizes
         self.allowed_repeats, self.allowed_dropped = allowed_repeats, allowed_dropped
+        self.timeout = timeout
         self.out = out
         self.weights_only_note: str | None = None
 
@@ -98,8 +103,8 @@ class ResumeCheck:
             reference = self._uninterrupted(world)
         except Unresumable as error:
             return self._finish([], None, str(error))
-        except Exception as error:  # the loader itself fails: no resume can be judged
-            failed = self._said(ResumeRun("the uninterrupted epoch", problems=[_failure(error)]))
+        except (Exception, Stuck) as error:  # the loader itself fails: no resume can be judged
+            failed = self._said(ResumeRun("the uninterrupted epoch", problems=[self._failure(error)]))
             return self._finish([failed], None, None)
         if reference.batches // world < 2:
             return self._finish(
@@ -134,7 +139,7 @@ class ResumeCheck:
         ledger = Ledger(self.id_key)
         ledger.begin_epoch()
         for rank in range(world):
-            for item in self.make_loader(self.workers, rank, world):
+            for item in timed(self.make_loader(self.workers, rank, world), self.timeout):
                 _record(ledger, item)
         return ledger.end_epoch()
 
@@ -151,15 +156,15 @@ class ResumeCheck:
                 same = world == world_after and workers_after == self.workers
                 self._load(loader, states[rank % world], same)  # any rank's state will do
                 steps.append(0)
-                for item in loader:
+                for item in timed(loader, self.timeout):
                     _record(ledger, item)
                     steps[-1] += 1
         except Unresumable as error:
             ledger.end_epoch(complete=False)
             return self._said(ResumeRun(what, unverified=str(error)))
-        except Exception as error:
+        except (Exception, Stuck) as error:
             ledger.end_epoch(complete=False)
-            return self._said(ResumeRun(what, problems=[_failure(error)]))
+            return self._said(ResumeRun(what, problems=[self._failure(error)]))
         report = compare(
             reference,
             ledger.end_epoch(),
@@ -179,7 +184,7 @@ class ResumeCheck:
     def _checkpoint(self, ledger: Ledger, batch: int, world: int) -> list[dict]:
         """``world`` loaders take ``batch`` batches each, in lockstep; their states, saved and loaded."""
         loaders = [self.make_loader(self.workers, rank, world) for rank in range(world)]
-        iterators = [iter(loader) for loader in loaders]
+        iterators = [timed(loader, self.timeout) for loader in loaders]
         for _ in range(batch):
             for iterator in iterators:
                 item = next(iterator, None)
@@ -193,6 +198,11 @@ class ResumeCheck:
         if same:
             loader.load_state_dict(state)
             return
+        if isinstance(getattr(loader, "dataset", None), IterableDataset):
+            raise Unresumable(
+                "an IterableDataset is resumed from its own state_dict/load_state_dict (or replayed) on the "
+                "same num_workers only: each worker reads its own part of the stream"
+            )
         batch_sampler = getattr(loader, "batch_sampler", None)
         if not hasattr(batch_sampler, "load_state_dict"):
             raise Unresumable(
@@ -225,6 +235,14 @@ class ResumeCheck:
                 self.out(f"  note: {self.weights_only_note}")
             buffer.seek(0)
             return torch.load(buffer, weights_only=False)
+
+    def _failure(self, error: BaseException) -> str:
+        """An exception in one line: its class and its message's first line (a contract's error names
+        the sample and the field, never its values)."""
+        if isinstance(error, Stuck):
+            return f"no batch came within --timeout {self.timeout:g} s"
+        lines = str(error).strip().splitlines()
+        return f"the loader raised {type(error).__name__}: {lines[0] if lines else ''}"
 
     # -- the report -------------------------------------------------------------------------------
 
@@ -291,13 +309,6 @@ def _record(ledger: Ledger, batch: Any) -> None:
         ledger.record(batch)
     except KeyError as error:  # no ids in the batch: nothing to prove exactly-once with
         raise Unresumable(error.args[0] if error.args else str(error)) from error
-
-
-def _failure(error: Exception) -> str:
-    """An exception in one line: its class and its message's first line (a contract's error names the
-    sample and the field, never its values)."""
-    lines = str(error).strip().splitlines()
-    return f"the loader raised {type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _ranks(count: int) -> str:

@@ -18,8 +18,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-import numpy as np
-
 __all__ = ["Layout", "Position", "ResumableEpochs", "read_state", "sampler_state", "write_state"]
 
 STATE_FORMAT = 1
@@ -50,7 +48,6 @@ class Position:
     taken: int = 0  # batches handed out in this segment, including those taken before a resume
     exhausted: bool = False  # an iteration ran through the segment: the next one is a fresh epoch
     generator_state: bytes | None = None  # the generator before the epoch's draw (IndexBatches only)
-    order: np.ndarray | None = None  # the epoch's order, drawn at load from generator_state
 
     @property
     def epoch_length(self) -> int:

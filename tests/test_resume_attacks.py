@@ -18,36 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fastcollate import IndexBatches, TokenBudgetBatches, sampler_state
+from tests.helpers.resume import Indices, through_disk
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Indices(Dataset):
-    """Sample i is i, after ``delay`` seconds (so a worker can be caught mid-epoch)."""
-
-    def __init__(self, n: int, delay: float = 0.0) -> None:
-        self.n, self.delay = n, delay
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        if self.delay:
-            time.sleep(self.delay)
-        return int(index)
-
-
-def through_disk(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def ids(loader_or_iterator):

@@ -5,37 +5,16 @@ ranks resumed on another world size; each with prefetched batches in flight when
 from __future__ import annotations
 
 import collections
-import io
 import random
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fastcollate import IndexBatches, TokenBudgetBatches, sampler_state
+from tests.helpers.resume import Indices, through_disk
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
-
-
-class Indices(Dataset):
-    """Sample i is i: a batch is the indices it was made from."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return int(index)
-
-
-def through_disk(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def loader_for(sampler, workers):

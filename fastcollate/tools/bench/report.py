@@ -221,8 +221,8 @@ def _transforms_in_title(setup: Setup, observation: str) -> str:
 
 def _speed_row(setup: Setup, e: dict[str, Any]) -> list[str]:
     """One configuration's speed cells, in ``_SPEED``'s order (w: DataLoader workers; x dflt: samples/s
-    over default_collate's at the same workers, the median of the per-round ratios and their min-max;
-    p50, p95: next(loader)'s wait)."""
+    over the baseline collate's (default_collate, or the factory's collate) at the same workers, the
+    median of the per-round ratios and their min-max; p50, p95: next(loader)'s wait)."""
     ratio = e.get("ratio_to_default")
     shown = "-"
     if ratio:
@@ -304,7 +304,7 @@ def _verdicts(block: list[dict[str, Any]]) -> list[str]:
                      "so no difference can be told from noise")
     elif any(not r["clears_noise"] for r in ratios):
         lines.append(
-            f"{NOT_DIFFERENT} after x dflt: its runs and default_collate's at the same workers overlap: "
+            f"{NOT_DIFFERENT} after x dflt: its runs and the baseline collate's at the same workers overlap: "
             "not a real difference on this machine"
         )
     if block:

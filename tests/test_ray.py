@@ -17,6 +17,7 @@ from fastcollate import Contract, Field, Packing
 ray = pytest.importorskip("ray", reason="ray is not installed")  # a test dependency, like lightning
 pa = pytest.importorskip("pyarrow")
 from fastcollate.ray import ArrowCollate  # noqa: E402  (after the import checks)
+
 from tests.test_assemble_dropin import assert_same  # noqa: E402
 
 ROWS = 96
@@ -61,28 +62,47 @@ def expression(table, contract=None):
     return collate(fastcollate.Arrays.from_arrow(table).__getitems__(list(range(table.num_rows))))
 
 
+class Checked(ArrowCollate):
+    """ArrowCollate, checked on the very table Ray hands it against the expression: Ray may call it from
+    several threads, so what it sees is kept and judged after the iteration."""
+
+    def __init__(self, contract=None):
+        super().__init__(contract)
+        self.contract = contract
+        self.seen: list[tuple[int, str | None]] = []
+
+    def __call__(self, table):
+        got = super().__call__(table)
+        try:
+            assert_same(expression(table, self.contract), got)
+            self.seen.append((table.num_rows, None))
+        except AssertionError as error:
+            self.seen.append((table.num_rows, str(error)))
+        return got
+
+
+def run_checked(dataset, collate, batch_size, **options):
+    delivered = sum(
+        len(batch["id"])
+        for batch in dataset.iter_torch_batches(batch_size=batch_size, collate_fn=collate, **options)
+    )
+    assert [problem for _, problem in collate.seen if problem] == []
+    assert sum(rows for rows, _ in collate.seen) == delivered
+    return delivered
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_every_tabular_batch_through_ray_is_the_expression_s(local_ray, shuffle):
     dataset = ray.data.from_arrow(tabular_table())
     if shuffle:
         dataset = dataset.random_shuffle(seed=1)
-    for tables, batch in zip(
-        dataset.iter_batches(batch_size=32, batch_format="pyarrow"),
-        dataset.iter_torch_batches(batch_size=32, collate_fn=ArrowCollate()),
-        strict=True,
-    ):
-        assert_same(expression(tables), batch)
+    assert run_checked(dataset, Checked(), 32, prefetch_batches=2) == ROWS
 
 
 def test_every_packed_batch_through_ray_is_the_expression_s(local_ray):
     contract = packed_contract()
     dataset = ray.data.from_arrow(tokens_table(token_rows())).map_batches(lambda t: t, batch_format="pyarrow")
-    for table, batch in zip(
-        dataset.iter_batches(batch_size=16, batch_format="pyarrow"),
-        dataset.iter_torch_batches(batch_size=16, collate_fn=ArrowCollate(contract)),
-        strict=True,
-    ):
-        assert_same(expression(table, contract), batch)
+    assert run_checked(dataset, Checked(contract), 16, local_shuffle_buffer_size=32) == ROWS
 
 
 def _train(config):
@@ -104,8 +124,12 @@ def _train(config):
     shard = ray.train.get_dataset_shard("train")
     for batch in shard.iter_torch_batches(batch_size=8, collate_fn=ArrowCollate(packed_contract())):
         rows = [{"input_ids": config["tokens"][i]} for i in batch.pop("id").tolist()]
-        for model, optimizer, inputs, kept in zip(models, optimizers, (batch, reference(rows)), losses, strict=True):
-            out = model(input_ids=inputs["input_ids"], labels=inputs["labels"], position_ids=inputs["position_ids"])
+        for model, optimizer, inputs, kept in zip(
+            models, optimizers, (batch, reference(rows)), losses, strict=True
+        ):
+            out = model(
+                input_ids=inputs["input_ids"], labels=inputs["labels"], position_ids=inputs["position_ids"]
+            )
             optimizer.zero_grad()
             out.loss.backward()
             optimizer.step()

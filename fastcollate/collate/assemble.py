@@ -114,12 +114,17 @@ class Assembler:
             arrays.check_files(batch.indices)  # before anything reads a mapped file, gathered or walked
             plan = self._gathered_plan(batch)
             if plan is not None:
-                return self._nested(self._execute(plan, arrays))
+                return self.deliver(plan, arrays)
             batch = batch.rows()  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        return self._nested(self._execute(self._collator.plan(batch), arrays))
+        return self.deliver(self._collator.plan(batch), arrays)
+
+    def deliver(self, plan: Any, arrays: Arrays | None = None) -> Any:
+        """A planned batch (a ``_C.BatchPlan``, walked or gathered) copied where this collate's batches go,
+        in the structure they come out in; ``arrays``: the dataset it reads, to name a file that faulted."""
+        return self._nested(self._execute(plan, arrays))
 
     def _gathered_plan(self, batch: ArrayBatch) -> Any:
         """An Arrays batch's plan, gathered column by column (fastcollate.collate.gather), or None when the

@@ -79,6 +79,74 @@ def _collates() -> dict[str, Callable | None]:
     return contenders
 
 
+def packed_contract():
+    """DataCollatorWithFlattening's batch: input_ids packed (the table's int32 widened to its int64),
+    labels copied from them with -100 at each sequence's first token, position_ids and cu_seq_lens."""
+    from fastcollate import Contract, Field, Packing
+
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,))
+    return Contract(
+        {"input_ids": Field(**tokens), "labels": Field(**tokens, copy_of="input_ids", separator=-100)},
+        packing=Packing(),
+    )
+
+
+def _packed_dataset(rows: int, seed: int):
+    import pyarrow as pa
+    import ray
+
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(1, 32000, int(length), dtype=np.int32) for length in rng.integers(16, 513, rows)]
+    return ray.data.from_arrow(
+        pa.table({"input_ids": pa.array(tokens, type=pa.list_(pa.int32()))})
+    ).materialize()
+
+
+def _collator_batches(dataset, batch_size: int, batches: int) -> int:
+    """The collator path: Ray's tables as rows of token lists, then DataCollatorWithFlattening."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    tokens = 0
+    for count, table in enumerate(dataset.iter_batches(batch_size=batch_size, batch_format="pyarrow"), 1):
+        batch = collator([{"input_ids": ids} for ids in table.column("input_ids").to_pylist()])
+        tokens += batch["input_ids"].shape[1]
+        if count == batches:
+            break
+    return tokens
+
+
+def _packed_through_ray(dataset, collate, batch_size: int, batches: int) -> float:
+    start = time.perf_counter()
+    if collate is None:
+        tokens = _collator_batches(dataset, batch_size, batches)
+    else:
+        tokens = 0
+        for count, batch in enumerate(
+            dataset.iter_torch_batches(batch_size=batch_size, collate_fn=collate), 1
+        ):
+            tokens += batch["input_ids"].shape[1]
+            if count == batches:
+                break
+    return tokens / (time.perf_counter() - start)
+
+
+def _packed_alone(collate, tables: list) -> float:
+    """Tokens/s of a collate on Ray's tables; None: the collator, from the table's rows."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    start = time.perf_counter()
+    tokens = 0
+    for table in tables:
+        if collate is None:
+            batch = collator([{"input_ids": ids} for ids in table.column("input_ids").to_pylist()])
+        else:
+            batch = collate(table)
+        tokens += batch["input_ids"].shape[1]
+    return tokens / (time.perf_counter() - start)
+
+
 def _dataset(rows: int, seed: int):
     import pyarrow as pa
     import ray
@@ -124,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--batches", type=int, default=None, help="batches a pass (default: all rows)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--packed-rows", type=int, default=2048, help="token rows of the packed data set")
+    parser.add_argument("--packed-batch", type=int, default=16, help="sequences a packed batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -138,23 +208,43 @@ def main(argv: list[str] | None = None) -> int:
         dataset = _dataset(args.rows, args.seed)
         contenders = _collates()
         tables = _tables(dataset, args.batch_size, batches)
+        packed = _packed_dataset(args.packed_rows, args.seed)
+        packed_batches = args.packed_rows // args.packed_batch
+        packed_tables = _tables(packed, args.packed_batch, packed_batches)
+        packed_contenders: dict[str, Callable | None] = {"collator": None}
+        if "ArrowCollate" in contenders:
+            from fastcollate.ray import ArrowCollate
+
+            packed_contenders["ArrowCollate"] = ArrowCollate(packed_contract())
+        cells = [
+            ("tabular", name, where)
+            for name in contenders
+            for where in ("ray", "alone")
+            if not (where == "alone" and contenders[name] is None)
+        ]
+        cells += [("packed", name, where) for name in packed_contenders for where in ("ray", "alone")]
         runs: list[dict] = []
         order = random.Random(args.seed)
         for round_number in range(args.rounds + 1):
-            cells = [
-                (name, where)
-                for name in contenders
-                for where in ("ray", "alone")
-                if not (where == "alone" and contenders[name] is None)
-            ]
             order.shuffle(cells)
-            for name, where in cells:
-                collate = contenders[name]
-                if where == "ray":
-                    rate = _through_ray(dataset, collate, args.batch_size, batches)
+            for case, name, where in cells:
+                if case == "tabular":
+                    collate = contenders[name]
+                    rate = (
+                        _through_ray(dataset, collate, args.batch_size, batches)
+                        if where == "ray"
+                        else _alone(collate, tables)
+                    )
                 else:
-                    rate = _alone(collate, tables)
-                runs.append({"round": round_number, "contender": name, "where": where, "rows_per_s": rate})
+                    collate = packed_contenders[name]
+                    rate = (
+                        _packed_through_ray(packed, collate, args.packed_batch, packed_batches)
+                        if where == "ray"
+                        else _packed_alone(collate, packed_tables)
+                    )
+                runs.append(
+                    {"round": round_number, "case": case, "contender": name, "where": where, "per_s": rate}
+                )
     finally:
         ray.shutdown()
     timed = [r for r in runs if r["round"] > 0]  # round 0: the warm-up
@@ -163,26 +253,38 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "batch_size": args.batch_size,
         "batches": batches,
+        "packed_rows": args.packed_rows,
+        "packed_batch": args.packed_batch,
         "runs": runs,
         "medians": {},
         "ratios": {},
     }
-    for where, against in (("ray", "ray default"), ("alone", "lean")):
-        base = {
-            r["round"]: r["rows_per_s"] for r in timed if r["where"] == where and r["contender"] == against
-        }
-        for name in contenders:
-            rates = {
-                r["round"]: r["rows_per_s"] for r in timed if r["where"] == where and r["contender"] == name
+    comparisons = [
+        ("tabular", "ray", "ray default", "rows"),
+        ("tabular", "ray", "lean", "rows"),
+        ("tabular", "alone", "lean", "rows"),
+        ("packed", "ray", "collator", "tokens"),
+        ("packed", "alone", "collator", "tokens"),
+    ]
+    for case, where, against, unit in comparisons:
+
+        def rates(name, case=case, where=where):
+            return {
+                r["round"]: r["per_s"]
+                for r in timed
+                if (r["case"], r["where"], r["contender"]) == (case, where, name)
             }
-            if not rates:
-                continue
-            key = f"{name} ({where})"
-            report["medians"][key] = statistics.median(rates.values())
-            ratio = paired_ratio(rates, base) if name != against else None
-            report["ratios"][key] = ratio.to_json() if ratio else None
+
+        base = rates(against)
+        print(f"{case}, {'through Ray' if where == 'ray' else 'the collate alone'}, against {against}:")
+        for name in sorted({r["contender"] for r in timed if r["case"] == case and r["where"] == where}):
+            measured = rates(name)
+            key = f"{case} {where} {name}"
+            report["medians"][key] = statistics.median(measured.values())
+            ratio = paired_ratio(measured, base) if name != against else None
+            report["ratios"][f"{key} / {against}"] = ratio.to_json() if ratio else None
             shown = ratio.text() if ratio else "1x"
-            print(f"{key:28s} {report['medians'][key] / 1e6:7.2f}M rows/s   {shown} {against}'s")
+            print(f"  {name:14s} {report['medians'][key] / 1e6:9.2f}M {unit}/s   {shown}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -218,9 +218,9 @@ def test_writes_to_the_object_store_during_streaming_map_batches_refuse_no_batch
     stop = threading.Event()
 
     def write():
-        kept = []
+        held = []
         while not stop.is_set():
-            kept = [*kept[-8:], ray.put(np.ones(100_000))]
+            held = [*held[-8:], ray.put(np.ones(100_000))]
             time.sleep(0.001)
 
     writer = threading.Thread(target=write)
@@ -230,9 +230,9 @@ def test_writes_to_the_object_store_during_streaming_map_batches_refuse_no_batch
     finally:
         stop.set()
         writer.join()
+    read = source.select(columns) if columns else source
     for batch in kept:
-        rows = source.select(columns) if columns else source
-        assert_same(batch, expression(rows.take(pa.array(batch["id"].numpy())), contract))
+        assert_same(batch, expression(read.take(pa.array(batch["id"].numpy())), contract))
     assert sum(len(batch["id"]) for batch in kept) == 400
 
 
@@ -273,7 +273,7 @@ def test_a_column_the_contract_names_but_the_table_lacks_is_named(local_ray):
     dataset = ray.data.from_arrow(tabular_table(32))
     delivered, error = delivered_until_refused(dataset, ArrowCollate(tabular_contract("mask")), batch_size=16)
     assert delivered == []
-    assert "'mask'" in str(error)
+    assert isinstance(error, KeyError) and "field 'mask': expected a value" in str(error)
 
 
 def test_a_dtype_changed_between_blocks_by_map_batches_is_refused_naming_the_column(local_ray):

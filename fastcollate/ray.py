@@ -16,6 +16,7 @@ from ._ext import _C
 from .collate import gather
 from .collate.assemble import assemble
 from .collate.contract import Contract
+from .data import arrow_tensors
 from .data.arrays import Arrays, ColumnChoice
 
 try:
@@ -30,13 +31,15 @@ _WHO = "fastcollate.ray.ArrowCollate"
 
 class _Layout:
     """How the tables of one schema are gathered: an ``_C.ArrowGather``, or None when each of them goes the
-    per-sample way (a case of fastcollate.collate.gather.HANDED_TO_THE_WALK)."""
+    per-sample way (a case of fastcollate.collate.gather.HANDED_TO_THE_WALK); and its tensor extension
+    columns, read as the plain columns of their storage."""
 
-    __slots__ = ("gather", "schema")
+    __slots__ = ("gather", "schema", "tensors")
 
-    def __init__(self, schema: Any, gather_columns: Any) -> None:
+    def __init__(self, schema: Any, gather_columns: Any, tensors: list[str]) -> None:
         self.schema = schema
         self.gather = gather_columns
+        self.tensors = tensors
 
 
 class ArrowCollate(_ArrowBatchCollateFn):
@@ -44,7 +47,9 @@ class ArrowCollate(_ArrowBatchCollateFn):
     wants one: exactly what ``assemble.using(contract)`` makes of
     ``Arrays.from_arrow(table, columns).__getitems__(range(table.num_rows))`` (dense columns stacked,
     fixed-size lists as rows, ``list`` columns padded or packed by the contract), gathered in C++ from
-    the table's own buffers.
+    the table's own buffers. Ray's tensor columns (``ray.data.from_numpy``'s, and the ragged ones
+    ``map_batches`` returns for rows of other shapes) are read from their storage: rows of their shape, or
+    ragged along their first dim (see fastcollate.data.arrow_tensors).
 
     Args:
         contract: the contract each batch is checked against and laid out by; None for drop-in mode.
@@ -64,14 +69,21 @@ class ArrowCollate(_ArrowBatchCollateFn):
 
     def __call__(self, table: Any) -> Any:
         table = _as_table(table)
+        plan = self._native_plan(table)
+        if plan is not None:
+            return self._assemble.deliver(plan)
+        return self.expression(table)
+
+    def _native_plan(self, table: Any) -> Any:
+        """The plan of ``table`` gathered in one native call, or None where it goes the long way."""
         layout = self._layout
         if layout is None or not table.schema.equals(layout.schema):
             layout = self._layout_of(table)
-        if layout.gather is not None:
-            plan = layout.gather.plan(table.__arrow_c_stream__())
-            if plan is not None:
-                return self._assemble.deliver(plan)
-        return self.expression(table)
+        if layout.gather is None:
+            return None
+        if layout.tensors:
+            table = arrow_tensors.plain_table(table, layout.tensors, _WHO)
+        return layout.gather.plan(table.__arrow_c_stream__())
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
@@ -104,7 +116,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
                     [column for column, _ in chosen], [names[key] for _, key in chosen],
                     id_key=self._assemble.id_key, who=_WHO,
                 )
-            self._layout = _Layout(table.schema, native)
+            tensors = [name for name in set(names.values()) if arrow_tensors.is_tensor_type(types.get(name))]
+            self._layout = _Layout(table.schema, native, sorted(tensors))
             return self._layout
 
     def _sources(self, table: Any) -> dict[str, str]:

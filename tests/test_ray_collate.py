@@ -25,8 +25,7 @@ def expression(table, contract=None, columns=None):
 def gathered_natively(collate, table):
     """Whether ``collate`` gathers ``table`` in its native call rather than the long way."""
     collate(table)
-    layout = collate._layout
-    return layout.gather is not None and layout.gather.plan(table.__arrow_c_stream__()) is not None
+    return collate._native_plan(table) is not None
 
 
 def assert_parity(table, contract=None, columns=None, collate=None):

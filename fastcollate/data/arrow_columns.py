@@ -8,6 +8,8 @@ How Arrow types become columns:
 - ``list`` / ``large_list`` (a ``Sequence`` feature): ragged rows, padded or packed by a contract;
 - ``fixed_size_list`` (``Sequence(length=k)``, ``List(..., length=k)``) and Hugging Face's ``Array2D`` to
   ``Array5D``: rows of that shape; an ``ArrayXD`` whose first dim is None is ragged along it;
+- tensor extensions (Ray Data's fixed-shape and ragged tensors, Arrow's ``fixed_shape_tensor``): read from
+  their storage, as fastcollate.data.arrow_tensors lays them out;
 - everything else is refused, naming the column: strings and binary (tokenize first), booleans (stored
   as bits: cast to uint8), nulls, structs, and lists within lists of varying length.
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from .._ext import _C
-from . import hf_formats
+from . import arrow_tensors, hf_formats
 from .arrays import ARROW_FACTORIES, Arrays, ColumnChoice
 from .columns import Chunked, Column, Ragged
 from .mapped_files import MappedFileError, WatchedFile
@@ -242,6 +244,9 @@ def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
     """The column's chunks as tensors, and the rows (of the column) that hold a null."""
     chunks = [chunk for chunk in column.chunks if len(chunk)] or [column.combine_chunks()]
     starts = np.cumsum([0] + [len(chunk) for chunk in chunks])
+    if arrow_tensors.is_tensor_type(column.type):  # Ray's tensors and Arrow's: their storage, as plain lists
+        pairs = zip(starts, chunks, strict=False)
+        chunks = [arrow_tensors.plain_array(chunk, f"{who}: column {key!r}", start) for start, chunk in pairs]
     nulls = [start + _null_rows(chunk) for start, chunk in zip(starts, chunks, strict=False)]
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).

@@ -16,8 +16,8 @@ from ._ext import _C
 from .collate import gather
 from .collate.assemble import assemble
 from .collate.contract import Contract
-from .data import arrow_tensors
-from .data.arrays import Arrays, ColumnChoice
+from .data import arrow_columns, arrow_tensors
+from .data.arrays import ColumnChoice
 
 try:
     from ray.data.collate_fn import ArrowBatchCollateFn as _ArrowBatchCollateFn
@@ -87,9 +87,11 @@ class ArrowCollate(_ArrowBatchCollateFn):
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
-        returns, and what it falls back on for a table it does not gather itself."""
+        returns, and what it falls back on for a table it does not gather itself. Its Arrays watch no file:
+        Ray's blocks lie in its object store, a shared-memory file Ray writes to all the time, and those
+        writes do not move a block's rows."""
         table = _as_table(table)
-        arrays = Arrays.from_arrow(table, self.columns)
+        arrays = arrow_columns.from_arrow(table, self.columns, watch=False)
         return self._assemble(arrays.__getitems__(list(range(table.num_rows))))
 
     def _layout_of(self, table: Any) -> _Layout:
@@ -108,7 +110,7 @@ class ArrowCollate(_ArrowBatchCollateFn):
                         "column keeps one type across batches. Cast it to one type where it is made (in "
                         "map_batches: pyarrow.compute.cast, or numpy's astype)"
                     )
-            arrays = Arrays.from_arrow(table, self.columns)
+            arrays = arrow_columns.from_arrow(table, self.columns, watch=False)
             chosen = gather.gathered_columns(arrays, self.contract)
             native = None
             if chosen is not None:

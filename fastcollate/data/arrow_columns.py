@@ -133,8 +133,12 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
     return arrays
 
 
-def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
-    """``Arrays.from_arrow``: see its docstring."""
+def from_arrow(
+    source: Any, columns: ColumnChoice = None, id_key: str | None = None, *, watch: bool = True
+) -> Arrays:
+    """``Arrays.from_arrow``: see its docstring. ``watch=False`` watches no file the table's buffers lie in:
+    for a table in memory another program writes to all the time (Ray's object store, a shared-memory
+    file), which is no dataset's file and whose writes do not move the table's rows."""
     import pyarrow as pa
 
     if isinstance(source, (str, os.PathLike)):
@@ -150,7 +154,7 @@ def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = N
             f"got {type(source).__name__}"
         )
     chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
-    arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow")
+    arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow", watch)
     _refuse_nulls_read(arrays, "Arrays.from_arrow")
     arrays._source = (from_arrow, source, chosen, id_key)
     return arrays
@@ -217,9 +221,12 @@ def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str)
     return chosen
 
 
-def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) -> ArrowArrays:
-    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in. The rows
-    that hold a null are kept by key in ``_null_rows``, refused once it is known which rows are read."""
+def _arrays(
+    table: Any, chosen: dict[str, str], id_key: str | None, who: str, watch: bool = True
+) -> ArrowArrays:
+    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in (unless not
+    ``watch``). The rows that hold a null are kept by key in ``_null_rows``, refused once it is known which
+    rows are read."""
     made: dict[str, Column] = {}  # one column under two keys is made once
     null_rows: dict[str, np.ndarray] = {}
     for key, name in chosen.items():
@@ -229,6 +236,8 @@ def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) ->
             null_rows[name] = nulls
     arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
     arrays._null_rows = {key: null_rows[name] for key, name in chosen.items() if len(null_rows[name])}
+    if not watch:
+        return arrays
     chunks = [chunk for column in arrays.columns.values() for chunk in column.chunks]
     at = {id(chunk): chunk.first.data_ptr() for chunk in chunks if chunk.first.numel()}
     watched = WatchedFile.of(list(at.values()))

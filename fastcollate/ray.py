@@ -34,12 +34,17 @@ class _Layout:
     per-sample way (a case of fastcollate.collate.gather.HANDED_TO_THE_WALK); and its tensor extension
     columns, read as the plain columns of their storage."""
 
-    __slots__ = ("gather", "schema", "tensors")
+    __slots__ = ("gather", "ragged", "schema", "tensors")
 
-    def __init__(self, schema: Any, gather_columns: Any, tensors: list[str]) -> None:
+    def __init__(self, schema: Any, gather_columns: Any, tensors: list[str], ragged: frozenset[str]) -> None:
         self.schema = schema
         self.gather = gather_columns
         self.tensors = tensors
+        self.ragged = ragged  # tensor columns ragged in the first table: ragged in every one
+
+    def plain(self, table: Any) -> Any:
+        """``table`` with its tensor columns as the plain columns of their storage."""
+        return arrow_tensors.plain_table(table, self.tensors, _WHO, self.ragged) if self.tensors else table
 
 
 class ArrowCollate(_ArrowBatchCollateFn):
@@ -56,7 +61,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
         columns: the table's columns to read: None for every one, a list of names, or ``{key: column}``.
 
     Safe to call from several threads at once (Ray's prefetching does). Every table must keep the column
-    types of the first: a column whose type changes is refused, naming it.
+    types of the first: a column whose type changes is refused, naming it. A ragged tensor column stays
+    ragged where Ray stores a block of its rows with one shape (a block of one row, say).
     """
 
     def __init__(self, contract: Contract | None = None, columns: ColumnChoice = None) -> None:
@@ -76,14 +82,10 @@ class ArrowCollate(_ArrowBatchCollateFn):
 
     def _native_plan(self, table: Any) -> Any:
         """The plan of ``table`` gathered in one native call, or None where it goes the long way."""
-        layout = self._layout
-        if layout is None or not table.schema.equals(layout.schema):
-            layout = self._layout_of(table)
+        layout = self._layout_for(table)
         if layout.gather is None:
             return None
-        if layout.tensors:
-            table = arrow_tensors.plain_table(table, layout.tensors, _WHO)
-        return layout.gather.plan(table.__arrow_c_stream__())
+        return layout.gather.plan(layout.plain(table).__arrow_c_stream__())
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
@@ -91,8 +93,14 @@ class ArrowCollate(_ArrowBatchCollateFn):
         Ray's blocks lie in its object store, a shared-memory file Ray writes to all the time, and those
         writes do not move a block's rows."""
         table = _as_table(table)
-        arrays = arrow_columns.from_arrow(table, self.columns, watch=False)
+        arrays = arrow_columns.from_arrow(self._layout_for(table).plain(table), self.columns, watch=False)
         return self._assemble(arrays.__getitems__(list(range(table.num_rows))))
+
+    def _layout_for(self, table: Any) -> _Layout:
+        layout = self._layout
+        if layout is None or not table.schema.equals(layout.schema):
+            layout = self._layout_of(table)
+        return layout
 
     def _layout_of(self, table: Any) -> _Layout:
         """The layout of ``table``'s schema, made from ``table`` (its columns checked as Arrays checks them,
@@ -104,23 +112,24 @@ class ArrowCollate(_ArrowBatchCollateFn):
                 self._first_types = types
             for name, first in self._first_types.items():
                 now = types.get(name)
-                if now is not None and now != first:
+                if now is not None and now != first and not arrow_tensors.alike(first, now):
                     raise TypeError(
                         f"{_WHO}: column {name!r} was {first} in the first batch and is {now} in this one: a "
                         "column keeps one type across batches. Cast it to one type where it is made (in "
                         "map_batches: pyarrow.compute.cast, or numpy's astype)"
                     )
-            arrays = arrow_columns.from_arrow(table, self.columns, watch=False)
+            tensors = sorted(name for name in types if arrow_tensors.is_tensor_type(types[name]))
+            ragged = frozenset(name for name in tensors if arrow_tensors.is_ragged(self._first_types.get(name)))
+            layout = _Layout(table.schema, None, tensors, ragged)
+            arrays = arrow_columns.from_arrow(layout.plain(table), self.columns, watch=False)
             chosen = gather.gathered_columns(arrays, self.contract)
-            native = None
             if chosen is not None:
-                native = _C.ArrowGather(
+                layout.gather = _C.ArrowGather(
                     [column for column, _ in chosen], [names[key] for _, key in chosen],
                     id_key=self._assemble.id_key, who=_WHO,
                 )
-            tensors = [name for name in set(names.values()) if arrow_tensors.is_tensor_type(types.get(name))]
-            self._layout = _Layout(table.schema, native, sorted(tensors))
-            return self._layout
+            self._layout = layout
+            return layout
 
     def _sources(self, table: Any) -> dict[str, str]:
         """{key: table column} of the columns read."""

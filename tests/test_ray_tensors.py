@@ -167,3 +167,26 @@ def test_a_corrupt_fixed_shape_tensor_column_is_named_with_its_row():
     table = pa.table({"image": ArrowTensorTypeV2((2, 2), pa.float32()).wrap_array(storage)})
     with pytest.raises(ValueError, match=r"column 'image' .* holds 2 values in row 2, where its shape"):
         ArrowCollate()(table)
+
+
+@pytest.mark.parametrize("later", ["ray_v2", "ray_v1", "arrow"])
+def test_ragged_tensors_stored_with_one_shape_in_a_later_block_stay_ragged(later):
+    contract = Contract({"input_ids": Field(shape=("T",), pad=0)}, id=None)
+    collate = ArrowCollate(contract)
+    rows = ragged_rows([3, 5, 2, 6], seed=4)
+    collate(pa.table({"input_ids": ragged_tensors(rows)}))
+    one_shape = np.stack(ragged_rows([4, 4, 4], seed=5))
+    table = pa.table({"input_ids": fixed_tensors(later, one_shape)}).slice(1, 2)
+    assert gathered_natively(collate, table)
+    plain = pa.table({"input_ids": plain_ragged(list(one_shape[1:]))})
+    assert_same_batch(collate(table), expression(plain, contract))
+    assert_same_batch(collate(pa.table({"input_ids": ragged_tensors(rows)})), expression(
+        pa.table({"input_ids": plain_ragged(rows)}), contract
+    ))
+
+
+def test_a_tensor_column_whose_dtype_changed_between_blocks_is_refused_naming_both_types():
+    collate = ArrowCollate(Contract({"input_ids": Field(shape=("T",), pad=0)}, id=None))
+    collate(pa.table({"input_ids": ragged_tensors(ragged_rows([3, 5], dtype=np.int32))}))
+    with pytest.raises(TypeError, match="column 'input_ids' was .*int32.* in the first batch and is .*int64"):
+        collate(pa.table({"input_ids": ragged_tensors(ragged_rows([3, 5], dtype=np.int64))}))

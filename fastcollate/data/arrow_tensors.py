@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_tensor_type", "plain_array", "plain_table"]
+__all__ = ["alike", "is_tensor_type", "is_ragged", "plain_array", "plain_table"]
 
 RAY_FIXED = frozenset({"ray.data.arrow_tensor", "ray.data.arrow_tensor_v2"})
 ARROW_FIXED = "arrow.fixed_shape_tensor"
@@ -30,8 +30,29 @@ def is_tensor_type(kind: Any) -> bool:
     return name in RAY_FIXED or name in (ARROW_FIXED, RAY_RAGGED)
 
 
-def plain_table(table: Any, names: list[str], who: str) -> Any:
-    """``table`` with its tensor extension columns ``names`` as plain columns (see the module)."""
+def is_ragged(kind: Any) -> bool:
+    return getattr(kind, "extension_name", None) == RAY_RAGGED
+
+
+def alike(first: Any, now: Any) -> bool:
+    """Whether tensor types ``first`` and ``now`` hold one column's rows: Ray stores a block of ragged rows
+    that happen to share one shape (a block of one row, say) as fixed-shape tensors of that shape."""
+    if not (is_tensor_type(first) and is_tensor_type(now)):
+        return False
+    return _value_type(first) == _value_type(now) and _ndim(first) == _ndim(now)
+
+
+def _value_type(kind: Any) -> Any:
+    return kind.storage_type["data"].type.value_type if is_ragged(kind) else kind.storage_type.value_type
+
+
+def _ndim(kind: Any) -> int:
+    return kind.ndim if is_ragged(kind) else len(kind.shape)
+
+
+def plain_table(table: Any, names: list[str], who: str, ragged: frozenset[str] = frozenset()) -> Any:
+    """``table`` with its tensor extension columns ``names`` as plain columns (see the module); those in
+    ``ragged`` as ragged rows even where this table stores them with one shape."""
     import pyarrow as pa
 
     for name in names:
@@ -39,7 +60,7 @@ def plain_table(table: Any, names: list[str], who: str) -> Any:
         column = table.column(at)
         chunks, start = [], 0
         for chunk in column.chunks:
-            chunks.append(plain_array(chunk, f"{who}: column {name!r}", start))
+            chunks.append(plain_array(chunk, f"{who}: column {name!r}", start, name in ragged))
             start += len(chunk)
         kinds = {chunk.type for chunk in chunks}
         if len(kinds) > 1:
@@ -54,9 +75,9 @@ def plain_table(table: Any, names: list[str], who: str) -> Any:
     return table
 
 
-def plain_array(array: Any, where: str, start: int = 0) -> Any:
+def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) -> Any:
     """One chunk of a tensor extension column as a plain Arrow array; ``start`` is its first row in the
-    table, for the row an error names."""
+    table, for the row an error names; ``ragged``: fixed-shape tensors as ragged rows that share a length."""
     kind = array.type
     storage = array.storage
     mask = storage.is_null() if storage.null_count else None
@@ -71,7 +92,7 @@ def plain_array(array: Any, where: str, start: int = 0) -> Any:
                 f"where its shape {shape} holds {size}: the column is corrupt; make it again"
             )
         values = storage.values.slice(int(offsets[0]), len(storage) * size)
-        return _rows(values, shape, mask)
+        return _as_ragged(values, shape, mask) if ragged else _rows(values, shape, mask)
     if kind.extension_name == ARROW_FIXED:
         shape = tuple(kind.shape)
         permutation = kind.permutation
@@ -83,7 +104,7 @@ def plain_array(array: Any, where: str, start: int = 0) -> Any:
             )
         size = storage.type.list_size
         values = storage.values.slice(storage.offset * size, len(storage) * size)
-        return _rows(values, shape, mask)
+        return _as_ragged(values, shape, mask) if ragged else _rows(values, shape, mask)
     return _ragged(storage, kind.ndim, where, start, mask)
 
 
@@ -97,6 +118,16 @@ def _rows(values: Any, shape: tuple[int, ...], mask: Any) -> Any:
     for size in reversed(shape[1:]):
         values = pa.FixedSizeListArray.from_arrays(values, size)
     return pa.FixedSizeListArray.from_arrays(values, shape[0], mask=mask)
+
+
+def _as_ragged(values: Any, shape: tuple[int, ...], mask: Any) -> Any:
+    """Flat ``values`` of rows of ``shape`` as a list column ragged along the first dim, as _ragged lays
+    Ray's ragged tensors out."""
+    import pyarrow as pa
+
+    rows = len(values) // int(np.prod(shape)) if int(np.prod(shape)) else 0
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * shape[0])
+    return pa.LargeListArray.from_arrays(offsets, _rows(values, shape[1:], None), mask=mask)
 
 
 def _ragged(storage: Any, ndim: int, where: str, start: int, mask: Any) -> Any:

@@ -31,6 +31,7 @@ def is_tensor_type(kind: Any) -> bool:
 
 
 def is_ragged(kind: Any) -> bool:
+    """Whether ``kind`` is Ray's ragged tensor type."""
     return getattr(kind, "extension_name", None) == RAY_RAGGED
 
 
@@ -92,7 +93,7 @@ def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) ->
                 f"where its shape {shape} holds {size}: the column is corrupt; make it again"
             )
         values = storage.values.slice(int(offsets[0]), len(storage) * size)
-        return _as_ragged(values, shape, mask) if ragged else _rows(values, shape, mask)
+        return _as_ragged(values, shape, len(storage), mask) if ragged else _rows(values, shape, mask)
     if kind.extension_name == ARROW_FIXED:
         shape = tuple(kind.shape)
         permutation = kind.permutation
@@ -104,7 +105,7 @@ def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) ->
             )
         size = storage.type.list_size
         values = storage.values.slice(storage.offset * size, len(storage) * size)
-        return _as_ragged(values, shape, mask) if ragged else _rows(values, shape, mask)
+        return _as_ragged(values, shape, len(storage), mask) if ragged else _rows(values, shape, mask)
     return _ragged(storage, kind.ndim, where, start, mask)
 
 
@@ -120,12 +121,11 @@ def _rows(values: Any, shape: tuple[int, ...], mask: Any) -> Any:
     return pa.FixedSizeListArray.from_arrays(values, shape[0], mask=mask)
 
 
-def _as_ragged(values: Any, shape: tuple[int, ...], mask: Any) -> Any:
-    """Flat ``values`` of rows of ``shape`` as a list column ragged along the first dim, as _ragged lays
-    Ray's ragged tensors out."""
+def _as_ragged(values: Any, shape: tuple[int, ...], rows: int, mask: Any) -> Any:
+    """Flat ``values`` of ``rows`` rows of ``shape`` as a list column ragged along the first dim, as _ragged
+    lays Ray's ragged tensors out."""
     import pyarrow as pa
 
-    rows = len(values) // int(np.prod(shape)) if int(np.prod(shape)) else 0
     offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * shape[0])
     return pa.LargeListArray.from_arrays(offsets, _rows(values, shape[1:], None), mask=mask)
 

@@ -157,3 +157,27 @@ def test_ray_train_workers_train_on_packed_batches_as_on_the_collator_s(local_ra
         ours, collator = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(ours) >= 3, "a few steps on every worker"
         assert ours == pytest.approx(collator, rel=1e-6), "the same losses, step for step"
+
+
+def test_rays_tensor_columns_arrive_as_rows_and_padded_tokens(local_ray):
+    images = np.arange(ROWS * 6, dtype=np.float32).reshape(ROWS, 2, 3)
+    batches = ray.data.from_numpy(images).iter_torch_batches(batch_size=20, collate_fn=ArrowCollate())
+    assert torch.equal(torch.cat([batch["data"] for batch in batches]), torch.from_numpy(images))
+
+    rows = token_rows(ROWS + 1)  # the last block holds one row: Ray stores it as a fixed-shape tensor
+
+    def ragged(batch):  # rows of other lengths: Ray stores them as its ragged tensors
+        tokens = np.empty(len(batch["id"]), dtype=object)
+        tokens[:] = [np.array(rows[i]) for i in batch["id"]]
+        return {"id": batch["id"], "input_ids": tokens}
+
+    dataset = ray.data.range(ROWS + 1).map_batches(ragged, batch_format="numpy", batch_size=16)
+    contract = Contract(
+        {"id": Field(kind="number"), "input_ids": Field(dtype=torch.int64, shape=("T",), pad=0)}, id=None
+    )
+    seen = []
+    for batch in dataset.iter_torch_batches(batch_size=24, collate_fn=ArrowCollate(contract)):
+        for row, tokens, length in zip(batch["id"], batch["input_ids"], batch["input_ids_lengths"], strict=True):
+            assert tokens[:length].tolist() == rows[row] and not tokens[length:].any()
+            seen.append(int(row))
+    assert sorted(seen) == list(range(ROWS + 1))

@@ -25,8 +25,7 @@ def expression(table, contract=None, columns=None):
 def gathered_natively(collate, table):
     """Whether ``collate`` gathers ``table`` in its native call rather than the long way."""
     collate(table)
-    layout = collate._layout
-    return layout.gather is not None and layout.gather.plan(table.__arrow_c_stream__()) is not None
+    return collate._native_plan(table) is not None
 
 
 def assert_parity(table, contract=None, columns=None, collate=None):
@@ -225,3 +224,39 @@ def test_it_is_rays_arrow_batch_collate_fn_and_pickles_without_its_layouts():
     copy = pickle.loads(pickle.dumps(collate))
     assert copy._layout is None
     assert_same_batch(copy(dense_table(5)), expression(dense_table(5), columns=["f32"]))
+
+
+def test_a_table_in_a_file_another_process_keeps_writing_is_collated_on_both_paths(tmp_path):
+    import subprocess
+    import sys
+
+    ids = token_lists(400, seed=5)
+    path = tmp_path / "blocks.arrow"
+    written = pa.table({"ids": ids, "labels": ids})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, written.schema) as writer:
+        writer.write_table(written)
+    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    assert Arrays.from_arrow(table).columns["ids"].watched, "the table's buffers lie in the mapped file"
+    # Two fields padded along one dim go the long way, through Arrays; one field is gathered natively.
+    shared = Contract({"ids": Field(shape=("T",), pad=0), "labels": Field(shape=("T",), pad=-100)}, id=None)
+    alone = Contract({"ids": Field(shape=("T",), pad=0)}, id=None)
+    long_way, native = ArrowCollate(shared), ArrowCollate(alone, columns=["ids"])
+    slices = [table.slice(start, 32) for start in range(0, 368, 16)]
+    expected = [(expression(t, shared), expression(t, alone, ["ids"])) for t in slices]
+    size = path.stat().st_size
+    appender = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nwith open(sys.argv[1], 'ab', buffering=0) as f:\n    while True:\n        f.write(b'x')"
+    ), str(path)])
+    try:
+        while path.stat().st_size == size:  # the writes have begun
+            pass
+        for _ in range(3):
+            for piece, (long_batch, native_batch) in zip(slices, expected, strict=True):
+                assert_same_batch(long_way(piece), long_batch)
+                assert_same_batch(native(piece), native_batch)
+        grown = path.stat().st_size
+    finally:
+        appender.kill()
+        appender.wait()
+    assert long_way._native_plan(slices[0]) is None and native._native_plan(slices[0]) is not None
+    assert grown > size + 1000, "the file was written all along"

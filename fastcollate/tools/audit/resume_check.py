@@ -97,7 +97,8 @@ class ResumeCheck:
 
     def run(self) -> dict:
         """The report as a dict: ``exit_status`` 0 (every resume delivered the epoch once), 1 (a resume
-        lost or repeated samples, named, or the loader failed) or 2 (the loader cannot be checkpointed, or too short to try)."""
+        lost or repeated samples, named, or the loader failed) or 2 (the loader cannot be checkpointed,
+        or its epoch is too short to try)."""
         world, world_after = self.world_sizes or (1, 1)
         try:
             reference = self._uninterrupted(world)

@@ -84,7 +84,9 @@ def main() -> None:
         }
         results["cases"][case] = {"median_ms": medians, "speedup": ratios, "per_round_ms": per_round}
         shown = ", ".join(f"{name} {ms:.3f} ms" for name, ms in medians.items())
-        speedups = ", ".join(f"{k} {v['median']:.2f}x ({v['low']:.2f}-{v['high']:.2f})" for k, v in ratios.items())
+        speedups = ", ".join(
+            f"{k} {v['median']:.2f}x ({v['low']:.2f}-{v['high']:.2f})" for k, v in ratios.items()
+        )
         print(f"{case}: {shown}; {speedups}")
     if args.json:
         with open(args.json, "w") as out:

@@ -107,7 +107,9 @@ class ArrowCollate(_ArrowBatchCollateFn):
         naming an unreadable one), once for each new schema."""
         with self._lock:
             names = self._sources(table)
-            types = {name: table.schema.field(name).type for name in names.values() if name in table.schema.names}
+            types = {
+                name: table.schema.field(name).type for name in names.values() if name in table.schema.names
+            }
             if self._first_types is None:
                 self._first_types = types
             for name, first in self._first_types.items():
@@ -119,14 +121,18 @@ class ArrowCollate(_ArrowBatchCollateFn):
                         "map_batches: pyarrow.compute.cast, or numpy's astype)"
                     )
             tensors = sorted(name for name in types if arrow_tensors.is_tensor_type(types[name]))
-            ragged = frozenset(name for name in tensors if arrow_tensors.is_ragged(self._first_types.get(name)))
+            ragged = frozenset(
+                name for name in tensors if arrow_tensors.is_ragged(self._first_types.get(name))
+            )
             layout = _Layout(table.schema, None, tensors, ragged)
             arrays = arrow_columns.from_arrow(layout.plain(table), self.columns, watch=False)
             chosen = gather.gathered_columns(arrays, self.contract)
             if chosen is not None:
                 layout.gather = _C.ArrowGather(
-                    [column for column, _ in chosen], [names[key] for _, key in chosen],
-                    id_key=self._assemble.id_key, who=_WHO,
+                    [column for column, _ in chosen],
+                    [names[key] for _, key in chosen],
+                    id_key=self._assemble.id_key,
+                    who=_WHO,
                 )
             self._layout = layout
             return layout
@@ -158,5 +164,6 @@ def _as_table(batch: Any) -> Any:
     if isinstance(batch, pa.RecordBatch):
         return pa.Table.from_batches([batch])
     raise TypeError(
-        f"{_WHO}: expected a pyarrow.Table (what Ray hands an ArrowBatchCollateFn), got {type(batch).__name__}"
+        f"{_WHO}: expected a pyarrow.Table (what Ray hands an ArrowBatchCollateFn), got "
+        f"{type(batch).__name__}"
     )

@@ -17,7 +17,6 @@ from fastcollate import Contract, Field, Packing
 ray = pytest.importorskip("ray", reason="ray is not installed")  # a test dependency, like lightning
 pa = pytest.importorskip("pyarrow")
 from fastcollate.ray import ArrowCollate  # noqa: E402  (after the import checks)
-
 from tests.test_assemble_dropin import assert_same  # noqa: E402
 
 ROWS = 96
@@ -177,7 +176,9 @@ def test_rays_tensor_columns_arrive_as_rows_and_padded_tokens(local_ray):
     )
     seen = []
     for batch in dataset.iter_torch_batches(batch_size=24, collate_fn=ArrowCollate(contract)):
-        for row, tokens, length in zip(batch["id"], batch["input_ids"], batch["input_ids_lengths"], strict=True):
+        for row, tokens, length in zip(
+            batch["id"], batch["input_ids"], batch["input_ids_lengths"], strict=True
+        ):
             assert tokens[:length].tolist() == rows[row] and not tokens[length:].any()
             seen.append(int(row))
     assert sorted(seen) == list(range(ROWS + 1))

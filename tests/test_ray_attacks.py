@@ -20,7 +20,6 @@ pa = pytest.importorskip("pyarrow")
 from ray.data.collate_fn import is_tensor_batch_type  # noqa: E402  (after the import checks)
 
 from fastcollate.ray import ArrowCollate  # noqa: E402
-
 from tests.conftest import CUDA  # noqa: E402
 from tests.test_assemble_dropin import assert_same  # noqa: E402
 from tests.test_ray import (  # noqa: E402
@@ -63,7 +62,9 @@ def blocks(table, sizes):
     """``table`` as a Ray dataset of blocks of these row counts."""
     starts = np.concatenate([[0], np.cumsum(sizes)])
     assert starts[-1] == table.num_rows
-    return ray.data.from_arrow([table.slice(int(a), int(b - a)) for a, b in zip(starts[:-1], starts[1:])])
+    return ray.data.from_arrow(
+        [table.slice(int(a), int(b - a)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    )
 
 
 def assert_kept_batches_are_their_rows(batches, source, contract=None):
@@ -113,9 +114,14 @@ def test_a_local_shuffle_buffer_gives_packed_batches_of_every_row_once(local_ray
     rows = token_rows(ROWS, seed=5)
     source = tokens_table(rows)
     collate = Checked(packed_contract())
-    kept = list(blocks(source, [50, 47]).iter_torch_batches(
-        batch_size=16, collate_fn=collate, local_shuffle_buffer_size=40, local_shuffle_seed=3,
-    ))
+    kept = list(
+        blocks(source, [50, 47]).iter_torch_batches(
+            batch_size=16,
+            collate_fn=collate,
+            local_shuffle_buffer_size=40,
+            local_shuffle_seed=3,
+        )
+    )
     assert [problem for _, problem in collate.seen if problem] == []
     ids = torch.cat([batch["id"] for batch in kept]).tolist()
     assert ids != sorted(ids), "the buffer shuffled the rows"
@@ -126,9 +132,13 @@ def test_a_local_shuffle_buffer_gives_packed_batches_of_every_row_once(local_ray
 def test_prefetch_threads_share_one_collate_and_every_batch_kept_stays_its_rows(local_ray, prefetch):
     source = tabular_table(ROWS, seed=prefetch)
     collate = CheckedOnThreads()
-    kept = list(blocks(source, [20, 20, 20, 20, 17]).iter_torch_batches(
-        batch_size=8, collate_fn=collate, prefetch_batches=prefetch,
-    ))
+    kept = list(
+        blocks(source, [20, 20, 20, 20, 17]).iter_torch_batches(
+            batch_size=8,
+            collate_fn=collate,
+            prefetch_batches=prefetch,
+        )
+    )
     assert len(collate.threads) > 1, "Ray called the collate from one thread: the attack did not run"
     assert [problem for _, problem in collate.seen if problem] == []
     assert_kept_batches_are_their_rows(kept, source)

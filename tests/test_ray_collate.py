@@ -19,7 +19,9 @@ from .helpers.batches import assert_same_batch
 
 def expression(table, contract=None, columns=None):
     """The oracle: what ArrowCollate must return for ``table``."""
-    return assemble.using(contract)(Arrays.from_arrow(table, columns).__getitems__(list(range(table.num_rows))))
+    return assemble.using(contract)(
+        Arrays.from_arrow(table, columns).__getitems__(list(range(table.num_rows)))
+    )
 
 
 def gathered_natively(collate, table):
@@ -36,18 +38,23 @@ def assert_parity(table, contract=None, columns=None, collate=None):
 
 def dense_table(rows, seed=0):
     rng = np.random.default_rng(seed)
-    return pa.table({
-        "f32": pa.array(rng.standard_normal(rows, dtype=np.float32)),
-        "f64": pa.array(rng.standard_normal(rows)),
-        "f16": pa.array(rng.standard_normal(rows).astype(np.float16)),
-        "i8": pa.array(rng.integers(-100, 100, rows, dtype=np.int8)),
-        "u8": pa.array(rng.integers(0, 255, rows, dtype=np.uint8)),
-        "i32": pa.array(rng.integers(-9, 9, rows, dtype=np.int32)),
-        "label": pa.array(rng.integers(0, 10, rows)),
-    })
+    return pa.table(
+        {
+            "f32": pa.array(rng.standard_normal(rows, dtype=np.float32)),
+            "f64": pa.array(rng.standard_normal(rows)),
+            "f16": pa.array(rng.standard_normal(rows).astype(np.float16)),
+            "i8": pa.array(rng.integers(-100, 100, rows, dtype=np.int8)),
+            "u8": pa.array(rng.integers(0, 255, rows, dtype=np.uint8)),
+            "i32": pa.array(rng.integers(-9, 9, rows, dtype=np.int32)),
+            "label": pa.array(rng.integers(0, 10, rows)),
+        }
+    )
 
 
-def token_lists(rows, seed=0, low=1, high=9, offsets=pa.int32()):
+INT32 = pa.int32()
+
+
+def token_lists(rows, seed=0, low=1, high=9, offsets=INT32):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(low, high, rows)
     starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -62,7 +69,9 @@ def test_a_zero_copy_slice_of_dense_columns_equals_the_expression():
 
 def test_a_table_in_uneven_chunks_with_an_empty_one_equals_the_expression():
     whole = dense_table(500)
-    chunked = pa.concat_tables([whole.slice(0, 120), whole.slice(120, 0), whole.slice(300, 90), whole.slice(7, 33)])
+    chunked = pa.concat_tables(
+        [whole.slice(0, 120), whole.slice(120, 0), whole.slice(300, 90), whole.slice(7, 33)]
+    )
     assert chunked.column("f32").num_chunks == 4
     assert_parity(chunked)
 
@@ -104,7 +113,10 @@ def test_token_lists_padded_by_a_contract_equal_the_expression(offsets):
     contract = Contract({"input_ids": Field(shape=("T",), pad=0), "label": Field(kind="number")}, id=None)
     assert_parity(sliced, contract)
     padded_left = Contract(
-        {"input_ids": Field(shape=("T",), pad=-1, padding_side="left", pad_to_multiple_of=8), "label": Field(kind="number")},
+        {
+            "input_ids": Field(shape=("T",), pad=-1, padding_side="left", pad_to_multiple_of=8),
+            "label": Field(kind="number"),
+        },
         id=None,
     )
     assert_parity(sliced, padded_left)
@@ -115,8 +127,12 @@ def test_token_lists_packed_equal_the_expression_key_for_key():
     table = pa.table({"input_ids": ids, "labels": ids})
     sliced = pa.concat_tables([table.slice(4, 20), table.slice(41, 16)])
     contract = Contract(
-        {"input_ids": Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,)),
-         "labels": Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,), separator=-100)},
+        {
+            "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,)),
+            "labels": Field(
+                dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,), separator=-100
+            ),
+        },
         packing=Packing(seq_idx="seq_idx"),
         id=None,
     )
@@ -165,8 +181,14 @@ def test_a_null_in_a_later_table_is_refused_naming_the_column_and_row():
     collate = ArrowCollate()
     collate(pa.table({"x": pa.array([1.0, 2.0, 3.0], pa.float32())}))
     with pytest.raises(ValueError, match=r"column 'x' has a missing value \(null\) in row 4 of the batch"):
-        collate(pa.concat_tables([pa.table({"x": pa.array([1.0, 2.0, 3.0], pa.float32())}),
-                                  pa.table({"x": pa.array([5.0, None, 6.0], pa.float32())})]))
+        collate(
+            pa.concat_tables(
+                [
+                    pa.table({"x": pa.array([1.0, 2.0, 3.0], pa.float32())}),
+                    pa.table({"x": pa.array([5.0, None, 6.0], pa.float32())}),
+                ]
+            )
+        )
 
 
 def test_a_null_inside_a_later_tables_token_list_is_traced_to_its_row():
@@ -244,9 +266,17 @@ def test_a_table_in_a_file_another_process_keeps_writing_is_collated_on_both_pat
     slices = [table.slice(start, 32) for start in range(0, 368, 16)]
     expected = [(expression(t, shared), expression(t, alone, ["ids"])) for t in slices]
     size = path.stat().st_size
-    appender = subprocess.Popen([sys.executable, "-c", (
-        "import sys\nwith open(sys.argv[1], 'ab', buffering=0) as f:\n    while True:\n        f.write(b'x')"
-    ), str(path)])
+    appender = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys\nwith open(sys.argv[1], 'ab', buffering=0) as f:\n"
+                "    while True:\n        f.write(b'x')"
+            ),
+            str(path),
+        ]
+    )
     try:
         while path.stat().st_size == size:  # the writes have begun
             pass

@@ -180,9 +180,10 @@ def test_ragged_tensors_stored_with_one_shape_in_a_later_block_stay_ragged(later
     assert gathered_natively(collate, table)
     plain = pa.table({"input_ids": plain_ragged(list(one_shape[1:]))})
     assert_same_batch(collate(table), expression(plain, contract))
-    assert_same_batch(collate(pa.table({"input_ids": ragged_tensors(rows)})), expression(
-        pa.table({"input_ids": plain_ragged(rows)}), contract
-    ))
+    assert_same_batch(
+        collate(pa.table({"input_ids": ragged_tensors(rows)})),
+        expression(pa.table({"input_ids": plain_ragged(rows)}), contract),
+    )
 
 
 def test_a_tensor_column_whose_dtype_changed_between_blocks_is_refused_naming_both_types():

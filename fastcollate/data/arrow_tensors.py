@@ -150,8 +150,8 @@ def _ragged(storage: Any, ndim: int, where: str, start: int, mask: Any) -> Any:
         raise TypeError(
             f"{where} holds ragged tensors whose dims after the first vary: row {start + row} has shape "
             f"{tuple(dims[row].tolist())} where row {start} has {tuple(dims[0].tolist())}. Only the first "
-            "dim of a row may vary (it is padded or packed): give the rows one shape after their first dim in "
-            "map_batches (pad or crop), or flatten each row"
+            "dim of a row may vary (it is padded or packed): give the rows one shape after their first dim "
+            "in map_batches (pad or crop), or flatten each row"
         )
     offsets = data.offsets.to_numpy()
     first = int(offsets[0])

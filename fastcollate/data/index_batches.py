@@ -124,9 +124,7 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
         position = self._claim()
         draws = position is None  # a loaded position drew its order, and the tail, at load
         if position is None:
-            generator_state = self._generator_state()
-            layout = self._layout(self.epoch, 0, self.world_size, self._order(self.epoch))
-            position = Position(self.epoch, 0, self.world_size, 0, layout, generator_state=generator_state)
+            position = self._fresh_position(draw=True)
         self._position = position
         layout = position.layout
         while position.taken < layout.count:
@@ -139,10 +137,13 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
             self._tail_draw()  # no short batch: BatchSampler reads past the end at the next() that stops
         position.exhausted = True
 
-    def _fresh_position(self) -> Position:
-        position = super()._fresh_position()
-        position.generator_state = self._generator_state()
-        return position
+    def _fresh_position(self, draw: bool = False) -> Position:
+        """The epoch from its start; with ``draw``, its order drawn now (an epoch of no batches draws too, as
+        RandomSampler does), the generator's state taken first."""
+        generator_state = self._generator_state()
+        order = self._order(self.epoch) if draw else None
+        layout = self._layout(self.epoch, 0, self.world_size, order)
+        return Position(self.epoch, 0, self.world_size, 0, layout, generator_state=generator_state)
 
     def _restore(self, position: Position) -> None:
         if self.generator is not None:

@@ -81,7 +81,7 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
         self.epoch = 0
         self._count = len(self.lengths)
         self._last_layout: tuple[tuple, _RankBatches] | None = None
-        self._lengths_digest: str | None = None
+        self._made_for_cached: dict | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch: with ``shuffle`` the order is seeded ``seed + epoch``. Call it before each
@@ -114,16 +114,18 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
         position.exhausted = True
 
     def _made_for(self) -> dict:
-        if self._lengths_digest is None:
-            self._lengths_digest = hashlib.blake2b(self.lengths.tobytes(), digest_size=8).hexdigest()
-        return {
-            "n": len(self.lengths),
-            "tokens": int(self.lengths.sum()),
-            "lengths_digest": self._lengths_digest,
-            "max_tokens": self.max_tokens,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-        }
+        # Computed once: StatefulDataLoader asks for the state after every batch, and the sum and digest
+        # of the lengths are O(n). write_state copies it, so a state never shares it.
+        if self._made_for_cached is None:
+            self._made_for_cached = {
+                "n": len(self.lengths),
+                "tokens": int(self.lengths.sum()),
+                "lengths_digest": hashlib.blake2b(self.lengths.tobytes(), digest_size=8).hexdigest(),
+                "max_tokens": self.max_tokens,
+                "shuffle": self.shuffle,
+                "seed": self.seed,
+            }
+        return self._made_for_cached
 
     def _layout(self, epoch: int, start: int, world_size: int) -> _RankBatches:
         """The batches of the epoch's order from ``start`` on, for ``world_size`` ranks, as this rank

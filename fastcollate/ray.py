@@ -12,12 +12,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ._ext import _C
-from .collate import gather
+from .collate import gather, jagged, tree
 from .collate.assemble import assemble
 from .collate.contract import Contract
 from .data import arrow_columns, arrow_tensors
 from .data.arrays import ColumnChoice
+from .transfer.device_loader import device_fields
+from .transfer.staging import StagingRing
 
 try:
     from ray.data.collate_fn import ArrowBatchCollateFn as _ArrowBatchCollateFn
@@ -59,15 +63,28 @@ class ArrowCollate(_ArrowBatchCollateFn):
     Args:
         contract: the contract each batch is checked against and laid out by; None for drop-in mode.
         columns: the table's columns to read: None for every one, a list of names, or ``{key: column}``.
+        device: a CUDA device to move each batch to here, in one copy from a page-locked staging buffer;
+            None (the default) leaves it in host memory, for ``iter_torch_batches(device=...)`` to move.
+            Ray moves only a batch of tensors alone: a packed batch holds ``max_length_q``/``max_length_k``
+            as Python ints (what flash attention takes), so Ray leaves it on the host, and its
+            ``pin_memory=True`` skips it too. Pass ``device=ray.train.torch.get_device()`` for those.
 
     Safe to call from several threads at once (Ray's prefetching does). Every table must keep the column
     types of the first: a column whose type changes is refused, naming it. A ragged tensor column stays
     ragged where Ray stores a block of its rows with one shape (a block of one row, say).
     """
 
-    def __init__(self, contract: Contract | None = None, columns: ColumnChoice = None) -> None:
+    def __init__(
+        self,
+        contract: Contract | None = None,
+        columns: ColumnChoice = None,
+        *,
+        device: torch.device | str | int | None = None,
+    ) -> None:
         self.contract = contract
         self.columns = columns
+        self.device = _cuda_device_or_none(device)
+        self._pinned: StagingRing | None = None  # made at the first batch moved, where the device is
         self._assemble = assemble.using(contract)
         self._layout: _Layout | None = None
         self._first_types: dict[str, Any] | None = None  # {column: Arrow type} of the first table
@@ -76,9 +93,11 @@ class ArrowCollate(_ArrowBatchCollateFn):
     def __call__(self, table: Any) -> Any:
         table = _as_table(table)
         plan = self._native_plan(table)
-        if plan is not None:
-            return self._assemble.deliver(plan)
-        return self.expression(table)
+        if self.device is None:
+            return self._assemble.deliver(plan) if plan is not None else self.expression(table)
+        ring = self._staging_ring()
+        batch = self._assemble.deliver(plan, into=ring) if plan is not None else self.expression(table)
+        return _in_one_copy(batch, ring, self.device)
 
     def _native_plan(self, table: Any) -> Any:
         """The plan of ``table`` gathered in one native call, or None where it goes the long way."""
@@ -95,6 +114,16 @@ class ArrowCollate(_ArrowBatchCollateFn):
         table = _as_table(table)
         arrays = arrow_columns.from_arrow(self._layout_for(table).plain(table), self.columns, watch=False)
         return self._assemble(arrays.__getitems__(list(range(table.num_rows))))
+
+    def _staging_ring(self) -> StagingRing:
+        """The page-locked ring the batches moved to ``device`` are staged in, made at the first one (in the
+        process that has the device): a slot is busy from the gather until its copy has run."""
+        with self._lock:
+            if self._pinned is None:
+                if self.device.index is None:  # "cuda" means this process's current device, fixed now
+                    self.device = torch.device("cuda", torch.cuda.current_device())
+                self._pinned = StagingRing(pinned=True, device=self.device)
+            return self._pinned
 
     def _layout_for(self, table: Any) -> _Layout:
         layout = self._layout
@@ -146,14 +175,65 @@ class ArrowCollate(_ArrowBatchCollateFn):
         return {name: name for name in self.columns}
 
     def __getstate__(self) -> dict:
-        return {"contract": self.contract, "columns": self.columns}  # layouts are made again where it lands
+        # Layouts and the staging ring are made again where it lands.
+        return {"contract": self.contract, "columns": self.columns, "device": self.device}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["contract"], state["columns"])
+        self.__init__(state["contract"], state["columns"], device=state.get("device"))
 
     def __repr__(self) -> str:
         what = "drop-in" if self.contract is None else f"{len(self.contract.fields)}-field contract"
-        return f"fastcollate.ray.ArrowCollate({what}, columns={self.columns!r})"
+        moved = "" if self.device is None else f", device={str(self.device)!r}"
+        return f"fastcollate.ray.ArrowCollate({what}, columns={self.columns!r}{moved})"
+
+
+def _cuda_device_or_none(device: Any) -> torch.device | None:
+    """The CUDA device ``device`` names, or None for none or the CPU (the batch stays in host memory)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"{_WHO}: device={str(device)!r}: a batch goes to a CUDA device or stays on the CPU")
+    return device
+
+
+def _in_one_copy(batch: Any, ring: StagingRing, device: torch.device) -> Any:
+    """``batch`` with its host tensors on ``device``: copied as one buffer, from one page-locked slot of
+    ``ring`` (the one the batch was gathered into, or one they are packed into now), on the device's current
+    stream. Each field is a view of that one copy, but a small one of a large batch (a label) gets its own
+    memory, so that keeping it does not keep the batch. Python values (a packed batch's max_length_q) stay."""
+    leaves, rebuild = tree.flatten(batch)
+    count = len(leaves)
+    leaves, jagged_places = jagged.split(leaves)  # a jagged tensor crosses as its values and offsets
+    host = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.device.type == "cpu"]
+    if not host:
+        return batch
+    # One tensor under two keys (cu_seq_lens_q and _k) crosses once and stays one tensor.
+    tensors = list({id(leaves[i]): leaves[i] for i in host}.values())
+    storage = tensors[0].untyped_storage()
+    if ring.owns(tensors[0]) and all(
+        t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors
+    ):
+        slot = torch.empty(0, dtype=torch.uint8).set_(storage)
+        offsets = [t.storage_offset() * t.element_size() for t in tensors]
+    else:
+        slot, offsets = ring.pack(tensors)
+    nbytes = max(offset + t.nbytes for t, offset in zip(tensors, offsets, strict=True))
+    stream = torch.cuda.current_stream(device)
+    device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # A ring slot is held until the copy queued on the stream has read it; any other buffer (the ring
+    # was full) is copied before this returns.
+    in_ring = ring.owns(slot)
+    device_bytes.copy_(slot[:nbytes], non_blocking=in_ring)
+    if in_ring:
+        ring.hold_until_stream_done(slot, stream)
+    fields, _ = device_fields(device_bytes, tensors, offsets)
+    moved = {id(tensor): field for tensor, field in zip(tensors, fields, strict=True)}
+    for i in host:
+        leaves[i] = moved[id(leaves[i])]
+    return rebuild(jagged.join(leaves, jagged_places, count))
 
 
 def _as_table(batch: Any) -> Any:

@@ -201,12 +201,28 @@ def test_rays_own_pinning_pins_a_tabular_batch_or_says_there_is_no_gpu(local_ray
             list(batches)
 
 
-def test_a_packed_batch_is_all_tensors_so_ray_moves_and_pins_it(local_ray):
-    # Ray's finalize (the device move) and its pin_memory act only on batches is_tensor_batch_type accepts.
+def test_a_packed_batch_holds_python_ints_so_rays_move_and_pinning_skip_it(local_ray):
+    # Ray's finalize (the device move) and its pin_memory act only on batches is_tensor_batch_type accepts:
+    # a packed batch's max_length_q/k are ints, as flash attention takes them. ArrowCollate's device moves
+    # it instead (below, on a GPU).
     dataset = ray.data.from_arrow(tokens_table(token_rows(40)))
     for batch in dataset.iter_torch_batches(batch_size=16, collate_fn=ArrowCollate(packed_contract())):
-        not_tensors = [key for key, value in batch.items() if not torch.is_tensor(value)]
-        assert is_tensor_batch_type(batch), f"Ray will neither move nor pin it: {not_tensors} are not tensors"
+        assert not is_tensor_batch_type(batch)
+        assert type(batch["max_length_q"]) is int
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("pin_memory", [False, True], ids=["ray_pins_nothing", "ray_pins_too"])
+def test_a_packed_batch_moved_by_the_collate_reaches_the_training_loop_on_the_device(local_ray, pin_memory):
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = token_rows(40)
+    dataset = ray.data.from_arrow(tokens_table(rows))
+    collate = ArrowCollate(packed_contract(), device=device)
+    batches = list(dataset.iter_torch_batches(batch_size=16, collate_fn=collate, pin_memory=pin_memory))
+    assert sum(batch["cu_seq_lens_q"].numel() - 1 for batch in batches) == len(rows)
+    for batch in batches:
+        assert all(value.device == device for value in batch.values() if torch.is_tensor(value))
+        assert type(batch["max_length_q"]) is int
 
 
 # --- Ray's object store written meanwhile ---------------------------------------------------------------

@@ -112,7 +112,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
         Ray's blocks lie in its object store, a shared-memory file Ray writes to all the time, and those
         writes do not move a block's rows."""
         table = _as_table(table)
-        arrays = arrow_columns.from_arrow(self._layout_for(table).plain(table), self.columns, watch=False)
+        plain = self._layout_for(table).plain(table)
+        arrays = arrow_columns.from_arrow(plain, self.columns, watch=False, who=_WHO)
         return self._assemble(arrays.__getitems__(list(range(table.num_rows))))
 
     def _staging_ring(self) -> StagingRing:
@@ -154,7 +155,7 @@ class ArrowCollate(_ArrowBatchCollateFn):
                 name for name in tensors if arrow_tensors.is_ragged(self._first_types.get(name))
             )
             layout = _Layout(table.schema, None, tensors, ragged)
-            arrays = arrow_columns.from_arrow(layout.plain(table), self.columns, watch=False)
+            arrays = arrow_columns.from_arrow(layout.plain(table), self.columns, watch=False, who=_WHO)
             chosen = gather.gathered_columns(arrays, self.contract)
             if chosen is not None:
                 layout.gather = _C.ArrowGather(

@@ -173,10 +173,15 @@ def test_four_threads_on_one_collate_each_get_their_own_tables_batch():
     assert gathered_natively(collate, tables[0])
 
 
-def test_a_string_column_is_refused_naming_it():
-    table = pa.table({"x": pa.array(np.arange(4, dtype=np.float32)), "text": pa.array(["a", "b", "c", "d"])})
-    with pytest.raises(TypeError, match="column 'text' holds text"):
+def test_a_string_column_is_refused_naming_it_and_the_collate_in_the_first_table_and_a_later_one():
+    numbers = pa.table({"x": pa.array(np.arange(4, dtype=np.float32))})
+    table = numbers.append_column("text", pa.array(["a", "b", "c", "d"]))
+    with pytest.raises(TypeError, match="^fastcollate.ray.ArrowCollate: column 'text' holds text"):
         ArrowCollate()(table)
+    collate = ArrowCollate()
+    collate(numbers)  # the layout is made again for the new schema: refused the same way
+    with pytest.raises(TypeError, match="^fastcollate.ray.ArrowCollate: column 'text' holds text"):
+        collate(table)
 
 
 def test_a_null_in_a_later_table_is_refused_naming_the_column_and_row():
@@ -212,7 +217,7 @@ def test_a_column_the_contract_names_but_the_table_lacks_is_named():
     contract = Contract({"x": Field(), "label": Field(kind="number")}, id=None)
     with pytest.raises(Exception, match="label"):
         ArrowCollate(contract)(pa.table({"x": pa.array(np.arange(3, dtype=np.float32))}))
-    with pytest.raises(KeyError, match="column 'label'"):
+    with pytest.raises(KeyError, match="fastcollate.ray.ArrowCollate: column 'label'"):
         ArrowCollate(columns=["x", "label"])(pa.table({"x": pa.array(np.arange(3, dtype=np.float32))}))
 
 

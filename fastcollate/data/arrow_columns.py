@@ -134,28 +134,34 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
 
 
 def from_arrow(
-    source: Any, columns: ColumnChoice = None, id_key: str | None = None, *, watch: bool = True
+    source: Any,
+    columns: ColumnChoice = None,
+    id_key: str | None = None,
+    *,
+    watch: bool = True,
+    who: str = "Arrays.from_arrow",
 ) -> Arrays:
     """``Arrays.from_arrow``: see its docstring. ``watch=False`` watches no file the table's buffers lie in:
     for a table in memory another program writes to all the time (Ray's object store, a shared-memory
-    file), which is no dataset's file and whose writes do not move the table's rows."""
+    file), which is no dataset's file and whose writes do not move the table's rows. ``who`` begins its
+    errors: the caller the user called."""
     import pyarrow as pa
 
     if isinstance(source, (str, os.PathLike)):
         source = os.path.abspath(source)  # read again by another process, from another directory maybe
-        table = _read_ipc(source, "Arrays.from_arrow")
+        table = _read_ipc(source, who)
     elif isinstance(source, pa.RecordBatch):
         table = pa.Table.from_batches([source])
     elif isinstance(source, pa.Table):
         table = source
     else:
         raise TypeError(
-            "Arrays.from_arrow: expected a pyarrow.Table, a RecordBatch or the path of an Arrow IPC file, "
+            f"{who}: expected a pyarrow.Table, a RecordBatch or the path of an Arrow IPC file, "
             f"got {type(source).__name__}"
         )
-    chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
-    arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow", watch)
-    _refuse_nulls_read(arrays, "Arrays.from_arrow")
+    chosen = _chosen(columns, table.column_names, table.column_names, who)
+    arrays = _arrays(table, chosen, id_key, who, watch)
+    _refuse_nulls_read(arrays, who)
     arrays._source = (from_arrow, source, chosen, id_key)
     return arrays
 
@@ -391,12 +397,12 @@ def _leaf(where: str, node: Any, column_type: Any) -> np.ndarray:
     ):
         raise TypeError(
             f"{where} holds text or bytes ({column_type}), which a batch of tensors cannot: tokenize it "
-            "first (Dataset.map), or leave it out (columns=[...])"
+            "first (Dataset.map, or Ray Data's map_batches), or leave it out (columns=[...])"
         )
     if pa.types.is_boolean(kind):
         raise TypeError(
             f"{where} holds booleans ({column_type}), which Arrow stores as bits, not as the bytes a tensor "
-            "reads: cast the column to uint8 (Dataset.cast_column, or pyarrow.compute.cast)"
+            "reads: cast the column to uint8 (Dataset.cast_column, or pyarrow.compute.cast in map_batches)"
         )
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise TypeError(

@@ -21,7 +21,7 @@ from .collate.contract import Contract
 from .data import arrow_columns, arrow_tensors
 from .data.arrays import ColumnChoice
 from .transfer.device_loader import device_fields
-from .transfer.staging import StagingRing
+from .transfer.staging import DEFAULT_MAX_SLOTS, StagingRing
 
 try:
     from ray.data.collate_fn import ArrowBatchCollateFn as _ArrowBatchCollateFn
@@ -68,6 +68,10 @@ class ArrowCollate(_ArrowBatchCollateFn):
             Ray moves only a batch of tensors alone: a packed batch holds ``max_length_q``/``max_length_k``
             as Python ints (what flash attention takes), so Ray leaves it on the host, and its
             ``pin_memory=True`` skips it too. Pass ``device=ray.train.torch.get_device()`` for those.
+        max_slots: the staging buffers kept for batches (fastcollate.StagingRing); None for the process's
+            default ring (8). A batch in use holds its buffer: Ray's collate threads, its prefetch queue and
+            the batches a loop keeps each hold one, and past ``max_slots`` batches get fresh buffers (slower,
+            said once by a ResourceWarning).
 
     Safe to call from several threads at once (Ray's prefetching does). Every table must keep the column
     types of the first: a column whose type changes is refused, naming it. A ragged tensor column stays
@@ -80,12 +84,14 @@ class ArrowCollate(_ArrowBatchCollateFn):
         columns: ColumnChoice = None,
         *,
         device: torch.device | str | int | None = None,
+        max_slots: int | None = None,
     ) -> None:
         self.contract = contract
         self.columns = columns
         self.device = _cuda_device_or_none(device)
+        self.max_slots = max_slots
         self._pinned: StagingRing | None = None  # made at the first batch moved, where the device is
-        self._assemble = assemble.using(contract)
+        self._assemble = assemble.using(contract, ring=None if max_slots is None else StagingRing(max_slots))
         self._layout: _Layout | None = None
         self._first_types: dict[str, Any] | None = None  # {column: Arrow type} of the first table
         self._lock = threading.Lock()
@@ -123,7 +129,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
             if self._pinned is None:
                 if self.device.index is None:  # "cuda" means this process's current device, fixed now
                     self.device = torch.device("cuda", torch.cuda.current_device())
-                self._pinned = StagingRing(pinned=True, device=self.device)
+                slots = DEFAULT_MAX_SLOTS if self.max_slots is None else self.max_slots
+                self._pinned = StagingRing(slots, pinned=True, device=self.device)
             return self._pinned
 
     def _layout_for(self, table: Any) -> _Layout:
@@ -177,10 +184,13 @@ class ArrowCollate(_ArrowBatchCollateFn):
 
     def __getstate__(self) -> dict:
         # Layouts and the staging ring are made again where it lands.
-        return {"contract": self.contract, "columns": self.columns, "device": self.device}
+        return {"contract": self.contract, "columns": self.columns, "device": self.device,
+                "max_slots": self.max_slots}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["contract"], state["columns"], device=state.get("device"))
+        self.__init__(
+            state["contract"], state["columns"], device=state["device"], max_slots=state["max_slots"]
+        )
 
     def __repr__(self) -> str:
         what = "drop-in" if self.contract is None else f"{len(self.contract.fields)}-field contract"

@@ -391,3 +391,21 @@ def test_four_threads_moving_batches_each_get_their_own_tables_batch():
         except AssertionError as error:  # noqa: PERF203 - each failure kept with its table
             failures.append((which, error))
     assert failures == []
+
+
+def test_max_slots_gives_the_collate_its_own_ring_and_a_full_one_says_to_raise_it():
+    import pickle
+    import warnings
+
+    table = dense_table(64)
+    collate = pickle.loads(pickle.dumps(ArrowCollate(max_slots=2)))
+    assert collate.max_slots == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = [collate(table) for _ in range(3)]  # each kept batch holds its slot
+    overflow = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(overflow) == 1
+    assert "all 2 staging slots" in str(overflow[0].message)
+    assert "ArrowCollate(max_slots=" in str(overflow[0].message)
+    for batch in kept:
+        assert_same_batch(batch, expression(table))

@@ -116,7 +116,8 @@ def _collator_batches(dataset, batch_size: int, batches: int) -> int:
     return tokens
 
 
-def _packed_through_ray(dataset, collate, batch_size: int, batches: int) -> float:
+def _packed_through_ray(dataset, collate, batch_size: int, batches: int, pass_tokens: int) -> float:
+    """Tokens/s of ``batches`` batches; a collate that packs nothing is credited a pass's ``pass_tokens``."""
     start = time.perf_counter()
     if collate is None:
         tokens = _collator_batches(dataset, batch_size, batches)
@@ -125,9 +126,10 @@ def _packed_through_ray(dataset, collate, batch_size: int, batches: int) -> floa
         for count, batch in enumerate(
             dataset.iter_torch_batches(batch_size=batch_size, collate_fn=collate), 1
         ):
-            tokens += batch["input_ids"].shape[1]
+            tokens += batch["input_ids"].shape[1] if "input_ids" in batch else 0
             if count == batches:
                 break
+        tokens = tokens or pass_tokens
     return tokens / (time.perf_counter() - start)
 
 
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    import pyarrow.compute as pc
     import ray
 
     torch.set_num_threads(1)
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         packed = _packed_dataset(args.packed_rows, args.seed)
         packed_batches = args.packed_rows // args.packed_batch
         packed_tables = _tables(packed, args.packed_batch, packed_batches)
-        packed_contenders: dict[str, Callable | None] = {"collator": None}
+        pass_tokens = sum(pc.sum(pc.list_value_length(t.column("input_ids"))).as_py() for t in packed_tables)
+        packed_contenders: dict[str, Callable | None] = {"collator": None, "nothing": contenders["nothing"]}
         if "ArrowCollate" in contenders:
             from fastcollate.ray import ArrowCollate
 
@@ -222,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             for where in ("ray", "alone")
             if not (where == "alone" and contenders[name] is None)
         ]
-        cells += [("packed", name, where) for name in packed_contenders for where in ("ray", "alone")]
+        cells += [
+            ("packed", name, where)
+            for name in packed_contenders
+            for where in ("ray", "alone")
+            if not (where == "alone" and name == "nothing")
+        ]
         runs: list[dict] = []
         order = random.Random(args.seed)
         for round_number in range(args.rounds + 1):
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     collate = packed_contenders[name]
                     rate = (
-                        _packed_through_ray(packed, collate, args.packed_batch, packed_batches)
+                        _packed_through_ray(packed, collate, args.packed_batch, packed_batches, pass_tokens)
                         if where == "ray"
                         else _packed_alone(collate, packed_tables)
                     )

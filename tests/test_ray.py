@@ -22,15 +22,6 @@ from tests.test_assemble_dropin import assert_same  # noqa: E402
 ROWS = 96
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def token_rows(count: int = ROWS, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 200, int(rng.integers(16, 64))).tolist() for _ in range(count)]

@@ -35,15 +35,6 @@ from tests.test_ray import (  # noqa: E402
 ROWS = 97  # 3 batches of 32 and a last one of a single row
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 class CheckedOnThreads(Checked):
     """Checked, also keeping which threads called it. Each call lingers a little so that Ray's other
     prefetch threads take the next tables meanwhile: the collate runs on several threads at once."""

@@ -97,7 +97,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
         self.device = _current_if_started(self._requested)
         self.max_slots = _slot_count(max_slots)
         self._pinned: StagingRing | None = None  # made at the first batch moved, where the device is
-        self._assemble = assemble.using(contract, ring=None if max_slots is None else StagingRing(max_slots))
+        own_ring = None if self.max_slots is None else StagingRing(self.max_slots)
+        self._assemble = assemble.using(contract, ring=own_ring)
         self._layout: _Layout | None = None
         self._first_types: dict[str, Any] | None = None  # {column: Arrow type} of the first table
         self._lock = threading.Lock()

@@ -8,16 +8,19 @@ recognises; without Ray, ``ArrowCollate`` is the same callable over any ``pyarro
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._ext import _C
 from .collate import gather, jagged, tree
 from .collate.assemble import assemble
 from .collate.contract import Contract
+from .collate.errors import ContractError
 from .data import arrow_columns, arrow_tensors
 from .data.arrays import ColumnChoice
 from .transfer.device_loader import device_fields
@@ -65,6 +68,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
         columns: the table's columns to read: None for every one, a list of names, or ``{key: column}``.
         device: a CUDA device to move each batch to here, in one copy from a page-locked staging buffer;
             None (the default) leaves it in host memory, for ``iter_torch_batches(device=...)`` to move.
+            A bare "cuda" is the device current where the collate is made, if CUDA is started there, else
+            at its first batch (in one of Ray's threads, whose current device is not the loop's).
             Ray moves only a batch of tensors alone: a packed batch holds ``max_length_q``/``max_length_k``
             as Python ints (what flash attention takes), so Ray leaves it on the host, and its
             ``pin_memory=True`` skips it too. Pass ``device=ray.train.torch.get_device()`` for those.
@@ -88,16 +93,24 @@ class ArrowCollate(_ArrowBatchCollateFn):
     ) -> None:
         self.contract = contract
         self.columns = columns
-        self.device = _cuda_device_or_none(device)
-        self.max_slots = max_slots
+        self._requested = _cuda_device_or_none(device)  # what a pickled copy resolves again where it lands
+        self.device = _current_if_started(self._requested)
+        self.max_slots = _slot_count(max_slots)
         self._pinned: StagingRing | None = None  # made at the first batch moved, where the device is
-        self._assemble = assemble.using(contract, ring=None if max_slots is None else StagingRing(max_slots))
+        own_ring = None if self.max_slots is None else StagingRing(self.max_slots)
+        self._assemble = assemble.using(contract, ring=own_ring)
         self._layout: _Layout | None = None
         self._first_types: dict[str, Any] | None = None  # {column: Arrow type} of the first table
         self._lock = threading.Lock()
 
     def __call__(self, table: Any) -> Any:
         table = _as_table(table)
+        try:
+            return self._collate(table)
+        except ContractError as error:
+            raise _as_ours(error, self._sources(table)) from error
+
+    def _collate(self, table: Any) -> Any:
         plan = self._native_plan(table)
         if self.device is None:
             return self._assemble.deliver(plan) if plan is not None else self.expression(table)
@@ -127,7 +140,13 @@ class ArrowCollate(_ArrowBatchCollateFn):
         process that has the device): a slot is busy from the gather until its copy has run."""
         with self._lock:
             if self._pinned is None:
-                if self.device.index is None:  # "cuda" means this process's current device, fixed now
+                if not torch.cuda.is_available():
+                    raise RuntimeError(
+                        f"{_WHO}: device={str(self.device)!r}, but this process sees no GPU "
+                        "(torch.cuda.is_available() is False). Make the collate with device=None here, or "
+                        "run it where the GPU is (a Ray Train worker given one: ScalingConfig(use_gpu=True))"
+                    )
+                if self.device.index is None:  # CUDA was not started where it was made: the current one now
                     self.device = torch.device("cuda", torch.cuda.current_device())
                 slots = DEFAULT_MAX_SLOTS if self.max_slots is None else self.max_slots
                 self._pinned = StagingRing(slots, pinned=True, device=self.device)
@@ -184,7 +203,7 @@ class ArrowCollate(_ArrowBatchCollateFn):
 
     def __getstate__(self) -> dict:
         # Layouts and the staging ring are made again where it lands.
-        return {"contract": self.contract, "columns": self.columns, "device": self.device,
+        return {"contract": self.contract, "columns": self.columns, "device": self._requested,
                 "max_slots": self.max_slots}
 
     def __setstate__(self, state: dict) -> None:
@@ -202,12 +221,43 @@ def _cuda_device_or_none(device: Any) -> torch.device | None:
     """The CUDA device ``device`` names, or None for none or the CPU (the batch stays in host memory)."""
     if device is None:
         return None
-    device = torch.device(device)
+    try:
+        if isinstance(device, bool):  # torch would read True as device 1
+            raise TypeError("a bool names no device")
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"{_WHO}: device={device!r} names no device ({str(error).splitlines()[0]}): pass \"cuda\", "
+            "\"cuda:1\", an int, a torch.device, or None to leave batches in host memory"
+        ) from None
     if device.type == "cpu":
         return None
     if device.type != "cuda":
         raise ValueError(f"{_WHO}: device={str(device)!r}: a batch goes to a CUDA device or stays on the CPU")
     return device
+
+
+def _current_if_started(device: torch.device | None) -> torch.device | None:
+    """``device``, a bare "cuda" fixed to the current device of the thread making the collate where CUDA is
+    started (torch.cuda.set_device starts it): Ray calls the collate from threads of its own, whose current
+    device is not the training loop's. Elsewhere (a driver with no GPU) it is fixed at the first batch."""
+    if device is None or device.index is not None or not torch.cuda.is_initialized():
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _slot_count(max_slots: Any) -> int | None:
+    """``max_slots`` checked: None, or a count of staging buffers of at least one."""
+    if max_slots is None:
+        return None
+    counted = isinstance(max_slots, int | np.integer) and not isinstance(max_slots, bool)
+    if not counted or not 1 <= max_slots < 2**62:
+        raise ValueError(
+            f"{_WHO}: max_slots={max_slots!r}: the staging buffers kept are a count, at least 1 (the batches "
+            "held at once: Ray's collate threads, its prefetch queue and the loop's, plus 2), or None for "
+            f"the default ({DEFAULT_MAX_SLOTS})"
+        )
+    return int(max_slots)
 
 
 def _in_one_copy(batch: Any, ring: StagingRing, device: torch.device) -> Any:
@@ -245,6 +295,24 @@ def _in_one_copy(batch: Any, ring: StagingRing, device: torch.device) -> Any:
     for i in host:
         leaves[i] = moved[id(leaves[i])]
     return rebuild(jagged.join(leaves, jagged_places, count))
+
+
+# The assembler's words for a sample without an id; a table's rows are named by row instead.
+_UNNAMED = re.compile(
+    r"sample at batch position (\d+) \(samples carry no ('.*?'); wrap the dataset in .*? to name them\)"
+)
+
+
+def _as_ours(error: ContractError, sources: dict[str, str]) -> ContractError:
+    """``error`` (the assembler's, naming a sample and a field) as this collate's: a row of a table, whose
+    column a field is read from; a table has no dataset to wrap in with_ids."""
+    text = _UNNAMED.sub(r"row \1 of the table (it has no \2 column to name rows by)", str(error))
+    column = sources.get(str(error.field).split(".")[0])
+    if column is not None and column != error.field:
+        text = text.replace(f"field {error.field!r}", f"field {error.field!r} (column {column!r})", 1)
+    ours = type(error)(f"{_WHO}: {text}")
+    ours.__dict__.update(error.__dict__)  # the sample, field, expected and got, as the assembler found them
+    return ours
 
 
 def _as_table(batch: Any) -> Any:

@@ -233,13 +233,14 @@ def test_something_other_than_a_table_is_refused_saying_what_was_expected():
         ArrowCollate()({"x": np.arange(3)})
 
 
-def test_an_empty_table_is_refused_as_the_expression_refuses_it():
+def test_an_empty_table_is_refused_as_the_expression_refuses_it_naming_the_collate():
     table = dense_table(10).slice(10, 0)
     with pytest.raises(Exception) as ours:
         ArrowCollate()(table)
     with pytest.raises(Exception) as theirs:
         expression(table)
-    assert type(ours.value) is type(theirs.value) and str(ours.value) == str(theirs.value)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == f"fastcollate.ray.ArrowCollate: {theirs.value}"
 
 
 def test_it_is_rays_arrow_batch_collate_fn_and_pickles_without_its_layouts():

@@ -1,8 +1,8 @@
 """fastcollate.ray.ArrowCollate where the process around it dies or runs short: a Ray worker that dies
 mid-iteration (an actor of a map_batches pool, a task) must leave every row delivered once after Ray's
 retry, or Ray's own error, never a wrong batch; a collate under a low address-space or page-lock limit
-refuses a batch it cannot hold, saying so, and goes on. One local Ray (2 CPUs, no dashboard) for the
-module, always shut down."""
+refuses a batch it cannot hold, saying so, and goes on. One local Ray for the module (conftest's
+local_ray)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed")  # a test dependency, like lightning
@@ -23,15 +22,6 @@ from tests.test_ray import packed_contract, tabular_table, token_rows, tokens_ta
 from tests.test_ray_attacks import assert_kept_batches_are_their_rows, blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 class DiesOnceAt:

@@ -80,7 +80,7 @@ fi
 
 # The CUDA tests live in these files; naming them keeps an unrelated test module's missing import from
 # failing collection (and with it every CUDA test).
-cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py tests/test_tree.py tests/test_lightning.py tests/test_thread_pipelines.py tests/test_packed.py"
+cuda_tests="tests/test_ops.py tests/test_staging.py tests/test_device_loader.py tests/test_faults.py tests/test_concurrency.py tests/test_shared_slots.py tests/test_tree.py tests/test_lightning.py tests/test_thread_pipelines.py tests/test_packed.py tests/test_ray_collate.py tests/test_ray_collate_options.py"
 pytest_args=(-v -o "faulthandler_timeout=$HANG_S" -m needs_cuda -p no:cacheprovider)
 
 if want tests; then

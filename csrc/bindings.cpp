@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "collate/arrow_gather.h"
 #include "collate/collator.h"
 #include "collate/column_gather.h"
 #include "collate/contract_fields.h"
@@ -321,6 +322,10 @@ void bind_column_gather(py::module_& m) {
            py::arg("columns"), py::arg("length"), py::arg("id_key"), py::arg("ids_are_indices"),
            py::arg("rows_of") = py::none())
       .def("plan", &ColumnGather::plan, py::arg("indices"));
+  py::class_<ArrowGather>(m, "ArrowGather")
+      .def(py::init<std::vector<GatheredColumn>, std::vector<std::string>, std::string, std::string>(),
+           py::arg("columns"), py::arg("sources"), py::arg("id_key"), py::arg("who"))
+      .def("plan", &ArrowGather::plan, py::arg("stream"));
 }
 
 }  // namespace

@@ -21,3 +21,15 @@ def pytest_collection_modifyitems(config, items):
 
 def cpu_and_cuda():
     return ("cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module: 2 CPUs, no dashboard, its workers' logs kept off the output; always
+    shut down, so that the next module (and the shared-memory counts of the other tests) start clean."""
+    ray = pytest.importorskip("ray", reason="ray is not installed")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -16,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble
 from fastcollate.collate import tree
-from fastcollate.transfer.device_loader import _device_fields
+from fastcollate.transfer.device_loader import device_fields
 from fastcollate.transfer.hidden_tensors import copy_out_hidden, tensors_inside
 from fastcollate.transfer.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES
 from tests.conftest import CUDA
@@ -275,7 +275,7 @@ def test_small_fields_of_a_large_batch_get_storage_of_their_own():
     device = StagingRing(max_slots=1)
     device_bytes = device.acquire(nbytes)
     device_bytes.copy_(packed[:nbytes])
-    fields, clones = _device_fields(device_bytes, host, offsets)
+    fields, clones = device_fields(device_bytes, host, offsets)
     assert all(torch.equal(got, want) for got, want in zip(fields, host, strict=True))
     assert [id(t) for t in clones] == [id(fields[1]), id(fields[2])]
     assert device.owns(fields[0]) and not device.owns(fields[1]) and not device.owns(fields[2])
@@ -286,7 +286,7 @@ def test_small_fields_of_a_large_batch_get_storage_of_their_own():
 
     small = [images[:2].contiguous(), ids[:2]]  # a small batch: its fields stay views
     packed, offsets = StagingRing(max_slots=1).pack(small)
-    fields, clones = _device_fields(packed, small, offsets)
+    fields, clones = device_fields(packed, small, offsets)
     assert clones == [] and all(f.untyped_storage().data_ptr() == packed.data_ptr() for f in fields)
 
 

@@ -148,6 +148,9 @@ COMPILE_ONLY: dict[tuple[str, str], str] = {
     ("docs/integrations.md", "DataCollatorWithPadding(tokenizer)"):
         "needs a tokenizer, which is a download: tests/test_hf_batches.py checks such a contract's batch "
         "against DataCollatorWithPadding's with a tokenizer built offline",
+    ("docs/integrations.md", "shard.iter_torch_batches(batch_size=16"):
+        "needs a Ray cluster and Ray Train's workers: tests/test_ray.py trains a tiny Llama on two gloo "
+        "workers with such a contract and compares its losses with DataCollatorWithFlattening's",
     ("docs/integrations.md", "train_dataset=Arrays.from_hf"):
         "needs a causal LM and a tokenized dataset: tests/test_trainer.py trains a tiny Llama on this "
         "contract and compares its losses with Hugging Face's own collator's",

@@ -26,6 +26,7 @@ struct ColumnGather::Shared {
   at::Tensor rows_of;  // int64 [length]: sample i is row rows_of[i] of every column; undefined for i
   std::string id_key;
   bool ids_are_indices = false;
+  std::shared_ptr<const void> keepalive;  // the owner of chunks whose tensors do not own their memory
 };
 
 namespace {
@@ -36,7 +37,7 @@ using Kind = GatheredColumn::Kind;
 struct ColumnFill {
   const GatheredColumn* column;
   Node* node;
-  RowSpans rows;                 // where each row of the batch lies, in whichever chunk
+  RowSpans rows;                 // where each row of the batch lies, in whichever chunk; empty: every row in order
   std::vector<int64_t> lengths;  // Ragged, Packed: each row's; empty when every row is whole
 };
 
@@ -183,13 +184,42 @@ void write_separators(const Node& node, uint64_t pattern) {
   jobs.run();
 }
 
+// Every row of a column of rows, in order: each chunk one block (a memcpy, or ATen's copy when casting).
+void copy_chunks_in_order(const GatheredColumn& column, const at::Tensor& out) {
+  if (out.numel() == 0) {
+    return;
+  }
+  const bool casting = column.source().scalar_type() != out.scalar_type();
+  const size_t row_bytes = static_cast<size_t>(out.numel() / out.size(0)) * out.element_size();
+  auto* dst = static_cast<unsigned char*>(out.data_ptr());
+  CopyJobs jobs;
+  for (size_t c = 0; c < column.rows.size(); ++c) {
+    const at::Tensor& chunk = column.rows[c];
+    const int64_t rows = column.starts[c + 1] - column.starts[c];
+    if (rows == 0) {
+      continue;
+    }
+    if (casting || !chunk.is_contiguous()) {
+      out.narrow(0, column.starts[c], rows).copy_(chunk);
+    } else {
+      jobs.add_memcpy(chunk.const_data_ptr(), dst + static_cast<size_t>(column.starts[c]) * row_bytes,
+                      static_cast<size_t>(rows) * row_bytes);
+    }
+  }
+  jobs.run();
+}
+
 // Gathers one column into its node's views.
 void gather_column(const ColumnFill& fill) {
   const GatheredColumn& column = *fill.column;
   Node& node = *fill.node;
   switch (column.kind) {
     case Kind::Rows:
-      gather_rows_into_cpu(fill.rows.data, column.source().scalar_type(), node.out);
+      if (fill.rows.data.empty()) {
+        copy_chunks_in_order(column, node.out);
+      } else {
+        gather_rows_into_cpu(fill.rows.data, column.source().scalar_type(), node.out);
+      }
       return;
     case Kind::Ragged: {
       const double pad = node.padded ? *column.field->pad_value : 0;
@@ -215,8 +245,10 @@ void gather_column(const ColumnFill& fill) {
 }  // namespace
 
 ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key,
-                           bool ids_are_indices, std::optional<at::Tensor> rows_of) {
+                           bool ids_are_indices, std::optional<at::Tensor> rows_of,
+                           std::shared_ptr<const void> keepalive) {
   auto shared = std::make_shared<Shared>();
+  shared->keepalive = std::move(keepalive);
   shared->columns = std::move(columns);
   shared->length = length;
   shared->rows = length;
@@ -470,7 +502,14 @@ void fill_columns(BatchPlan& plan, const std::vector<GatheredColumn>& columns, c
 
 }  // namespace
 
-py::object ColumnGather::plan(const at::Tensor& indices) const {
+py::object ColumnGather::plan(const at::Tensor& indices) const { return plan_rows(indices, /*in_order=*/false); }
+
+py::object ColumnGather::plan_in_order() const {
+  TORCH_CHECK(!shared_->rows_of.defined(), "ColumnGather.plan_in_order: the rows are read through rows_of");
+  return plan_rows(at::arange(shared_->length, at::kLong), /*in_order=*/true);
+}
+
+py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) const {
   TORCH_CHECK(
       indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
       "ColumnGather.plan: indices must be a contiguous 1-D int64 CPU tensor");
@@ -510,7 +549,8 @@ py::object ColumnGather::plan(const at::Tensor& indices) const {
     }
     const FieldSpec* field = column.field ? &*column.field : nullptr;
     // The batch is laid out by its rows' lengths: their spans are checked first.
-    RowSpans rows = spans_of(column, read, size);
+    // In order, a column of rows is copied chunk by chunk: no row needs finding.
+    RowSpans rows = in_order && column.kind == Kind::Rows ? RowSpans{} : spans_of(column, read, size);
     std::vector<int64_t> lengths = rows.lengths;
     if (field != nullptr) {
       if (auto misfit = column_misfit(layout, column, *field, lengths)) {

@@ -60,8 +60,9 @@ class ColumnGather {
   // sample's id is its index), else the collate function's.
   // `length`: the dataset's samples. Sample i is row i of every column, or row rows_of[i] when given (int64,
   // one entry per sample: a shuffled or selected Hugging Face dataset reads its table through such a map).
+  // `keepalive` holds whatever owns the chunks' memory when their tensors do not (an Arrow stream's arrays).
   ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key, bool ids_are_indices,
-               std::optional<at::Tensor> rows_of = std::nullopt);
+               std::optional<at::Tensor> rows_of = std::nullopt, std::shared_ptr<const void> keepalive = nullptr);
 
   // The batch at `indices` (int64, at least one; ArrayBatch names a bad one), or None when the per-sample
   // path must collate it: rows of unequal length without a pad, packed rows the walk refuses or whose
@@ -70,7 +71,13 @@ class ColumnGather {
   // the ContractError of the first sample that breaks a rule. The rows are written by csrc/fill/'s writers.
   py::object plan(const at::Tensor& indices) const;
 
+  // The batch of every row in order (no rows_of): the same batch as plan(0..length), with each chunk of a
+  // column of rows copied as one block instead of row by row (a whole Arrow table, as Ray hands one over).
+  py::object plan_in_order() const;
+
  private:
+  py::object plan_rows(const at::Tensor& indices, bool in_order) const;
+
   struct Shared;
   std::shared_ptr<const Shared> shared_;
 };

@@ -114,12 +114,19 @@ class Assembler:
             arrays.check_files(batch.indices)  # before anything reads a mapped file, gathered or walked
             plan = self._gathered_plan(batch)
             if plan is not None:
-                return self._nested(self._execute(plan, arrays))
+                return self.deliver(plan, arrays)
             batch = batch.rows()  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        return self._nested(self._execute(self._collator.plan(batch), arrays))
+        return self.deliver(self._collator.plan(batch), arrays)
+
+    def deliver(self, plan: Any, arrays: Arrays | None = None, into: StagingRing | None = None) -> Any:
+        """A planned batch (a ``_C.BatchPlan``, walked or gathered) copied where this collate's batches go,
+        in the structure they come out in; ``arrays``: the dataset it reads, to name a file that faulted.
+        ``into``: a ring to write the whole batch into one slot of instead (small fields too), for a caller
+        that copies that slot on at once."""
+        return self._nested(self._execute(plan, arrays, into))
 
     def _gathered_plan(self, batch: ArrayBatch) -> Any:
         """An Arrays batch's plan, gathered column by column (fastcollate.collate.gather), or None when the
@@ -137,12 +144,14 @@ class Assembler:
                 pass
         return gather_columns.plan(batch.index_tensor) if gather_columns else None
 
-    def _execute(self, plan: Any, arrays: Arrays | None = None) -> Any:
+    def _execute(self, plan: Any, arrays: Arrays | None = None, into: StagingRing | None = None) -> Any:
         """Where a planned batch (walked or gathered) goes, decided here alone: in a DataLoader worker a
         slot shared with the main process, else fresh shared memory; in the main process a slot of the
         staging ring. A read of ``arrays``' mapped files that faulted becomes a MappedFileError naming
         them (the column, when the gather knows it)."""
         try:
+            if into is not None:
+                return into.execute(plan, small_fields_apart=False)
             if get_worker_info() is not None:
                 slot = self._claim_slot(plan.nbytes)
                 if slot is not None:

@@ -21,7 +21,7 @@ from .._ext import _C
 from ..data.arrays import ArrayBatch, Arrays
 from .contract import Contract, Field
 
-__all__ = ["gatherer", "layout"]
+__all__ = ["gathered_columns", "gatherer", "layout"]
 
 #: Every case in which :func:`gatherer` (None: no batch of the dataset) or ``ColumnGather.plan`` (None:
 #: this batch) hands the batch to the per-sample walk, and why. The walk gives the same batch or error
@@ -73,6 +73,22 @@ def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Any:
 def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
     """The dataset's columns as ``_C.ColumnGather`` gathers them under ``contract``, or None when no batch
     of it goes this way (a case of :data:`HANDED_TO_THE_WALK`)."""
+    chosen = gathered_columns(dataset, contract)
+    if chosen is None:
+        return None
+    # Samples are named by the collate's id key, as the walk names them: a sample's id is its index when
+    # the dataset's id key is that one.
+    by_index = dataset.id_key is not None and dataset.id_key == id_key
+    return _C.ColumnGather(
+        [column for column, _ in chosen], length=len(dataset), id_key=id_key, ids_are_indices=by_index,
+        rows_of=dataset.rows_of,
+    )
+
+
+def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[Any, str | None]] | None:
+    """Each output key of the dataset's batches under ``contract``, in batch order, as a
+    ``_C.GatheredColumn`` with the dataset key whose column it reads (None for the ids); None when no batch
+    of it is gathered (a case of :data:`HANDED_TO_THE_WALK`)."""
     fields = contract.fields if contract is not None else {}
     dropped = _dropped(contract)
     copies = {key: field.copy_of for key, field in fields.items() if field.copy_of is not None}
@@ -94,11 +110,11 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
                 field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
             ):
                 return None  # an id field other than an int64 number
-            columns.append(_C.GatheredColumn(kind=_Kind.IDS, key=key, dtype=torch.int64))
+            columns.append((_C.GatheredColumn(kind=_Kind.IDS, key=key, dtype=torch.int64), None))
             continue
         # A copy is its source's column under its own field, as the walk reads its source's samples.
-        source = dataset.columns[copies.get(key, key)]
-        column = _column(source, key, field, specs.get(key), contract is not None)
+        source = copies.get(key, key)
+        column = _column(dataset.columns[source], key, field, specs.get(key), contract is not None)
         if column is None:
             return None
         if field is not None and field.pad is not None:
@@ -107,13 +123,8 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
                 return None  # a shared mask
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
-        columns.append(column)
-    # Samples are named by the collate's id key, as the walk names them: a sample's id is its index when
-    # the dataset's id key is that one.
-    by_index = dataset.id_key is not None and dataset.id_key == id_key
-    return _C.ColumnGather(
-        columns, length=len(dataset), id_key=id_key, ids_are_indices=by_index, rows_of=dataset.rows_of
-    )
+        columns.append((column, source))
+    return columns
 
 
 def _dropped(contract: Contract | None) -> set[str]:

@@ -8,6 +8,8 @@ How Arrow types become columns:
 - ``list`` / ``large_list`` (a ``Sequence`` feature): ragged rows, padded or packed by a contract;
 - ``fixed_size_list`` (``Sequence(length=k)``, ``List(..., length=k)``) and Hugging Face's ``Array2D`` to
   ``Array5D``: rows of that shape; an ``ArrayXD`` whose first dim is None is ragged along it;
+- tensor extensions (Ray Data's fixed-shape and ragged tensors, Arrow's ``fixed_shape_tensor``): read from
+  their storage, as fastcollate.data.arrow_tensors lays them out;
 - everything else is refused, naming the column: strings and binary (tokenize first), booleans (stored
   as bits: cast to uint8), nulls, structs, and lists within lists of varying length.
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from .._ext import _C
-from . import hf_formats
+from . import arrow_tensors, hf_formats
 from .arrays import ARROW_FACTORIES, Arrays, ColumnChoice
 from .columns import Chunked, Column, Ragged
 from .mapped_files import MappedFileError, WatchedFile
@@ -131,25 +133,35 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
     return arrays
 
 
-def from_arrow(source: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
-    """``Arrays.from_arrow``: see its docstring."""
+def from_arrow(
+    source: Any,
+    columns: ColumnChoice = None,
+    id_key: str | None = None,
+    *,
+    watch: bool = True,
+    who: str = "Arrays.from_arrow",
+) -> Arrays:
+    """``Arrays.from_arrow``: see its docstring. ``watch=False`` watches no file the table's buffers lie in:
+    for a table in memory another program writes to all the time (Ray's object store, a shared-memory
+    file), which is no dataset's file and whose writes do not move the table's rows. ``who`` begins its
+    errors: the caller the user called."""
     import pyarrow as pa
 
     if isinstance(source, (str, os.PathLike)):
         source = os.path.abspath(source)  # read again by another process, from another directory maybe
-        table = _read_ipc(source, "Arrays.from_arrow")
+        table = _read_ipc(source, who)
     elif isinstance(source, pa.RecordBatch):
         table = pa.Table.from_batches([source])
     elif isinstance(source, pa.Table):
         table = source
     else:
         raise TypeError(
-            "Arrays.from_arrow: expected a pyarrow.Table, a RecordBatch or the path of an Arrow IPC file, "
+            f"{who}: expected a pyarrow.Table, a RecordBatch or the path of an Arrow IPC file, "
             f"got {type(source).__name__}"
         )
-    chosen = _chosen(columns, table.column_names, table.column_names, "Arrays.from_arrow")
-    arrays = _arrays(table, chosen, id_key, "Arrays.from_arrow")
-    _refuse_nulls_read(arrays, "Arrays.from_arrow")
+    chosen = _chosen(columns, table.column_names, table.column_names, who)
+    arrays = _arrays(table, chosen, id_key, who, watch)
+    _refuse_nulls_read(arrays, who)
     arrays._source = (from_arrow, source, chosen, id_key)
     return arrays
 
@@ -215,9 +227,12 @@ def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str)
     return chosen
 
 
-def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) -> ArrowArrays:
-    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in. The rows
-    that hold a null are kept by key in ``_null_rows``, refused once it is known which rows are read."""
+def _arrays(
+    table: Any, chosen: dict[str, str], id_key: str | None, who: str, watch: bool = True
+) -> ArrowArrays:
+    """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in (unless not
+    ``watch``). The rows that hold a null are kept by key in ``_null_rows``, refused once it is known which
+    rows are read."""
     made: dict[str, Column] = {}  # one column under two keys is made once
     null_rows: dict[str, np.ndarray] = {}
     for key, name in chosen.items():
@@ -227,6 +242,8 @@ def _arrays(table: Any, chosen: dict[str, str], id_key: str | None, who: str) ->
             null_rows[name] = nulls
     arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
     arrays._null_rows = {key: null_rows[name] for key, name in chosen.items() if len(null_rows[name])}
+    if not watch:
+        return arrays
     chunks = [chunk for column in arrays.columns.values() for chunk in column.chunks]
     at = {id(chunk): chunk.first.data_ptr() for chunk in chunks if chunk.first.numel()}
     watched = WatchedFile.of(list(at.values()))
@@ -242,6 +259,9 @@ def _pieces(key: str, column: Any, who: str) -> tuple[list[Any], np.ndarray]:
     """The column's chunks as tensors, and the rows (of the column) that hold a null."""
     chunks = [chunk for chunk in column.chunks if len(chunk)] or [column.combine_chunks()]
     starts = np.cumsum([0] + [len(chunk) for chunk in chunks])
+    if arrow_tensors.is_tensor_type(column.type):  # Ray's tensors and Arrow's: their storage, as plain lists
+        pairs = zip(starts, chunks, strict=False)
+        chunks = [arrow_tensors.plain_array(chunk, f"{who}: column {key!r}", start) for start, chunk in pairs]
     nulls = [start + _null_rows(chunk) for start, chunk in zip(starts, chunks, strict=False)]
     with warnings.catch_warnings():
         # Arrow's buffers are read-only: the tensors over them are only ever read (gathered, or indexed).
@@ -377,12 +397,12 @@ def _leaf(where: str, node: Any, column_type: Any) -> np.ndarray:
     ):
         raise TypeError(
             f"{where} holds text or bytes ({column_type}), which a batch of tensors cannot: tokenize it "
-            "first (Dataset.map), or leave it out (columns=[...])"
+            "first (Dataset.map, or Ray Data's map_batches), or leave it out (columns=[...])"
         )
     if pa.types.is_boolean(kind):
         raise TypeError(
             f"{where} holds booleans ({column_type}), which Arrow stores as bits, not as the bytes a tensor "
-            "reads: cast the column to uint8 (Dataset.cast_column, or pyarrow.compute.cast)"
+            "reads: cast the column to uint8 (Dataset.cast_column, or pyarrow.compute.cast in map_batches)"
         )
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise TypeError(

@@ -52,7 +52,7 @@ def _read_through(name: str) -> property:
     return property(get, doc=f"The wrapped loader's ``{name}``.")
 
 
-def _device_fields(device_bytes: torch.Tensor, host: list[torch.Tensor],
+def device_fields(device_bytes: torch.Tensor, host: list[torch.Tensor],
                    offsets: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The device tensors of ``host`` (at ``offsets`` in ``device_bytes``, the batch's one copy), and
     those of them that got storage of their own. A small field of a large batch (ids, labels, lengths:
@@ -330,7 +330,7 @@ class DeviceLoader:
         buffer, offsets = self._into_slot([leaves[i] for i in host])
         nbytes = max(offset + leaves[i].nbytes for i, offset in zip(host, offsets, strict=True))
         device_bytes = self._copy_slot(buffer, nbytes)
-        fields, clones = _device_fields(device_bytes, [leaves[i] for i in host], offsets)
+        fields, clones = device_fields(device_bytes, [leaves[i] for i in host], offsets)
         for i, device_field in zip(host, fields, strict=True):
             leaves[i] = device_field
         # The clones were made on the copy stream too: tied to the consumer's like the batch.

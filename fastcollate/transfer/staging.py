@@ -107,8 +107,9 @@ class StagingRing:
             warnings.warn(
                 f"fastcollate: all {self.stats().max_slots} staging slots are held by batches still in use; "
                 "using fresh buffers (slower). Drop batches sooner or raise max_slots. In a thread pipeline "
-                "(SPDL, torchdata.nodes) its threads and queues hold batches too: give the collate a ring "
-                "with a slot for each, Assembler(ring=StagingRing(max_slots=threads + queued + 2)).",
+                "(SPDL, torchdata.nodes, Ray Data) its threads and queues hold batches too: give the collate "
+                "a ring with a slot for each, Assembler(ring=StagingRing(max_slots=threads + queued + 2)), "
+                "or fastcollate.ray.ArrowCollate(max_slots=threads + queued + 2).",
                 ResourceWarning,
                 stacklevel=stacklevel,
             )

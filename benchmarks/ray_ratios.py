@@ -1,0 +1,303 @@
+"""Ray Data's last hop, side by side in one run: a batch of rows through ``iter_torch_batches`` with Ray's
+default collate, a lean hand-written ``ArrowBatchCollateFn``, a collate that does nothing (Ray's own
+per-batch cost, the ceiling), ``assemble(Arrays.from_arrow(table)...)`` and, where this build has it,
+``fastcollate.ray.ArrowCollate``; each collate also alone, on the tables Ray hands it.
+
+    python benchmarks/ray_ratios.py [--rows 65536] [--batch-size 4096] [--rounds 7] [--json PATH]
+
+Method. One local Ray (2 CPUs, no dashboard) holds one materialized dataset: 100 float32 columns and an
+int64 label. A round runs one pass of ``--batches`` batches for every contender, in a freshly shuffled
+order (seeded); the first round is a warm-up (kept in the JSON, left out of the medians). Rows/s is
+wall clock from ``iter_torch_batches`` to the last batch. The collate-alone figures time each collate on
+the same tables Ray handed out (captured once: zero-copy slices of its blocks). A ratio is the median
+of the per-round ratios, min-max beside, ``~`` unless it clears the noise
+(``fastcollate.tools.bench.ratios``). One torch thread; glibc's malloc as it comes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fastcollate
+from fastcollate.tools.bench.ratios import paired_ratio
+from fastcollate.tools.benchmarks.report_header import header_line, report_header
+
+FEATURES = 100
+
+
+def _collates() -> dict[str, Callable | None]:
+    """Each contender's collate (None: Ray's default), as an ``ArrowBatchCollateFn`` where Ray needs one."""
+    from ray.data.collate_fn import ArrowBatchCollateFn
+
+    class Lean(ArrowBatchCollateFn):
+        """What a user writes by hand: columns to numpy to torch, one ``torch.stack``."""
+
+        def __call__(self, table):
+            names = [name for name in table.column_names if name != "label"]
+            x = torch.stack([torch.from_numpy(table.column(n).to_numpy()) for n in names], 1)
+            return {"x": x, "label": torch.from_numpy(table.column("label").to_numpy())}
+
+    class Nothing(ArrowBatchCollateFn):
+        """Ray's own cost a batch: the collate returns one preallocated tensor."""
+
+        def __init__(self):
+            super().__init__()
+            self.label = torch.zeros(1, dtype=torch.int64)
+
+        def __call__(self, table):
+            return {"label": self.label}
+
+    class Expression(ArrowBatchCollateFn):
+        """``assemble(Arrays.from_arrow(table).__getitems__(...))``: an Arrays built per batch."""
+
+        def __call__(self, table):
+            arrays = fastcollate.Arrays.from_arrow(table)
+            return fastcollate.assemble(arrays.__getitems__(list(range(table.num_rows))))
+
+    contenders: dict[str, Callable | None] = {
+        "ray default": None,
+        "lean": Lean(),
+        "nothing": Nothing(),
+        "expression": Expression(),
+    }
+    try:
+        from fastcollate.ray import ArrowCollate
+    except ImportError:
+        pass
+    else:
+        contenders["ArrowCollate"] = ArrowCollate()
+    return contenders
+
+
+def packed_contract():
+    """DataCollatorWithFlattening's batch: input_ids packed (the table's int32 widened to its int64),
+    labels copied from them with -100 at each sequence's first token, position_ids and cu_seq_lens."""
+    from fastcollate import Contract, Field, Packing
+
+    tokens = dict(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.int32,))
+    return Contract(
+        {"input_ids": Field(**tokens), "labels": Field(**tokens, copy_of="input_ids", separator=-100)},
+        packing=Packing(),
+    )
+
+
+def _packed_dataset(rows: int, seed: int):
+    import pyarrow as pa
+    import ray
+
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(1, 32000, int(length), dtype=np.int32) for length in rng.integers(16, 513, rows)]
+    return ray.data.from_arrow(
+        pa.table({"input_ids": pa.array(tokens, type=pa.list_(pa.int32()))})
+    ).materialize()
+
+
+def _collator_batches(dataset, batch_size: int, batches: int) -> int:
+    """The collator path: Ray's tables as rows of token lists, then DataCollatorWithFlattening."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    tokens = 0
+    for count, table in enumerate(dataset.iter_batches(batch_size=batch_size, batch_format="pyarrow"), 1):
+        batch = collator([{"input_ids": ids} for ids in table.column("input_ids").to_pylist()])
+        tokens += batch["input_ids"].shape[1]
+        if count == batches:
+            break
+    return tokens
+
+
+def _packed_through_ray(dataset, collate, batch_size: int, batches: int, pass_tokens: int) -> float:
+    """Tokens/s of ``batches`` batches; a collate that packs nothing is credited a pass's ``pass_tokens``."""
+    start = time.perf_counter()
+    if collate is None:
+        tokens = _collator_batches(dataset, batch_size, batches)
+    else:
+        tokens = 0
+        for count, batch in enumerate(
+            dataset.iter_torch_batches(batch_size=batch_size, collate_fn=collate), 1
+        ):
+            tokens += batch["input_ids"].shape[1] if "input_ids" in batch else 0
+            if count == batches:
+                break
+        tokens = tokens or pass_tokens
+    return tokens / (time.perf_counter() - start)
+
+
+def _packed_alone(collate, tables: list) -> float:
+    """Tokens/s of a collate on Ray's tables; None: the collator, from the table's rows."""
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    start = time.perf_counter()
+    tokens = 0
+    for table in tables:
+        if collate is None:
+            batch = collator([{"input_ids": ids} for ids in table.column("input_ids").to_pylist()])
+        else:
+            batch = collate(table)
+        tokens += batch["input_ids"].shape[1]
+    return tokens / (time.perf_counter() - start)
+
+
+def _dataset(rows: int, seed: int):
+    import pyarrow as pa
+    import ray
+
+    rng = np.random.default_rng(seed)
+    columns = {f"f{i}": rng.standard_normal(rows, dtype=np.float32) for i in range(FEATURES)}
+    columns["label"] = rng.integers(0, 10, rows)
+    return ray.data.from_arrow(pa.table(columns)).materialize()
+
+
+def _through_ray(dataset, collate, batch_size: int, batches: int) -> float:
+    """Rows/s of ``batches`` batches through ``iter_torch_batches``."""
+    options = {} if collate is None else {"collate_fn": collate}
+    rows = 0
+    start = time.perf_counter()
+    for count, _batch in enumerate(dataset.iter_torch_batches(batch_size=batch_size, **options), 1):
+        rows += batch_size
+        if count == batches:
+            break
+    return rows / (time.perf_counter() - start)
+
+
+def _tables(dataset, batch_size: int, batches: int) -> list:
+    """The tables Ray hands a collate, captured once."""
+    return [
+        t
+        for _, t in zip(
+            range(batches), dataset.iter_batches(batch_size=batch_size, batch_format="pyarrow"), strict=False
+        )
+    ]
+
+
+def _alone(collate, tables: list) -> float:
+    start = time.perf_counter()
+    for table in tables:
+        collate(table)
+    return sum(t.num_rows for t in tables) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=65536)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--batches", type=int, default=None, help="batches a pass (default: all rows)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--packed-rows", type=int, default=2048, help="token rows of the packed data set")
+    parser.add_argument("--packed-batch", type=int, default=16, help="sequences a packed batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    import pyarrow.compute as pc
+    import ray
+
+    torch.set_num_threads(1)
+    batches = args.batches or args.rows // args.batch_size
+    header = report_header()
+    print(header_line(header))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        dataset = _dataset(args.rows, args.seed)
+        contenders = _collates()
+        tables = _tables(dataset, args.batch_size, batches)
+        packed = _packed_dataset(args.packed_rows, args.seed)
+        packed_batches = args.packed_rows // args.packed_batch
+        packed_tables = _tables(packed, args.packed_batch, packed_batches)
+        pass_tokens = sum(pc.sum(pc.list_value_length(t.column("input_ids"))).as_py() for t in packed_tables)
+        packed_contenders: dict[str, Callable | None] = {"collator": None, "nothing": contenders["nothing"]}
+        if "ArrowCollate" in contenders:
+            from fastcollate.ray import ArrowCollate
+
+            packed_contenders["ArrowCollate"] = ArrowCollate(packed_contract())
+        cells = [
+            ("tabular", name, where)
+            for name in contenders
+            for where in ("ray", "alone")
+            if not (where == "alone" and contenders[name] is None)
+        ]
+        cells += [
+            ("packed", name, where)
+            for name in packed_contenders
+            for where in ("ray", "alone")
+            if not (where == "alone" and name == "nothing")
+        ]
+        runs: list[dict] = []
+        order = random.Random(args.seed)
+        for round_number in range(args.rounds + 1):
+            order.shuffle(cells)
+            for case, name, where in cells:
+                if case == "tabular":
+                    collate = contenders[name]
+                    rate = (
+                        _through_ray(dataset, collate, args.batch_size, batches)
+                        if where == "ray"
+                        else _alone(collate, tables)
+                    )
+                else:
+                    collate = packed_contenders[name]
+                    rate = (
+                        _packed_through_ray(packed, collate, args.packed_batch, packed_batches, pass_tokens)
+                        if where == "ray"
+                        else _packed_alone(collate, packed_tables)
+                    )
+                runs.append(
+                    {"round": round_number, "case": case, "contender": name, "where": where, "per_s": rate}
+                )
+    finally:
+        ray.shutdown()
+    timed = [r for r in runs if r["round"] > 0]  # round 0: the warm-up
+    report = {
+        **header,
+        "rows": args.rows,
+        "batch_size": args.batch_size,
+        "batches": batches,
+        "packed_rows": args.packed_rows,
+        "packed_batch": args.packed_batch,
+        "runs": runs,
+        "medians": {},
+        "ratios": {},
+    }
+    comparisons = [
+        ("tabular", "ray", "ray default", "rows"),
+        ("tabular", "ray", "lean", "rows"),
+        ("tabular", "alone", "lean", "rows"),
+        ("packed", "ray", "collator", "tokens"),
+        ("packed", "alone", "collator", "tokens"),
+    ]
+    for case, where, against, unit in comparisons:
+
+        def rates(name, case=case, where=where):
+            return {
+                r["round"]: r["per_s"]
+                for r in timed
+                if (r["case"], r["where"], r["contender"]) == (case, where, name)
+            }
+
+        base = rates(against)
+        print(f"{case}, {'through Ray' if where == 'ray' else 'the collate alone'}, against {against}:")
+        for name in sorted({r["contender"] for r in timed if r["case"] == case and r["where"] == where}):
+            measured = rates(name)
+            key = f"{case} {where} {name}"
+            report["medians"][key] = statistics.median(measured.values())
+            ratio = paired_ratio(measured, base) if name != against else None
+            report["ratios"][f"{key} / {against}"] = ratio.to_json() if ratio else None
+            shown = ratio.text() if ratio else "1x"
+            print(f"  {name:14s} {report['medians'][key] / 1e6:9.2f}M {unit}/s   {shown}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

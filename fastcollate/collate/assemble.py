@@ -114,12 +114,13 @@ class Assembler:
             arrays.check_files(batch.indices)  # before anything reads a mapped file, gathered or walked
             plan = self._gathered_plan(batch)
             if plan is not None:
-                return self.deliver(plan, arrays)
+                # Not through deliver: the ring's overflow warning counts the frames up to the caller.
+                return self._nested(self._execute(plan, arrays))
             batch = batch.rows()  # what the column-wise path does not cover: the samples, walked
         if self._collator is None:
             specs = self.contract.native_specs() if self.contract is not None else []
             self._collator = _C.Collator(self.id_key, specs, self.contract is not None)
-        return self.deliver(self._collator.plan(batch), arrays)
+        return self._nested(self._execute(self._collator.plan(batch), arrays))
 
     def deliver(self, plan: Any, arrays: Arrays | None = None, into: StagingRing | None = None) -> Any:
         """A planned batch (a ``_C.BatchPlan``, walked or gathered) copied where this collate's batches go,

@@ -8,7 +8,6 @@ recognises; without Ray, ``ArrowCollate`` is the same callable over any ``pyarro
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -108,7 +107,11 @@ class ArrowCollate(_ArrowBatchCollateFn):
         try:
             return self._collate(table)
         except ContractError as error:
-            raise _as_ours(error, self._sources(table)) from error
+            # A table's rows are named by row: a table has no dataset to wrap in with_ids.
+            id_key = self._assemble.id_key
+            unnamed = f"row {error.position} of the table (it has no {id_key!r} column to name rows by)"
+            column = self._sources(table).get(str(error.field).split(".")[0])
+            raise error.restated(_WHO, unnamed, column) from error
 
     def _collate(self, table: Any) -> Any:
         plan = self._native_plan(table)
@@ -295,24 +298,6 @@ def _in_one_copy(batch: Any, ring: StagingRing, device: torch.device) -> Any:
     for i in host:
         leaves[i] = moved[id(leaves[i])]
     return rebuild(jagged.join(leaves, jagged_places, count))
-
-
-# The assembler's words for a sample without an id; a table's rows are named by row instead.
-_UNNAMED = re.compile(
-    r"sample at batch position (\d+) \(samples carry no ('.*?'); wrap the dataset in .*? to name them\)"
-)
-
-
-def _as_ours(error: ContractError, sources: dict[str, str]) -> ContractError:
-    """``error`` (the assembler's, naming a sample and a field) as this collate's: a row of a table, whose
-    column a field is read from; a table has no dataset to wrap in with_ids."""
-    text = _UNNAMED.sub(r"row \1 of the table (it has no \2 column to name rows by)", str(error))
-    column = sources.get(str(error.field).split(".")[0])
-    if column is not None and column != error.field:
-        text = text.replace(f"field {error.field!r}", f"field {error.field!r} (column {column!r})", 1)
-    ours = type(error)(f"{_WHO}: {text}")
-    ours.__dict__.update(error.__dict__)  # the sample, field, expected and got, as the assembler found them
-    return ours
 
 
 def _as_table(batch: Any) -> Any:

@@ -51,21 +51,36 @@ class ContractError(Exception):
         self.expected = expected
         self.got = got
         self.hint = hint
-        if sample_id is not None:
-            who = f"sample id={sample_id!r}"
-            if position is not None:
-                who += f" (batch position {position})"
-        elif position is None:
+        unnamed = (
+            f"sample at batch position {position} (samples carry no {id_key!r}; "
+            "wrap the dataset in fastcollate.with_ids to name them)"
+        )
+        super().__init__(self._message(unnamed, repr(field)))
+
+    def _message(self, unnamed: str, field: str) -> str:
+        """The text of this error's fields: ``unnamed`` names a sample without an id."""
+        if self.sample_id is not None:
+            who = f"sample id={self.sample_id!r}"
+            if self.position is not None:
+                who += f" (batch position {self.position})"
+        elif self.position is None:
             who = "the batch"  # a rule of the whole batch (it is empty): no sample to name, nor ids to add
         else:
-            who = (
-                f"sample at batch position {position} (samples carry no {id_key!r}; "
-                "wrap the dataset in fastcollate.with_ids to name them)"
-            )
-        message = f"{who}, field {field!r}: expected {expected}, got {got}"
-        if hint:
-            message += f". {hint[0].upper()}{hint[1:]}"
-        super().__init__(message)
+            who = unnamed
+        message = f"{who}, field {field}: expected {self.expected}, got {self.got}"
+        if self.hint:
+            message += f". {self.hint[0].upper()}{self.hint[1:]}"
+        return message
+
+    def restated(self, caller: str, unnamed: str, column: str | None = None) -> ContractError:
+        """This error (its class and fields) as ``caller``, a collate over something other than a dataset,
+        says it: ``unnamed`` names the sample without an id (``"row 3 of the table"``: there is no dataset
+        to wrap in with_ids), and the field is followed by the ``column`` it was read from."""
+        field = repr(self.field) if column in (None, self.field) else f"{self.field!r} (column {column!r})"
+        restated = type(self).__new__(type(self))
+        restated.__dict__.update(self.__dict__)
+        super(ContractError, restated).__init__(f"{caller}: {self._message(unnamed, field)}")
+        return restated
 
     def _init_from_text(self, text: str) -> None:
         self.sample_id = self.position = None

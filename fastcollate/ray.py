@@ -23,7 +23,7 @@ from .collate.errors import ContractError
 from .data import arrow_columns, arrow_tensors
 from .data.arrays import ColumnChoice
 from .transfer.device_loader import device_fields
-from .transfer.staging import DEFAULT_MAX_SLOTS, StagingRing
+from .transfer.staging import DEFAULT_MAX_SLOTS, StagingRing, slot_holding
 
 try:
     from ray.data.collate_fn import ArrowBatchCollateFn as _ArrowBatchCollateFn
@@ -276,14 +276,7 @@ def _in_one_copy(batch: Any, ring: StagingRing, device: torch.device) -> Any:
         return batch
     # One tensor under two keys (cu_seq_lens_q and _k) crosses once and stays one tensor.
     tensors = list({id(leaves[i]): leaves[i] for i in host}.values())
-    storage = tensors[0].untyped_storage()
-    if ring.owns(tensors[0]) and all(
-        t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors
-    ):
-        slot = torch.empty(0, dtype=torch.uint8).set_(storage)
-        offsets = [t.storage_offset() * t.element_size() for t in tensors]
-    else:
-        slot, offsets = ring.pack(tensors)
+    slot, offsets = slot_holding(tensors, ring.owns) or ring.pack(tensors)
     nbytes = max(offset + t.nbytes for t, offset in zip(tensors, offsets, strict=True))
     stream = torch.cuda.current_stream(device)
     device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)

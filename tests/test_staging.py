@@ -235,3 +235,18 @@ def test_a_batch_outlives_its_ring():
     del ring
     gc.collect()
     assert batch["x"][1, 0, 0, 0].item() == 4  # the slot's memory lives as long as the batch
+
+
+def test_slot_holding_finds_the_one_slot_a_batch_lies_in_and_nothing_for_tensors_outside_it():
+    from fastcollate.transfer.staging import slot_holding
+
+    ring = StagingRing(max_slots=2)
+    batch = assemble.using(ring=ring)(images())
+    tensors = [batch["x"], batch["id"]] if ring.owns(batch["id"]) else [batch["x"]]
+    slot, offsets = slot_holding(tensors, ring.owns)
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        viewed = slot[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        assert torch.equal(viewed, tensor)
+    assert slot_holding([batch["x"], torch.zeros(3)], ring.owns) is None  # one outside the slot
+    assert slot_holding([batch["x"][:, :, 1:]], ring.owns) is None  # not contiguous: no byte range of it
+    assert slot_holding([torch.zeros(3)], ring.owns) is None

@@ -29,7 +29,7 @@ from ..collate import jagged, tree
 from . import worker_slots
 from .hidden_tensors import copy_out_hidden
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage
-from .staging import StagingRing, staging_in
+from .staging import StagingRing, slot_holding, staging_in
 from .transforms import apply_to_fields
 from .worker_diagnosis import name_the_waited_worker
 
@@ -394,18 +394,12 @@ class DeviceLoader:
     def _into_slot(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """The slot holding ``tensors`` and their byte offsets: the one ``assemble`` already wrote them
         into, or one they are packed into now."""
-        first = tensors[0]
-        storage = first.untyped_storage()
         # A slot of this ring, or a shared slot a worker wrote and this process page-locked when it
         # received the batch (kept alive by the caller until the copy's event completes).
-        if (
-            self._direct_slot(first)
-            and all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous()
-                    for t in tensors)
-        ):
+        held = slot_holding(tensors, self._direct_slot)
+        if held is not None:
             self._counts["direct_from_slot"] += 1
-            slot = torch.empty(0, dtype=torch.uint8).set_(storage)
-            return slot, [t.storage_offset() * t.element_size() for t in tensors]
+            return held
         self._counts["host_packs"] += 1
         return self._ring.pack(tensors)
 

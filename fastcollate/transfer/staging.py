@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import make_dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 
 from .._ext import _C
 
-__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "staging_in"]
+__all__ = ["RingStats", "StagingRing", "active_ring", "main_process_ring", "slot_holding", "staging_in"]
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -185,3 +185,18 @@ def main_process_ring() -> StagingRing:
         with _rings_lock:
             ring = _rings.setdefault(pid, StagingRing())
     return ring
+
+
+def slot_holding(
+    tensors: Sequence[torch.Tensor], in_a_slot: Callable[[torch.Tensor], bool]
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The slot that already holds every one of ``tensors``, each contiguous, as a 1-D uint8 tensor, and their
+    byte offsets in it; None when they are not all in the one slot ``in_a_slot(tensors[0])`` says the first
+    lies in (then they are packed into one, ``StagingRing.pack``)."""
+    storage = tensors[0].untyped_storage()
+    if not in_a_slot(tensors[0]) or not all(
+        t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() for t in tensors
+    ):
+        return None
+    slot = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return slot, [t.storage_offset() * t.element_size() for t in tensors]

@@ -33,8 +33,9 @@ except ImportError as error:
     ) from error
 
 from ..transfer.device_loader import DeviceLoader
+from .lightning_counts import ExactResume
 
-__all__ = ["DeviceLoaderCallback"]
+__all__ = ["DeviceLoaderCallback", "ExactResume"]
 
 # What Lightning does to a DataLoader after ``process_dataloader`` (in _process_dataloader) and skips for
 # the DeviceLoader it gets instead, done here with Lightning's own helpers. They are private to Lightning,

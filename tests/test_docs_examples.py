@@ -142,6 +142,9 @@ RUN: dict[tuple[str, str], Callable[[list[str]], None]] = {
 }
 
 COMPILE_ONLY: dict[tuple[str, str], str] = {
+    ("docs/integrations.md", "callbacks=[ExactResume()]"):
+        "needs a data set, checkpoints and DDP processes on 1 to 3 devices: tests/test_elastic_resume.py "
+        "stops and resumes the same set-up under torchrun, 2 -> 1, 1 -> 2, 2 -> 3 and 3 -> 2 ranks",
     ("docs/integrations.md", "DeviceLoaderCallback(depth=2)"):
         "needs a LightningModule and two DDP processes: tests/test_lightning.py runs "
         "examples/lightning_train.py, the same set-up, on two CPU ranks",

@@ -37,7 +37,8 @@ def stop_at(sampler: str, world: int, place: str) -> int:
 
 def torchrun(world: int, plan: str) -> list[str]:
     job = str(ROOT / "tests" / "helpers" / "elastic_job.py")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", job, plan]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", job,
+            plan]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def expected_after(sampler: str, world: int, world_after: int, place: str) -> li
 
 
 def ids(ranks: list[dict], epoch: int) -> collections.Counter:
-    return collections.Counter(i for rank in ranks for batch in rank["epochs"].get(str(epoch), []) for i in batch)
+    batches = [batch for rank in ranks for batch in rank["epochs"].get(str(epoch), [])]
+    return collections.Counter(i for batch in batches for i in batch)
 
 
 def assert_every_sample(counts: collections.Counter, sampler: str, allowed_repeats: int, what: str) -> None:
@@ -110,7 +112,7 @@ def assert_every_sample(counts: collections.Counter, sampler: str, allowed_repea
     if sampler == "tokens":
         assert repeats == 0, f"{what}: {repeats} repeats"
     else:
-        assert repeats <= allowed_repeats, f"{what}: {repeats} repeats, over the allowance of {allowed_repeats}"
+        assert repeats <= allowed_repeats, f"{what}: {repeats} repeats, over the allowance {allowed_repeats}"
 
 
 CASES = [(kind, sampler, w, w2, place) for kind in KINDS for sampler in SAMPLERS for w, w2 in CHANGES
@@ -131,9 +133,10 @@ def test_every_sample_comes_in_the_resumed_epoch_and_every_later_one(runs, kind,
     for epoch in range(1, EPOCHS):
         assert_every_sample(ids(after, epoch), sampler, world_after - 1, f"{what}, epoch {epoch}")
     expected = expected_after(sampler, world, world_after, place)
-    for rank, (delivered, wanted) in enumerate(zip(after, expected)):
+    for rank, (delivered, wanted) in enumerate(zip(after, expected, strict=True)):
         for epoch in range(EPOCHS):
-            assert delivered["epochs"].get(str(epoch), []) == wanted[epoch], f"{what}: rank {rank}, epoch {epoch}"
+            got = delivered["epochs"].get(str(epoch), [])
+            assert got == wanted[epoch], f"{what}: rank {rank}, epoch {epoch}"
 
 
 @pytest.mark.parametrize("sampler,world,world_after,place",

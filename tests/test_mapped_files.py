@@ -303,8 +303,9 @@ def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refu
     # Every sample nearly fills max_tokens, so each batch holds one and none can be split: DistributedSampler
     # would repeat samples to even the ranks out; this sampler refuses instead of repeating.
     batches = TokenBudgetBatches([90] * 14, 100, rank=0, world_size=8)
-    refused = "14 batches, none with two samples that have tokens, cannot be shared evenly by 8 ranks"
-    with pytest.raises(ValueError, match=refused + ".*raise max_tokens or use fewer ranks"):
+    refused = ("epoch 0's 14 samples fill 14 batches within max_tokens=100 .* 14 does not divide among 8 "
+               "ranks.* Use 1, 2, 7 or 14 ranks, or raise max_tokens in a new run")
+    with pytest.raises(ValueError, match=refused):
         list(batches)
 
 

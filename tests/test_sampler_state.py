@@ -315,6 +315,37 @@ def lengths(n, seed):
     return np.random.default_rng(seed).integers(0, 40, size=n)
 
 
+def cut_exists(sizes, max_tokens, world):
+    """Whether ``sizes``, in their order, can be cut into batches within ``max_tokens``, each with a sample
+    that has tokens (one batch when none has), whose count divides among ``world`` ranks: every count
+    reachable, by dynamic programming over where the last batch starts."""
+    world = max(world, 1)
+    if len(sizes) == 0 or not any(sizes):
+        return len(sizes) == 0 or world == 1
+    ends = np.concatenate([[0], np.cumsum(sizes)])
+    counts = [set() for _ in range(len(sizes) + 1)]
+    counts[0].add(0)
+    for end in range(1, len(sizes) + 1):
+        for start in range(end):
+            if counts[start] and ends[end] - ends[start] <= max_tokens and any(sizes[start:end]):
+                counts[end] |= {count + 1 for count in counts[start]}
+    return any(count % world == 0 for count in counts[-1])
+
+
+def assert_refused_as_no_cut_allows(error, sizes, max_tokens, world, works_on=None):
+    """A refusal is right only where no cut of ``sizes`` exists for ``world`` ranks, and every world size
+    it names instead has one (and, given ``works_on``, is accepted by it)."""
+    message = str(error)
+    assert not cut_exists(sizes, max_tokens, world), message
+    named = re.search(r"(?:on|Use) ((?:\d+, )*\d+)(?: or (\d+))? ranks?\b", message)
+    assert named, message
+    others = [int(w) for w in named.group(1).split(", ")] + ([int(named.group(2))] if named.group(2) else [])
+    for other in others:
+        assert other != world and cut_exists(sizes, max_tokens, other), message
+        if works_on is not None:
+            works_on(other)
+
+
 @settings(max_examples=120, deadline=None)
 @given(
     n=st.integers(0, 60),
@@ -328,17 +359,56 @@ def lengths(n, seed):
 def test_token_budget_batches_resume_on_any_world_size_repeats_and_loses_nothing(
     n, max_tokens, shuffle, world, world_after, k, seed
 ):
-    sizes = lengths(n, seed)
+    check_token_budget_resume(lengths(n, seed), max_tokens, shuffle, world, world_after, k, seed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 10), max_size=14),
+    shuffle=st.booleans(),
+    world=st.integers(1, 5),
+    world_after=st.integers(1, 5),
+    k=st.integers(0, 4),
+    seed=st.integers(0, 3),
+)
+def test_token_budget_batches_on_a_tight_budget_are_refused_exactly_where_no_cut_divides_among_the_ranks(
+    sizes, shuffle, world, world_after, k, seed
+):
+    # max_tokens=10: a sample of over 5 tokens shares a batch with little, so few cuts exist.
+    check_token_budget_resume(np.array(sizes, dtype=np.int64), 10, shuffle, world, world_after, k, seed)
+
+
+def check_token_budget_resume(sizes, max_tokens, shuffle, world, world_after, k, seed):
+    """W ranks take k batches; W' ranks resume: every sample once, each batch within the budget; or a
+    refusal exactly where no cut allows it, naming world sizes that work."""
+    n = len(sizes)
 
     def make(w):
         return token_ranks(sizes, max_tokens, w, shuffle=shuffle, seed=seed)
 
+    # One rank cuts the order into batches and never splits them: together they are the epoch's order.
+    order = np.array([int(i) for batch in at_epoch(make(1)[0], seed) for i in batch], dtype=np.int64)
+    before = make(world)
     try:
-        consumed, after, states = resume(make, world, k, world_after, epoch=seed)
-    except ValueError as error:  # too few samples (or splittable batches) for the ranks: said, not repeated
-        assert "ranks" in str(error)
+        for sampler in before:
+            sampler.set_epoch(seed)
+        take(before, k)
+        state = before[0].state_dict()
+    except ValueError as error:  # the epoch itself cannot be shared by the ranks
+        assert_refused_as_no_cut_allows(error, sizes[order], max_tokens, world)
         return
+    try:
+        for sampler in make(world_after):
+            sampler.load_state_dict(state)
+    except ValueError as error:  # the samples left cannot be shared by the new ranks
+        assert_refused_as_no_cut_allows(
+            error, sizes[order[state["samples_done"]:]], max_tokens, world_after,
+            works_on=lambda other: make(other)[0].load_state_dict(state),
+        )
+        return
+    consumed, after, states = resume(make, world, k, world_after, epoch=seed)
     assert all(state == states[0] for state in states)
+    assert all(0 < sizes[batch].sum() <= max_tokens or not sizes.any() for ranks in after for batch in ranks)
     assert len({len(batches) for batches in after}) == 1
     counts = delivered_counts(consumed, after)
     assert sorted(counts) == list(range(n)) and set(counts.values()) <= {1}
@@ -358,5 +428,7 @@ def test_token_budget_resume_onto_more_ranks_than_samples_left_is_refused_with_t
     sizes = np.full(10, 10)
     before = token_ranks(sizes, 20, 1)
     take(before, 4)  # 8 of 10 samples consumed
-    with pytest.raises(ValueError, match="2 samples cannot make a batch for each of 4 ranks"):
+    refused = (r"the 2 samples left of epoch 0 \(8 were consumed\) fill 1 to 2 batches .* no count from 1 "
+               r"to 2 divides among 4 ranks.* Resume on 1 or 2 ranks, or from another checkpoint")
+    with pytest.raises(ValueError, match=refused):
         token_ranks(sizes, 20, 4)[0].load_state_dict(before[0].state_dict())

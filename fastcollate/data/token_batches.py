@@ -29,10 +29,11 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
     ``world_size``-th from ``rank``. Nothing is repeated to even the ranks out (DistributedSampler's
     padding): a multi-sample batch is split in two, the largest first, until the batches divide evenly,
     so every rank runs the same number of steps and the union of the ranks is the dataset, once. So
-    an epoch can be refused with a ValueError where DistributedSampler would repeat samples: fewer
-    samples than ranks, or batches that no split can make a multiple of ``world_size`` (once every
-    batch holds a single sample that has tokens, as when each sample nearly fills ``max_tokens``).
-    Raise ``max_tokens`` (so batches hold two samples to split), use fewer ranks, or drop a few samples.
+    an epoch can be refused with a ValueError (naming the world sizes that would work) where
+    DistributedSampler would repeat samples: where no count of batches from the fewest the budget
+    fills to one a sample with tokens is a multiple of ``world_size``. That is always so with fewer
+    samples than ranks, and can be so with a few more, when samples nearly fill ``max_tokens`` (3
+    samples of 40 tokens each, under ``max_tokens=64``, make neither 2 batches nor 4).
 
     ``state_dict()`` and ``load_state_dict()`` resume an epoch mid-way on any world size, repeating
     nothing (``ResumableEpochs``).
@@ -142,10 +143,38 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
             else:
                 order = np.arange(n, dtype=np.int64)
             rest = order[start:]
-            batches = _fill(rest, self.lengths[rest], self.max_tokens)
-            batches = _split_to_multiple(batches, self.lengths, world_size)
+            filled = _fill(rest, self.lengths[rest], self.max_tokens)
+            batches = _split_to_multiple(filled, self.lengths, world_size)
+            if batches is None:
+                raise ValueError(self._unshared(epoch, start, len(rest), filled, world_size))
             self._last_layout = (key, _RankBatches(batches, start, world_size, rank))
         return self._last_layout[1]
+
+    def _unshared(
+        self, epoch: int, start: int, samples: int, filled: list[np.ndarray], world_size: int
+    ) -> str:
+        """Why ``filled`` cannot be shared evenly by ``world_size`` ranks, and which world sizes can."""
+        fewest, most = len(filled), _most_batches(filled, self.lengths)
+        if start:
+            what = f"the {samples} samples left of epoch {epoch} ({start} were consumed)"
+            fits = _ranks_that_fit(fewest, most, world_size)
+            way_out = f"resume on {fits}, or from another checkpoint"
+        else:
+            what = f"epoch {epoch}'s {samples} samples"
+            way_out = (
+                f"use {_ranks_that_fit(fewest, most, world_size)}, or raise max_tokens in a new run (a "
+                "checkpoint resumes only with the max_tokens it was made with)"
+            )
+        counts = f"{fewest} to {most} batches" if fewest < most else f"{fewest} batch{'es' * (fewest > 1)}"
+        if fewest == most:
+            verdict = f"{fewest} does not divide"
+        else:
+            verdict = f"no count from {fewest} to {most} divides"
+        return (
+            f"TokenBudgetBatches: {what} fill {counts} within max_tokens={self.max_tokens} (a batch needs a "
+            f"sample with tokens), and {verdict} among {world_size} ranks: every rank must run as many "
+            f"batches, and no sample is repeated. {way_out[0].upper()}{way_out[1:]}"
+        )
 
 
 class _RankBatches:
@@ -178,25 +207,19 @@ def _fill(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> list[np.nd
     return np.split(order, cuts) if len(order) else []
 
 
-def _split_to_multiple(batches: list[np.ndarray], lengths: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Splits the largest batches in two until every rank gets as many batches. Only a batch with two
-    samples that have tokens is split, between them: a half of empty samples alone is a batch of no
-    tokens, which the packed collate refuses, on that rank only (and DDP's other ranks would wait)."""
-    if world_size == 1 or len(batches) % world_size == 0:
-        return batches
-    if len(batches) > 0 and sum(len(b) for b in batches) < world_size:
-        raise ValueError(
-            f"{sum(len(b) for b in batches)} samples cannot make a batch for each of {world_size} ranks"
-        )
+def _split_to_multiple(
+    batches: list[np.ndarray], lengths: np.ndarray, world_size: int
+) -> list[np.ndarray] | None:
+    """Splits the largest batches in two until every rank gets as many batches, or None where no split
+    can. Only a batch with two samples that have tokens is split, between them: a half of empty samples
+    alone is a batch of no tokens, which the packed collate refuses, on that rank only (and DDP's other
+    ranks would wait). So the counts reachable run from the cut's own to ``_most_batches``, one a split."""
+    fewest, most = len(batches), _most_batches(batches, lengths)
+    if -(-fewest // world_size) * world_size > most:
+        return None
     batches = list(batches)
     while len(batches) % world_size:
         splittable = [i for i, b in enumerate(batches) if np.count_nonzero(lengths[b]) > 1]
-        if not splittable:
-            raise ValueError(
-                f"{len(batches)} batches, none with two samples that have tokens, cannot be shared evenly "
-                f"by {world_size} ranks without repeating a sample or making a batch of no tokens: raise "
-                "max_tokens or use fewer ranks"
-            )
         largest = max(splittable, key=lambda i: int(lengths[batches[i]].sum()))
         batch = batches[largest]
         with_tokens = np.flatnonzero(lengths[batch])
@@ -204,3 +227,20 @@ def _split_to_multiple(batches: list[np.ndarray], lengths: np.ndarray, world_siz
         cut = min(max(len(batch) // 2, int(with_tokens[0]) + 1), int(with_tokens[-1]))
         batches[largest : largest + 1] = [batch[:cut], batch[cut:]]
     return batches
+
+
+def _most_batches(batches: list[np.ndarray], lengths: np.ndarray) -> int:
+    """The most batches splitting can make of ``batches``: one a sample with tokens (a cut gives each batch
+    one; one batch, if none has tokens)."""
+    with_tokens = sum(int(np.count_nonzero(lengths[b])) for b in batches)
+    return max(with_tokens, len(batches))
+
+
+def _ranks_that_fit(fewest: int, most: int, world_size: int) -> str:
+    """The world sizes nearest ``world_size`` that some count of batches from ``fewest`` to ``most`` is a
+    multiple of, as words: "1, 2 or 4 ranks"."""
+    fits = [w for w in range(1, most + 1) if -(-fewest // w) * w <= most]
+    near = [w for w in fits if w < world_size][-3:] + [w for w in fits if w > world_size][:2]
+    if len(near) == 1:
+        return f"{near[0]} rank{'s' * (near[0] > 1)}"
+    return ", ".join(map(str, near[:-1])) + f" or {near[-1]} ranks"

@@ -62,7 +62,9 @@ class ExactResume(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _recount(trainer)
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         _recount(trainer)
 
 
@@ -76,7 +78,8 @@ def _recount(trainer: Trainer) -> None:
     lengths = [sized_len(loader) for loader in combined.flattened]
     if None in lengths:
         return
-    limits = [_parse_num_batches(RunningStage.TRAINING, length, trainer.limit_train_batches) for length in lengths]
+    limit = trainer.limit_train_batches
+    limits = [_parse_num_batches(RunningStage.TRAINING, length, limit) for length in lengths]
     if limits == combined.limits and fit_loop.max_batches == sized_len(combined):
         return
     combined.limits = limits

@@ -40,7 +40,8 @@ def make_sampler(kind: str, rank: int, world_size: int):
     """The sampler every rank of every job makes, for ``rank`` of ``world_size``."""
     if kind == "index":
         return IndexBatches(N, BATCH_SIZE, shuffle=True, seed=1, rank=rank, world_size=world_size)
-    return TokenBudgetBatches(token_lengths(), MAX_TOKENS, shuffle=True, seed=1, rank=rank, world_size=world_size)
+    return TokenBudgetBatches(token_lengths(), MAX_TOKENS, shuffle=True, seed=1, rank=rank,
+                              world_size=world_size)
 
 
 def plain(job: dict, rank: int, world_size: int) -> dict:
@@ -99,7 +100,8 @@ def lightning(job: dict, rank: int, world_size: int) -> dict:
 
         def on_train_epoch_end(self, trainer, module):
             epoch = trainer.current_epoch
-            record["counts"][epoch] = [trainer.num_training_batches, trainer.fit_loop.epoch_loop.batch_idx + 1]
+            ran = trainer.fit_loop.epoch_loop.batch_idx + 1
+            record["counts"][epoch] = [trainer.num_training_batches, ran]
             bar = getattr(trainer.progress_bar_callback, "train_progress_bar", None)
             if bar is not None and not bar.disable:
                 record["bar"][epoch] = [bar.n, bar.total]

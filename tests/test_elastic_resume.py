@@ -44,8 +44,7 @@ def torchrun(world: int, plan: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every job, checkpointed then resumed: {(kind, sampler, W, W', place): (before, after)}, each a
-    list over ranks of {"epochs": {epoch: [batch, ...]}, ...} as the ranks wrote them. Each round starts
-    the three world sizes at once."""
+    list over ranks of {"epochs": {epoch: [batch, ...]}, ...} as the ranks wrote them."""
     folder = tmp_path_factory.mktemp("elastic")
     cases = [(kind, sampler, w, w2, place) for kind in KINDS for sampler in SAMPLERS for w, w2 in CHANGES
              for place in PLACES]
@@ -53,22 +52,25 @@ def runs(tmp_path_factory):
     def name(*parts) -> str:
         return str(folder / "-".join(map(str, parts)))
 
-    saves: dict[int, dict] = collections.defaultdict(dict)  # one checkpoint serves every W' of a W
-    resumes: dict[int, list] = collections.defaultdict(list)
+    # One start a world size: its job saves the checkpoints it takes on W ranks, waits for the others',
+    # then resumes on W' ranks the checkpoints taken on W.
+    worlds = {w for change in CHANGES for w in change}
+    plans = {w: {"save": {}, "saved": name("saved", w), "wait_for": set(), "resume": []} for w in worlds}
     for kind, sampler, w, w2, place in cases:
         saved = name(kind, sampler, w, place)
-        saves[w][saved] = {"kind": kind, "sampler": sampler, "stop_at": stop_at(sampler, w, place),
-                           "save": saved + ".ckpt", "out": saved}
-        resumes[w2].append({"kind": kind, "sampler": sampler, "resume": saved + ".ckpt",
-                            "out": name(kind, sampler, w, w2, place)})
-    for round_jobs in ({w: list(jobs.values()) for w, jobs in saves.items()}, resumes):
-        commands = {}
-        for world, jobs in round_jobs.items():
-            plan = folder / f"plan-{len(commands)}-{world}.json"
-            plan.write_text(json.dumps(jobs))
-            commands[f"{world} ranks"] = torchrun(world, str(plan))
-        for what, (status, output) in run_at_once(commands, timeout_s=300).items():
-            assert status == 0, f"{what}:\n{output[-4000:]}"
+        plans[w]["save"][saved] = {"kind": kind, "sampler": sampler, "stop_at": stop_at(sampler, w, place),
+                                   "save": saved + ".ckpt", "out": saved}  # one serves every W' of a W
+        plans[w2]["wait_for"].add(plans[w]["saved"])
+        plans[w2]["resume"].append({"kind": kind, "sampler": sampler, "resume": saved + ".ckpt",
+                                    "out": name(kind, sampler, w, w2, place)})
+    commands = {}
+    for world, plan in plans.items():
+        path = folder / f"plan-{world}.json"
+        plan |= {"save": list(plan["save"].values()), "wait_for": sorted(plan["wait_for"])}
+        path.write_text(json.dumps(plan))
+        commands[f"{world} ranks"] = torchrun(world, str(path))
+    for what, (status, output) in run_at_once(commands, timeout_s=300).items():
+        assert status == 0, f"{what}:\n{output[-4000:]}"
 
     def ranks(out: str, world: int) -> list[dict]:
         return [json.loads(open(f"{out}.rank{rank}.json").read()) for rank in range(world)]

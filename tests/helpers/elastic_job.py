@@ -1,5 +1,6 @@
 """One rank of the jobs a test stops at a checkpoint and resumes on another world size; torchrun starts it
-(gloo, on the CPU): ``python -m torch.distributed.run --nproc_per_node W elastic_job.py PLAN.json``.
+(gloo, on the CPU): ``python -m torch.distributed.run --nproc_per_node W elastic_job.py PLAN.json``, with
+PLAN ``{"save": [job, ...], "saved": path, "wait_for": [path, ...], "resume": [job, ...]}``.
 
 Each job of the plan trains on ``Indices(N)`` (sample i is i) with a StatefulDataLoader over
 IndexBatches or TokenBudgetBatches split for this rank, either under Lightning's Trainer (DDP, with
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -121,18 +123,36 @@ def lightning(job: dict, rank: int, world_size: int) -> dict:
     return record
 
 
+def wait_for(paths: list[str], timeout_s: float = 240) -> None:
+    """Waits until every file exists: the checkpoints other world sizes' jobs write."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(path) for path in paths):
+        if time.monotonic() > deadline:
+            missing = [path for path in paths if not os.path.exists(path)]
+            raise TimeoutError(f"no {missing} after {timeout_s} s")
+        time.sleep(0.1)
+
+
 def main() -> None:
+    """Runs the plan's "save" jobs and then writes the file "saved"; once the files in "wait_for" exist
+    (written so by the jobs of other world sizes, started at the same time, when their checkpoints are
+    whole), runs its "resume" jobs: one start (and one import of Lightning) a process for both."""
     warnings.filterwarnings("ignore")
     with open(sys.argv[1]) as file:
-        jobs = json.load(file)
+        plan = json.load(file)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    for job in jobs:
-        done = (lightning if job["kind"] == "lightning" else plain)(job, rank, world_size)
-        with open(f"{job['out']}.rank{rank}.json", "w") as file:
-            json.dump(done, file)
-        dist.barrier()
+    for stage in ("save", "resume"):
+        if stage == "resume":
+            if rank == 0:
+                open(plan["saved"], "w").close()
+            wait_for(plan["wait_for"])
+        for job in plan[stage]:
+            done = (lightning if job["kind"] == "lightning" else plain)(job, rank, world_size)
+            with open(f"{job['out']}.rank{rank}.json", "w") as file:
+                json.dump(done, file)
+            dist.barrier()
 
 
 if __name__ == "__main__":

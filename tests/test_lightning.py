@@ -369,3 +369,49 @@ def test_arrays_gathered_with_index_batches_reach_training_step_once_per_epoch(m
         orders.append(ids)
     assert orders[0] != orders[1], "IndexBatches was told the epoch (set_epoch) and reshuffled"
     assert_closed(made)
+
+
+# ---- ExactResume ----------------------------------------------------------------------------------
+
+
+class Indexed(L.LightningModule):
+    """Records the indices of every batch, epoch by epoch, and Lightning's count of each epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.epochs: dict[int, list[int]] = {}
+        self.counts: dict[int, int] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.epochs.setdefault(self.current_epoch, []).extend(int(i) for i in batch)
+        self.counts[self.current_epoch] = self.trainer.num_training_batches
+        return self.layer(batch.float()[:, None]).sum() * 0.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_token_budget_epochs_of_differing_length_each_deliver_every_sample_with_exact_resume():
+    lengths = torch.randint(1, 40, (61,), generator=torch.Generator().manual_seed(0))
+    sampler = fastcollate.TokenBudgetBatches(lengths, 64, shuffle=True, seed=0)
+    epoch_lengths = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        epoch_lengths.append(len(sampler))
+    assert len(set(epoch_lengths)) > 1, "the test needs epochs of differing length"
+    model = Indexed()
+    trainer(callbacks=[fastcollate_lightning.ExactResume()], max_epochs=3).fit(
+        model, DataLoader(range(61), batch_sampler=sampler))
+    for epoch in range(3):
+        assert sorted(model.epochs[epoch]) == list(range(61)), f"epoch {epoch}"
+        assert model.counts[epoch] == epoch_lengths[epoch]
+
+
+def test_exact_resume_on_a_lightning_without_what_it_recounts_with_says_so(monkeypatch):
+    from fastcollate.integrations import lightning_counts
+
+    monkeypatch.setattr(lightning_counts, "_parse_num_batches", None)
+    fitting = trainer(callbacks=[fastcollate_lightning.ExactResume()])
+    with pytest.raises(RuntimeError, match="this Lightning version lacks .* remove the callback"):
+        fitting.fit(Indexed(), DataLoader(range(8), batch_size=4))

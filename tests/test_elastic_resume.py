@@ -1,7 +1,9 @@
 """Real DDP jobs (gloo, on the CPU, started by torchrun) stopped at a checkpoint on W ranks and resumed on
 W' ranks, under Lightning's Trainer (``trainer.fit(..., ckpt_path=...)`` with ``ExactResume``) and in the
 plain torchrun idiom (``fastcollate.sampler_state``), for W -> W' in 2 -> 1, 1 -> 2, 2 -> 3, 3 -> 2, with
-IndexBatches and TokenBudgetBatches, from the middle of an epoch and from its last batch.
+IndexBatches and TokenBudgetBatches, from the middle of an epoch and from its last batch. Some read
+ahead of the training step (workers, or DeviceLoaderCallback's staged batches), and the plain idiom
+resumes 2 -> 3 on another num_workers too.
 
 Each is judged twice: by the ids, counted per epoch across the ranks (every sample the interrupted
 epoch had not consumed comes, TokenBudgetBatches' once, IndexBatches' within its stated allowance, and
@@ -58,11 +60,17 @@ def runs(tmp_path_factory):
     plans = {w: {"save": {}, "saved": name("saved", w), "wait_for": set(), "resume": []} for w in worlds}
     for kind, sampler, w, w2, place in cases:
         saved = name(kind, sampler, w, place)
+        # Loaders that read ahead of the training step: workers prefetching, and DeviceLoader's staged
+        # batches; the plain idiom also changes num_workers with the world size.
+        ahead = {"workers": 2 * (kind == "lightning" and w == 1),
+                 "device_loader": kind == "lightning" and w == 3}
         plans[w]["save"][saved] = {"kind": kind, "sampler": sampler, "stop_at": stop_at(sampler, w, place),
-                                   "save": saved + ".ckpt", "out": saved}  # one serves every W' of a W
+                                   "save": saved + ".ckpt", "out": saved, **ahead}  # serves every W'
         plans[w2]["wait_for"].add(plans[w]["saved"])
+        if kind == "plain" and w2 == 3:
+            ahead = {"workers": 2}
         plans[w2]["resume"].append({"kind": kind, "sampler": sampler, "resume": saved + ".ckpt",
-                                    "out": name(kind, sampler, w, w2, place)})
+                                    "out": name(kind, sampler, w, w2, place), **ahead})
     commands = {}
     for world, plan in plans.items():
         path = folder / f"plan-{world}.json"

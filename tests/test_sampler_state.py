@@ -183,7 +183,12 @@ def test_len_counts_the_batches_before_the_checkpoint_and_those_left():
     fresh.load_state_dict(before[0].state_dict())
     assert len(fresh) == 3 + left
     list(fresh)
-    assert len(fresh) == 100 // 4 // 4 + 1, "once through, len is the ordinary epoch's again"
+    assert len(fresh) == 3 + left, "once through, until the next iteration (a loader may read ahead)"
+    fresh.set_epoch(0)
+    assert len(fresh) == 3 + left, "the same epoch: still the one run"
+    assert len(list(fresh)) == len(fresh) == 100 // 4 // 4 + 1, "the next iteration is the ordinary epoch"
+    fresh.load_state_dict(fresh.state_dict())  # its iteration had ended: the next one is the ordinary epoch
+    assert len(fresh) == 100 // 4 // 4 + 1
 
 
 def test_a_state_is_small_plain_and_survives_torch_save_with_weights_only():

@@ -145,6 +145,7 @@ class ResumableEpochs:
     _count: int
     _position: Position | None = None  # the epoch under way, or the one a state loaded
     _resume_next: bool = False  # whether the next iteration continues a loaded position
+    _loaded_ended: bool = False  # the position is a loaded state's whose iteration had ended
 
     def _layout(self, epoch: int, start: int, world_size: int) -> Layout:
         raise NotImplementedError
@@ -165,14 +166,19 @@ class ResumableEpochs:
         not at iter(): DataLoader makes iterators it never advances (one in its iterator's __init__,
         one in _reset, a restoring one a finished StatefulDataLoader throws away)."""
         position, resume = self._position, self._resume_next
-        self._resume_next = False
+        self._resume_next = self._loaded_ended = False
         return position if resume and position is not None and position.epoch == self.epoch else None
 
     def __len__(self) -> int:
         """Batches this rank runs in the current epoch; after ``load_state_dict``, those it ran before
-        the checkpoint and those left, so a step count restored with the state ends where this does."""
+        the checkpoint and those left, so a step count restored with the state ends where this does.
+
+        The epoch's count holds until the next iteration starts (or ``set_epoch`` moves on), also after
+        its iteration ran out: a loader that reads ahead (workers, a DeviceLoader's staged batches) runs
+        out its sampler before the training loop has taken the last batches it counts. A loaded state
+        whose iteration had ended counts the ordinary epoch that comes next."""
         position = self._position
-        if position is not None and position.epoch == self.epoch and not position.exhausted:
+        if position is not None and position.epoch == self.epoch and not self._loaded_ended:
             return position.epoch_length
         return self._layout(self.epoch, 0, self.world_size).count
 
@@ -207,6 +213,7 @@ class ResumableEpochs:
         # A state taken after the iteration ended leaves nothing to continue: the next iteration is the
         # one the uninterrupted run would start (its next epoch, after set_epoch).
         self._resume_next = not position.exhausted
+        self._loaded_ended = position.exhausted
 
     def _restore(self, position: Position) -> None:
         """What a sampler does with a loaded position before it waits for the next iteration."""

@@ -14,11 +14,20 @@ A state is plain Python values (ints, bools, strings, bytes, dicts) and small: i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Layout", "Position", "ResumableEpochs", "read_state", "sampler_state", "write_state"]
+__all__ = [
+    "Layout",
+    "Position",
+    "ResumableEpochs",
+    "ResumeAllowance",
+    "read_state",
+    "sampler_state",
+    "write_state",
+]
 
 STATE_FORMAT = 1
 
@@ -134,6 +143,16 @@ def read_state(
     return Position(epoch, samples_done, world_size, before + taken, layout, generator_state=generator_state)
 
 
+class ResumeAllowance(NamedTuple):
+    """What a sampler's own rule lets an epoch resumed on another world size repeat and leave out, over
+    the ids delivered before and after the checkpoint together: ``repeats`` surplus copies (padding) and
+    ``drops`` samples never delivered (``drop_last``). A sampler states it with
+    ``resume_allowance(world_size, resumed_world_size)``; ``doctor --resume-world-size`` holds it to it."""
+
+    repeats: int
+    drops: int
+
+
 class ResumableEpochs:
     """What IndexBatches and TokenBudgetBatches share: the epoch under way (or the one a state loaded),
     its state, and a length that counts the batches run before a checkpoint. A sampler supplies
@@ -154,6 +173,13 @@ class ResumableEpochs:
 
     def _fresh_position(self) -> Position:
         return Position(self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size))
+
+    def _fresh_copy(self) -> Any:
+        """A shallow copy (the same class, its attributes shared) with no epoch under way: epoch 0 and no
+        loaded position, as a sampler just made."""
+        fresh = copy.copy(self)
+        fresh.epoch, fresh._position, fresh._resume_next = 0, None, False
+        return fresh
 
     def _change_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

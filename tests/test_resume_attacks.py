@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import tracemalloc
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fastcollate import IndexBatches, TokenBudgetBatches, sampler_state
-from tests.helpers.resume import Indices, through_disk
+from tests.helpers.resume import Indices, doctor, factory, through_disk
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -324,20 +323,6 @@ def test_every_state_shape_loads_with_weights_only(make, k):
 
 
 # -- doctor --resume on factories that do not play along -------------------------------------------
-
-
-def doctor(argv, capsys):
-    from fastcollate.tools.audit.doctor import main
-
-    status = main(argv)
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
-
-
-def factory(tmp_path, name, source):
-    path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    return f"{path}:make"
 
 
 def test_doctor_resume_on_an_iterable_dataset_says_why_in_the_dataset_s_terms(tmp_path, capsys):

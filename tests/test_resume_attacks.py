@@ -342,10 +342,15 @@ def test_doctor_resume_on_an_iterable_dataset_says_why_in_the_dataset_s_terms(tm
             return Stream()
         """,
     )
-    status, text = doctor(["--resume", "--workers", "1", "--dataset", spec], capsys)
+    status, text = doctor(["--resume", "--workers", "1", "--resume-workers", "0", "--dataset", spec], capsys)
     assert status == 2, text
     assert "BatchSampler" not in text, text
-    assert "IterableDataset" in text, text
+    assert "workers 1 -> 0 (the sampler's part of it): NOT VERIFIED: an IterableDataset" in text, text
+    # Not asked for, the other worker count is left out, and the note says why in the same terms.
+    status, text = doctor(["--resume", "--workers", "1", "--dataset", spec], capsys)
+    assert status == 0, text
+    assert "BatchSampler" not in text, text
+    assert "note: an IterableDataset resumes on the same num_workers only" in text, text
 
 
 def test_doctor_resume_on_a_factory_that_raises_on_its_second_call_is_not_verified_and_says_so(

@@ -467,7 +467,9 @@ def _as_checkpointed(checkpointed: Epoch, delivered: Epoch, what: str) -> AuditR
     """The same ids in the same order as the checkpointed epoch: the repeats its own padding made, and
     only those, are the resume's too."""
     repeats = int(checkpointed.ids.size - np.unique(checkpointed.ids).size)
-    return compare(checkpointed, delivered, order="same", allowed_repeats=repeats, what=what)
+    return compare(
+        checkpointed, delivered, order="same", allowed_repeats=repeats, what=what, source_kind="rank"
+    )
 
 
 def _joined(checkpointed: Epoch, before: int, resumed: Epoch) -> Epoch:

@@ -175,10 +175,12 @@ class ResumableEpochs:
         return Position(self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size))
 
     def _fresh_copy(self) -> Any:
-        """A shallow copy (the same class, its attributes shared) with no epoch under way: epoch 0 and no
-        loaded position, as a sampler just made."""
+        """A shallow copy (the same class, its attributes shared) with no epoch under way, as a sampler
+        just made: epoch 0, and the epoch's state (a position under way or loaded) back at its default."""
         fresh = copy.copy(self)
-        fresh.epoch, fresh._position, fresh._resume_next = 0, None, False
+        fresh.epoch = 0
+        for name in _EPOCH_STATE:
+            fresh.__dict__.pop(name, None)
         return fresh
 
     def _change_epoch(self, epoch: int) -> None:
@@ -237,6 +239,14 @@ class ResumableEpochs:
     def _restore(self, position: Position) -> None:
         """What a sampler does with a loaded position before it waits for the next iteration."""
 
+
+# The epoch's state is what ResumableEpochs gives a default in the class (its methods aside): named from
+# the class, so that _fresh_copy resets every such attribute, those added later too.
+_EPOCH_STATE = tuple(
+    name
+    for name, value in vars(ResumableEpochs).items()
+    if name.startswith("_") and not name.startswith("__") and not callable(value)
+)
 
 _INTEGERS = ("epoch", "samples_done", "batches_done", "world_size", "segment_start", "segment_batches")
 

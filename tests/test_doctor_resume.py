@@ -169,6 +169,22 @@ def test_a_resume_on_another_world_size_without_the_data_set_s_ids_is_not_verifi
     assert report["exit_status"] == 2 and "the data set's ids" in report["unverified"], lines
 
 
+class CountsTwoMore(IndexBatches):
+    """A sampler whose len() says more batches than it hands out: a training loop counting on it waits."""
+
+    def __len__(self):
+        return super().__len__() + 2
+
+
+def test_a_loader_whose_len_says_more_batches_than_its_epoch_has_fails_saying_so():
+    lines = []
+    report = check(stateful(lambda r, w: CountsTwoMore(N, 7, shuffle=True)), lines)
+    assert report["exit_status"] == 1, lines
+    assert "  the checkpointed epoch: FAILED" in lines
+    assert "    the epoch ran 9 batches a rank, not the 11 its len() says" in lines
+    assert max(report["checkpoints"]) <= 9, "no resume from a checkpoint never taken"
+
+
 def test_ranks_that_resume_unevenly_fail():
     class Uneven(IndexBatches):
         def load_state_dict(self, state):

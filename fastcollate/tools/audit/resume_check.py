@@ -29,8 +29,8 @@ from ...data.sampler_state import sampler_state
 from .checks import as_reference, compare
 from .epoch import Epoch
 from .ledger import Ledger
-from .record_sheet import EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED
 from .report import AuditReport
+from .resume_report import ResumeRun, finished, listed, plural, said
 from .tracing import Stuck, timed
 
 __all__ = ["DEFAULT_CHECKPOINTS", "LoaderMaker", "ResumeCheck", "Unresumable", "checkpoint_positions"]
@@ -77,33 +77,6 @@ class Plan:
     workers: int
     world_size: int
     through_sampler: bool
-
-
-@dataclasses.dataclass
-class ResumeRun:
-    """One resume from one checkpoint (``after_batch``; None for the epoch the checkpoints come from):
-    what the ids showed, or why it could not run."""
-
-    what: str
-    after_batch: int | None
-    report: AuditReport | None = None
-    unverified: str | None = None
-    problems: list[str] = dataclasses.field(default_factory=list)  # beyond the ids: uneven ranks
-
-    @property
-    def status(self) -> int:
-        if self.unverified is not None:
-            return EXIT_UNVERIFIED
-        return EXIT_OK if self.report is not None and self.report.ok and not self.problems else EXIT_PROBLEM
-
-    def to_dict(self) -> dict:
-        return {
-            "what": self.what,
-            "after_batch": self.after_batch,
-            "unverified": self.unverified,
-            "problems": self.problems,
-            "report": self.report.to_dict() if self.report is not None else None,
-        }
 
 
 @dataclasses.dataclass
@@ -182,17 +155,17 @@ class ResumeCheck:
             positions = checkpoint_positions(batches, self.checkpoints, self.seed)
             picked = f" (--seed {self.seed} picked the middle ones)" if batches > self.checkpoints else ""
             self.out(
-                f"resume check: {_plural(len(positions), 'checkpoint')}, after batch {_listed(positions)} "
+                f"resume check: {plural(len(positions), 'checkpoint')}, after batch {listed(positions)} "
                 f"of {batches}" + (f" on each of {world} ranks" if world > 1 else "") + picked
             )
             judged = self._judge(loaders[0])
             checkpoints = self._checkpoints(loaders, positions)
         except Unresumable as error:
-            return self._finish([], unverified=str(error))
+            return self._finished([], unverified=str(error))
         except (Exception, Stuck) as error:  # the loader itself fails: no resume can be judged
             failed = ResumeRun("the checkpointed epoch", None, problems=[self._failure(error)])
-            self._said([failed])
-            return self._finish([failed])
+            said([failed], self.out)
+            return self._finished([failed])
         runs = []
         ran = checkpoints.steps
         problems = (
@@ -202,17 +175,17 @@ class ResumeCheck:
             problems.append(f"the epoch ran {max(ran)} batches a rank, not the {batches} {counted_by}")
         if problems:
             runs.append(ResumeRun("the checkpointed epoch", None, problems=problems))
-            self._said(runs)
+            said(runs, self.out)
         taken = [position for position in positions if position in checkpoints.states]
-        for plan in self._plans():
+        for plan in self._plans() if taken else []:
             tried = []
             for position in taken:
                 tried.append(self._resume(plan, position, checkpoints, judged))
                 if tried[-1].unverified is not None:
                     break  # the same reason at every checkpoint
-            self._said(tried)
+            said(tried, self.out)
             runs += tried
-        return self._finish(runs, positions=taken, batches=batches)
+        return self._finished(runs, positions=taken, batches=batches)
 
     # -- the runs ---------------------------------------------------------------------------------
 
@@ -225,7 +198,7 @@ class ResumeCheck:
             return plans
         world, world_after = self.world_sizes
         after = workers if other is None else other
-        what = f"{_plural(world, 'rank')} -> {_plural(world_after, 'rank')}, workers {workers}" + (
+        what = f"{plural(world, 'rank')} -> {plural(world_after, 'rank')}, workers {workers}" + (
             f" -> {after}" if after != workers else ""
         )
         return [Plan(what, after, world_after, world != world_after or after != workers)]
@@ -392,6 +365,17 @@ class ResumeCheck:
             buffer.seek(0)
             return torch.load(buffer, weights_only=False)
 
+    def _finished(self, runs: list[ResumeRun], **outcome: Any) -> dict:
+        seconds = time.perf_counter() - self._started
+        return finished(
+            runs,
+            self.out,
+            seconds=seconds,
+            world_sizes=self.world_sizes,
+            weights_only=self.weights_only_note,
+            **outcome,
+        )
+
     def _failure(self, error: BaseException) -> str:
         """An exception in one line: its class and its message's first line (a contract's error names
         the sample and the field, never its values)."""
@@ -399,65 +383,6 @@ class ResumeCheck:
             return f"no batch came within --timeout {self.timeout:g} s"
         lines = str(error).strip().splitlines()
         return f"the loader raised {type(error).__name__}: {lines[0] if lines else ''}"
-
-    # -- the report -------------------------------------------------------------------------------
-
-    def _said(self, runs: list[ResumeRun]) -> None:
-        """One plan's resumes: a line when every checkpoint passed; else the checkpoints that failed, the
-        first in full and the others in a line each, and why one could not be checked."""
-        what = runs[0].what
-        failed = [run for run in runs if run.status == EXIT_PROBLEM]
-        unverified = [run for run in runs if run.status == EXIT_UNVERIFIED]
-        if not failed and not unverified:
-            delivered = _delivered([run.report for run in runs])
-            self.out(f"  {what}: OK at {_plural(len(runs), 'checkpoint')}, {delivered}")
-            return
-        if failed:
-            where = [run.after_batch for run in failed if run.after_batch is not None]
-            self.out(f"  {what}: FAILED" + (f" after batch {_listed(where)}" if where else ""))
-            for number, run in enumerate(failed):
-                lines = [*run.problems, *(str(run.report).splitlines()[1:] if run.report is not None else [])]
-                if number:  # the first failure in full is enough to read; the others, what they were
-                    problems = run.report.problems() if run.report is not None else []
-                    lines = [", ".join([*run.problems, *problems])]
-                head = f"after batch {run.after_batch}: " if run.after_batch is not None else ""
-                self.out(f"    {head}{lines[0].strip()}")
-                for line in lines[1:]:
-                    self.out(f"      {line.strip()}")
-        for run in unverified:
-            where = f" after batch {run.after_batch}" if run is not runs[0] else ""
-            self.out(f"  {what}: NOT VERIFIED{where}: {run.unverified}")
-
-    def _finish(
-        self,
-        runs: list[ResumeRun],
-        unverified: str | None = None,
-        positions: list[int] | None = None,
-        batches: int | None = None,
-    ) -> dict:
-        seconds = time.perf_counter() - self._started
-        if unverified is not None:
-            status = EXIT_UNVERIFIED
-            self.out(f"resume check: NOT VERIFIED (exit status {status}) in {seconds:.1f} s: {unverified}")
-        else:
-            statuses = {run.status for run in runs}
-            status = EXIT_PROBLEM if EXIT_PROBLEM in statuses else max(statuses)
-            verdict = {EXIT_OK: "OK", EXIT_PROBLEM: "FAILED", EXIT_UNVERIFIED: "NOT VERIFIED"}[status]
-            self.out(
-                f"resume check: {verdict} (exit status {status}) in {seconds:.1f} s"
-                + (f", {_plural(len(positions), 'checkpoint')}" if positions else "")
-            )
-        return {
-            "check": "resume",
-            "batches_a_rank": batches,
-            "checkpoints": positions,
-            "world_sizes": list(self.world_sizes) if self.world_sizes else None,
-            "unverified": unverified,
-            "runs": [run.to_dict() for run in runs],
-            "weights_only": self.weights_only_note,
-            "seconds": round(seconds, 3),
-            "exit_status": status,
-        }
 
 
 _END = object()
@@ -483,15 +408,6 @@ def _joined(checkpointed: Epoch, before: int, resumed: Epoch) -> Epoch:
     )
 
 
-def _delivered(reports: list[AuditReport]) -> str:
-    """What every resume of a plan delivered, as the OK line says it: the most any repeated or left out."""
-    repeated = max(sum(report.padded.values()) - len(report.padded) for report in reports)
-    dropped = max(len(report.dropped) for report in reports)
-    said = f"every one of {reports[0].expected} samples delivered once"
-    said += f", up to {repeated} more by the sampler's padding" if repeated else ""
-    return said + (f", up to {dropped} left out by drop_last" if dropped else "")
-
-
 def _state_of(loader: Any) -> dict:
     if not callable(getattr(loader, "state_dict", None)):
         raise Unresumable(
@@ -509,11 +425,3 @@ def _record(ledger: Ledger, batch: Any) -> None:
         ledger.record(batch)
     except KeyError as error:  # no ids in the batch: nothing to prove exactly-once with
         raise Unresumable(error.args[0] if error.args else str(error)) from error
-
-
-def _listed(numbers: list) -> str:
-    return ", ".join(map(str, numbers))
-
-
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'s' if count != 1 else ''}"

@@ -162,7 +162,7 @@ COMPILE_ONLY: dict[tuple[str, str], str] = {
 OUTPUT: dict[tuple[str, str], str] = {
     ("README.md", "ContractSizeError: sample id=103"):
         "tests/test_readme.py::test_the_error_the_usage_shows_is_the_one_its_contract_gives",
-    ("docs/measuring.md", "resume check: a checkpoint after batch"):
+    ("docs/measuring.md", "resume check: 8 checkpoints"):
         "tests/test_doctor_resume.py::test_the_resume_check_the_docs_show_is_what_the_command_prints",
     ("docs/integrations.md", "2 ranks together against the dataset: OK"):
         "tests/test_examples.py::test_the_ddp_example_delivers_every_id_once_per_epoch_across_two_gloo_ranks",

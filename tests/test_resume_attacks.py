@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import tracemalloc
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fastcollate import IndexBatches, TokenBudgetBatches, sampler_state
-from tests.helpers.resume import Indices, through_disk
+from tests.helpers.resume import Indices, doctor, factory, through_disk
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -326,20 +325,6 @@ def test_every_state_shape_loads_with_weights_only(make, k):
 # -- doctor --resume on factories that do not play along -------------------------------------------
 
 
-def doctor(argv, capsys):
-    from fastcollate.tools.audit.doctor import main
-
-    status = main(argv)
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
-
-
-def factory(tmp_path, name, source):
-    path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    return f"{path}:make"
-
-
 def test_doctor_resume_on_an_iterable_dataset_says_why_in_the_dataset_s_terms(tmp_path, capsys):
     # Breaks: it blames "its batch sampler (BatchSampler)", which the user never gave: an
     # IterableDataset has no sampler; it is its own state (state_dict/load_state_dict) that is missing.
@@ -357,10 +342,15 @@ def test_doctor_resume_on_an_iterable_dataset_says_why_in_the_dataset_s_terms(tm
             return Stream()
         """,
     )
-    status, text = doctor(["--resume", "--workers", "1", "--dataset", spec], capsys)
+    status, text = doctor(["--resume", "--workers", "1", "--resume-workers", "0", "--dataset", spec], capsys)
     assert status == 2, text
     assert "BatchSampler" not in text, text
-    assert "IterableDataset" in text, text
+    assert "workers 1 -> 0 (the sampler's part of it): NOT VERIFIED: an IterableDataset" in text, text
+    # Not asked for, the other worker count is left out, and the note says why in the same terms.
+    status, text = doctor(["--resume", "--workers", "1", "--dataset", spec], capsys)
+    assert status == 0, text
+    assert "BatchSampler" not in text, text
+    assert "note: an IterableDataset resumes on the same num_workers only" in text, text
 
 
 def test_doctor_resume_on_a_factory_that_raises_on_its_second_call_is_not_verified_and_says_so(

@@ -124,15 +124,45 @@ def test_index_batches_resume_on_any_world_size_delivers_the_epoch_exactly_once(
     assert set(counts) <= set(range(n))
     repeats = sum(c - 1 for c in counts.values())
     missing = n - len(counts)
-    allowed_missing = (w + w2) * (batch_size - 1) if drop_last else 0
-    allowed_missing += (w - 1) + (w2 - 1) if split_drop else 0  # DistributedSampler's cut
-    assert missing <= allowed_missing, "every sample at least once, but for the stated drops"
-    assert repeats <= (w - 1) + (w2 - 1)
+    allowance = index_ranks(n, batch_size, w, **options)[0].resume_allowance(w, w2)
+    assert missing <= allowance.drops, "every sample at least once, but for the stated drops"
+    assert repeats <= allowance.repeats
     if not split_drop and n % w == 0 and (n - len(set(consumed))) % w2 == 0:
         assert repeats == 0
     assert_next_epoch_is_the_ordinary_one(
         lambda: index_ranks(n, batch_size, world_after, **options), states[0]
     )
+
+
+def most_repeated_and_dropped(batch_size, world, world_after, options):
+    """The most any resume repeats and drops over every dataset of 1 to 24 samples and a checkpoint after
+    every batch of the epoch (the last included: the epoch done)."""
+    most_repeated = most_dropped = 0
+    for n in range(1, 25):
+
+        def make(w, n=n):
+            return index_ranks(n, batch_size, w, **options)
+
+        for k in range(1, len(make(world)[0]) + 1):
+            consumed, after, _ = resume(make, world, k, world_after)
+            counts = delivered_counts(consumed, after)
+            most_repeated = max(most_repeated, sum(c - 1 for c in counts.values()))
+            most_dropped = max(most_dropped, n - len(counts))
+    return most_repeated, most_dropped
+
+
+@pytest.mark.parametrize("world, world_after", list(itertools.product((1, 2, 3), repeat=2)))
+@pytest.mark.parametrize("drop_last, sampler_drop_last", list(itertools.product((False, True), repeat=2)))
+def test_index_batches_resume_allowance_is_reached_and_never_passed(
+    world, world_after, drop_last, sampler_drop_last
+):
+    options = dict(shuffle=True, seed=3, drop_last=drop_last, sampler_drop_last=sampler_drop_last)
+    for batch_size in (1, 2, 3):
+        allowance = IndexBatches(1, batch_size, **options, rank=0, world_size=world).resume_allowance(
+            world, world_after
+        )
+        found = most_repeated_and_dropped(batch_size, world, world_after, options)
+        assert found == allowance, f"batch_size={batch_size}"
 
 
 @settings(max_examples=60, deadline=None)
@@ -417,6 +447,7 @@ def check_token_budget_resume(sizes, max_tokens, shuffle, world, world_after, k,
     assert len({len(batches) for batches in after}) == 1
     counts = delivered_counts(consumed, after)
     assert sorted(counts) == list(range(n)) and set(counts.values()) <= {1}
+    assert make(0)[0].resume_allowance(max(world, 1), max(world_after, 1)) == (0, 0), "as it states"
     assert_next_epoch_is_the_ordinary_one(lambda: make(world_after), states[0])
     if world == world_after:
         fresh = [at_epoch(s, seed) for s in make(world)]

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
-from .sampler_state import Position, ResumableEpochs
+from .sampler_state import Position, ResumableEpochs, ResumeAllowance
 
 __all__ = ["IndexBatches"]
 
@@ -68,29 +68,7 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
-        split = distributed_split(rank, world_size)
-        if split is None:
-            if sampler_drop_last:
-                raise ValueError(
-                    "sampler_drop_last: is DistributedSampler's drop_last and needs rank and world_size; "
-                    "drop_last drops a short last batch"
-                )
-            self.rank, self.world_size, self.distributed = 0, 1, False
-        else:
-            if generator is not None:
-                raise ValueError(
-                    "generator: cannot be combined with rank and world_size: every rank must draw the same "
-                    "permutation, which DistributedSampler seeds with seed + epoch; a generator's state "
-                    "belongs to one process. Pass seed instead"
-                )
-            self.rank, self.world_size = split
-            self.distributed = True
-        # DistributedSampler's num_samples: ceil(n / world) padded, or floor when it cuts the tail
-        # (its ceil((n - world) / world) when n % world, which is n // world).
-        if self.sampler_drop_last:
-            self.num_samples = self.n // self.world_size
-        else:
-            self.num_samples = -(-self.n // self.world_size)
+        self._split_by(distributed_split(rank, world_size))
         self.epoch = 0
         self._count = self.n
 
@@ -107,17 +85,58 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
         return self
 
     def for_rank(self, rank: int, world_size: int) -> IndexBatches:
-        """The same sampler for one rank of ``world_size``: what each process of a run makes."""
-        return IndexBatches(
-            self.n,
-            self.batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last,
-            rank=rank,
-            world_size=world_size,
-            sampler_drop_last=self.sampler_drop_last,
+        """The same sampler for one rank of ``world_size``, what each process of a run makes: a shallow
+        copy, so a subclass stays a subclass with its own attributes, with the split set and its epoch
+        state fresh (epoch 0, no position).
+
+        Raises:
+            ValueError: the sampler has a generator (one process's state: every rank must draw the same
+                permutation; pass ``seed`` instead).
+        """
+        split = self._fresh_copy()
+        split._split_by(distributed_split(rank, world_size))
+        return split
+
+    def resume_allowance(self, world_size: int, resumed_world_size: int) -> ResumeAllowance:
+        """What an epoch checkpointed on ``world_size`` ranks and resumed on ``resumed_world_size`` may
+        repeat and leave out, counted over the ids delivered before and after the checkpoint. With W
+        the larger of the two world sizes: DistributedSampler's padding repeats at most W - 1 samples
+        (none with ``sampler_drop_last``); ``sampler_drop_last`` cuts at most W - 1 and ``drop_last``
+        at most W * (batch_size - 1). The resume pads or cuts only what is left of the epoch, so the
+        bounds are the larger world size's, not the two added (some data set size and checkpoint reaches
+        each)."""
+        widest = max(
+            integer("world_size", world_size, low=1), integer("resumed_world_size", resumed_world_size, low=1)
         )
+        repeats = 0 if self.sampler_drop_last else widest - 1
+        cut = widest - 1 if self.sampler_drop_last else 0
+        short_batches = widest * (self.batch_size - 1) if self.drop_last else 0
+        return ResumeAllowance(repeats=repeats, drops=cut + short_batches)
+
+    def _split_by(self, split: tuple[int, int] | None) -> None:
+        """Sets the distributed split (None: one process reads everything) and what follows from it."""
+        if split is None:
+            if self.sampler_drop_last:
+                raise ValueError(
+                    "sampler_drop_last: is DistributedSampler's drop_last and needs rank and world_size; "
+                    "drop_last drops a short last batch"
+                )
+            self.rank, self.world_size, self.distributed = 0, 1, False
+        else:
+            if self.generator is not None:
+                raise ValueError(
+                    "generator: cannot be combined with rank and world_size: every rank must draw the same "
+                    "permutation, which DistributedSampler seeds with seed + epoch; a generator's state "
+                    "belongs to one process. Pass seed instead"
+                )
+            self.rank, self.world_size = split
+            self.distributed = True
+        # DistributedSampler's num_samples: ceil(n / world) padded, or floor when it cuts the tail
+        # (its ceil((n - world) / world) when n % world, which is n // world).
+        if self.sampler_drop_last:
+            self.num_samples = self.n // self.world_size
+        else:
+            self.num_samples = -(-self.n // self.world_size)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         # A generator: the order is drawn at the first next(), as BatchSampler(...) draws it.

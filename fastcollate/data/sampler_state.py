@@ -14,11 +14,20 @@ A state is plain Python values (ints, bools, strings, bytes, dicts) and small: i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Layout", "Position", "ResumableEpochs", "read_state", "sampler_state", "write_state"]
+__all__ = [
+    "Layout",
+    "Position",
+    "ResumableEpochs",
+    "ResumeAllowance",
+    "read_state",
+    "sampler_state",
+    "write_state",
+]
 
 STATE_FORMAT = 1
 
@@ -134,6 +143,16 @@ def read_state(
     return Position(epoch, samples_done, world_size, before + taken, layout, generator_state=generator_state)
 
 
+class ResumeAllowance(NamedTuple):
+    """What a sampler's own rule lets an epoch resumed on another world size repeat and leave out, over
+    the ids delivered before and after the checkpoint together: ``repeats`` surplus copies (padding) and
+    ``drops`` samples never delivered (``drop_last``). A sampler states it with
+    ``resume_allowance(world_size, resumed_world_size)``; ``doctor --resume-world-size`` holds it to it."""
+
+    repeats: int
+    drops: int
+
+
 class ResumableEpochs:
     """What IndexBatches and TokenBudgetBatches share: the epoch under way (or the one a state loaded),
     its state, and a length that counts the batches run before a checkpoint. A sampler supplies
@@ -155,6 +174,15 @@ class ResumableEpochs:
 
     def _fresh_position(self) -> Position:
         return Position(self.epoch, 0, self.world_size, 0, self._layout(self.epoch, 0, self.world_size))
+
+    def _fresh_copy(self) -> Any:
+        """A shallow copy (the same class, its attributes shared) with no epoch under way, as a sampler
+        just made: epoch 0, and the epoch's state (a position under way or loaded) back at its default."""
+        fresh = copy.copy(self)
+        fresh.epoch = 0
+        for name in _EPOCH_STATE:
+            fresh.__dict__.pop(name, None)
+        return fresh
 
     def _change_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -218,6 +246,14 @@ class ResumableEpochs:
     def _restore(self, position: Position) -> None:
         """What a sampler does with a loaded position before it waits for the next iteration."""
 
+
+# The epoch's state is what ResumableEpochs gives a default in the class (its methods aside): named from
+# the class, so that _fresh_copy resets every such attribute, those added later too.
+_EPOCH_STATE = tuple(
+    name
+    for name, value in vars(ResumableEpochs).items()
+    if name.startswith("_") and not name.startswith("__") and not callable(value)
+)
 
 _INTEGERS = ("epoch", "samples_done", "batches_done", "world_size", "segment_start", "segment_batches")
 

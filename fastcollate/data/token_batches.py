@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .arguments import distributed_split, flag, integer
-from .sampler_state import ResumableEpochs
+from .sampler_state import ResumableEpochs, ResumeAllowance
 
 __all__ = ["TokenBudgetBatches"]
 
@@ -95,15 +95,17 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
         return self
 
     def for_rank(self, rank: int, world_size: int) -> TokenBudgetBatches:
-        """The same sampler for one rank of ``world_size``: what each process of a run makes."""
-        return TokenBudgetBatches(
-            self.lengths,
-            self.max_tokens,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            rank=rank,
-            world_size=world_size,
-        )
+        """The same sampler for one rank of ``world_size``, what each process of a run makes: a shallow
+        copy, so a subclass stays a subclass with its own attributes, with the split set and its epoch
+        state fresh (epoch 0, no position)."""
+        split = self._fresh_copy()
+        split.rank, split.world_size = distributed_split(rank, world_size) or (0, 1)
+        return split
+
+    def resume_allowance(self, world_size: int, resumed_world_size: int) -> ResumeAllowance:
+        """Nothing: an epoch resumed on any world size delivers every sample exactly once (batches are
+        split, never padded; nothing is dropped)."""
+        return ResumeAllowance(repeats=0, drops=0)
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self._claim() or self._fresh_position()

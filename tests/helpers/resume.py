@@ -1,9 +1,11 @@
-"""What the resume tests share: a dataset whose sample i is i, and a state's trip through torch.save
-and torch.load(weights_only=True), as a checkpoint takes it."""
+"""What the resume tests share: a dataset whose sample i is i, a state's trip through torch.save and
+torch.load(weights_only=True), as a checkpoint takes it, and ``doctor`` run on a factory file."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import textwrap
 import time
 
 import torch
@@ -31,3 +33,23 @@ def through_disk(state):
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def doctor(argv, capsys):
+    """``python -m fastcollate doctor`` with ``argv``, in this process: its exit status and what it
+    printed."""
+    from fastcollate.tools.audit.doctor import main
+
+    status = main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+def factory(tmp_path, name, source):
+    """A factory module holding ``source`` (dedented) in ``tmp_path``: its ``make``, as --dataset takes it.
+    The module's name is ``name`` and a digest of the source: a factory file is imported by its name,
+    once a process, so two sources must not share one."""
+    source = textwrap.dedent(source)
+    path = tmp_path / f"{name}_{hashlib.blake2b(source.encode(), digest_size=4).hexdigest()}.py"
+    path.write_text(source)
+    return f"{path}:make"

@@ -205,7 +205,9 @@ def _order_difference(pair: _Pair, order: Order, notes: list[str]) -> tuple[bool
 
 def _duplicate_diagnosis(diff: Differences, workers: np.ndarray | None, source_kind: str) -> list[str]:
     """Names the classic pattern: every worker (or rank) read the whole stream."""
-    if workers is None:
+    if workers is None:  # TagWorker names workers; ranks are named by whoever gathers them
+        if source_kind == "rank":
+            return []
         return [
             "the loader's batches carry no worker tag: use fastcollate.audit.TagWorker to name the workers"
         ]

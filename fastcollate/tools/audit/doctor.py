@@ -19,12 +19,12 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ...collate.errors import sample_id
 from ...collate.ids import with_ids
-from ...data.index_batches import IndexBatches
 from ..cli import UsageError, at_least, run_verb
 from ..factory_spec import Factory, load_factory_output, loader_arguments
 from .checklist import Doctor
 from .failures import Failure
-from .resume_check import ResumeCheck, Unresumable
+from .resume_check import DEFAULT_CHECKPOINTS, ResumeCheck, Unresumable
+from .sampler_for_rank import sampler_for_rank
 
 __all__ = ["DEFAULT_BATCH_SIZE", "Doctor", "Failure", "main", "run_doctor"]
 
@@ -92,16 +92,37 @@ def _parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="instead of the checklist: checkpoint the loader (a torchdata StatefulDataLoader over the "
-        "factory's parts) at a random batch and resume a fresh one, with --workers and with 0 workers; "
-        "prove from the ids that the epoch came exactly once",
+        "factory's parts) after several batches of an epoch and resume fresh ones from each, with --workers "
+        "and with --resume-workers; prove from the ids that the epoch went on as it would have",
+    )
+    parser.add_argument(
+        "--resume-workers",
+        type=int,
+        metavar="N",
+        help="with --resume: the workers of the second resume, through the batch sampler's state (default: "
+        "0 when the batch sampler keeps state, else that resume is left out, with a note)",
     )
     parser.add_argument(
         "--resume-world-size",
         metavar="W,W2",
-        help="with --resume: W rank loaders (in this process) take the checkpoint and W2 resume it; the "
-        "factory's batch_sampler must split by rank (fastcollate.IndexBatches, TokenBudgetBatches)",
+        help="with --resume: W rank loaders (in this process) take the checkpoints and W2 resume them; each "
+        "rank runs the factory's batch_sampler made by its for_rank(rank, world_size), or by its class "
+        "with rank and world_size (or num_replicas)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="with --resume: draws the checkpoint's batch")
+    parser.add_argument(
+        "--checkpoints",
+        type=int,
+        default=DEFAULT_CHECKPOINTS,
+        metavar="N",
+        help=f"with --resume: checkpoints in the epoch (default {DEFAULT_CHECKPOINTS}): after the first "
+        "batch, after the last, and others spread between; every batch when the epoch has no more",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="with --resume: picks the checkpoints in the middle of an epoch longer than --checkpoints",
+    )
     return parser
 
 
@@ -159,7 +180,8 @@ def _finish(args: argparse.Namespace, spec: str, report: dict) -> int:
 
 def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -> dict:
     """The resume check on StatefulDataLoaders made afresh from the factory for every loader (a resumed
-    loader is a new process's: nothing carries over but the state)."""
+    loader is a new process's: nothing carries over but the state), each with the factory's own batch
+    sampler (split by rank by ``sampler_for_rank`` for another world size)."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
@@ -168,13 +190,23 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
             "needs torchdata (pip install torchdata): its StatefulDataLoader is the loader a "
             "checkpoint can hold",
         ) from None
-    world_sizes = _world_sizes(args.resume_world_size, made)
-    shuffles = made.batch_sampler is None and not isinstance(made.dataset, IterableDataset)
-    if shuffles:
+    world_sizes = _world_sizes(args.resume_world_size)
+    at_least("--checkpoints", args.checkpoints, 2, " (after the first batch and after the last)")
+    if args.resume_workers is not None:
+        at_least("--resume-workers", args.resume_workers, 0)
+    iterable = isinstance(made.dataset, IterableDataset)
+    shuffles = made.batch_sampler is None and not iterable
+    if shuffles and world_sizes is None:
         print(
             "note: the factory gives no batch_sampler: the loader shuffles with StatefulDataLoader's own "
             "sampler (shuffle=True)"
         )
+    other_workers = args.resume_workers
+    if world_sizes is None and other_workers is None:
+        if hasattr(made.batch_sampler, "load_state_dict"):
+            other_workers = 0
+        else:
+            print(_workers_stay_note(made, iterable))
 
     def make_loader(workers: int, rank: int, world_size: int) -> Any:
         try:
@@ -186,27 +218,41 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
             ) from error
         arguments = loader_arguments(fresh, batch_size=args.batch_size, default_batch_size=DEFAULT_BATCH_SIZE)
         if world_sizes is not None:
-            arguments["batch_sampler"] = arguments["batch_sampler"].for_rank(rank, world_size)
+            arguments["batch_sampler"] = sampler_for_rank(fresh.batch_sampler, rank, world_size)
         elif shuffles:
             arguments["shuffle"] = True
         return StatefulDataLoader(_identified(fresh.dataset, args.id_key), num_workers=workers, **arguments)
 
-    world, world_after = world_sizes or (1, 1)
+    other_world = world_sizes is not None and world_sizes[0] != world_sizes[1]
     check = ResumeCheck(
         make_loader,
         workers=args.workers,
-        other_workers=0,
+        other_workers=other_workers,
         id_key=args.id_key,
         seed=args.seed,
+        checkpoints=args.checkpoints,
         world_sizes=world_sizes,
-        allowed_repeats=_allowed_repeats(made.batch_sampler, world, world_after),
-        allowed_dropped=_allowed_dropped(made.batch_sampler, world, world_after),
+        dataset_ids=_dataset_ids(made.dataset, args.id_key) if other_world else None,
         timeout=args.timeout,
     )
     return check.run()
 
 
-def _world_sizes(given: str | None, made: Factory) -> tuple[int, int] | None:
+def _workers_stay_note(made: Factory, iterable: bool) -> str:
+    """Why the resume on another worker count is left out unless ``--resume-workers`` asks for it."""
+    if iterable:
+        return (
+            "note: an IterableDataset resumes on the same num_workers only (each worker reads its own part "
+            "of the stream): another worker count is not checked (--resume-workers N tries it)"
+        )
+    given = f"its {type(made.batch_sampler).__name__}" if made.batch_sampler is not None else "its shuffling"
+    return (
+        "note: a resume on another worker count needs a batch sampler that keeps state, such as "
+        f"fastcollate.IndexBatches, and {given} keeps none: not checked (--resume-workers N checks it)"
+    )
+
+
+def _world_sizes(given: str | None) -> tuple[int, int] | None:
     if given is None:
         return None
     try:
@@ -216,36 +262,28 @@ def _world_sizes(given: str | None, made: Factory) -> tuple[int, int] | None:
             "--resume-world-size", f"want two world sizes as W,W2 (e.g. 2,3), got {given!r}"
         ) from None
     at_least("--resume-world-size", min(world, world_after), 1)
-    if not hasattr(made.batch_sampler, "for_rank"):
-        raise UsageError(
-            "--resume-world-size",
-            f"{made.spec} gives no batch_sampler that splits by rank (got "
-            f"{type(made.batch_sampler).__name__}): give fastcollate.IndexBatches or TokenBudgetBatches",
-        )
     return world, world_after
 
 
-def _allowed_repeats(batch_sampler: Any, world: int, world_after: int) -> int:
-    """What IndexBatches' stated padding may repeat in an epoch resumed from W ranks on W2; any other
-    sampler (TokenBudgetBatches repeats nothing) is held to none."""
-    if not isinstance(batch_sampler, IndexBatches) or batch_sampler.sampler_drop_last:
-        return 0
-    return (world - 1) + (world_after - 1)
+def _dataset_ids(dataset: Any, id_key: str) -> int | list | None:
+    """The ids a resume on another world size must cover: N for the indices ``with_ids`` gives, else
+    each sample's own (every sample read once, here); None for an IterableDataset (no ranks to split)."""
+    if isinstance(dataset, IterableDataset):
+        return None
+    if not _has_own_ids(dataset, id_key):
+        return len(dataset)
+    return [sample_id(dataset[index], id_key) for index in range(len(dataset))]
 
 
-def _allowed_dropped(batch_sampler: Any, world: int, world_after: int) -> int:
-    """What IndexBatches' ``drop_last`` and ``sampler_drop_last`` may leave out of such an epoch."""
-    if not isinstance(batch_sampler, IndexBatches):
-        return 0
-    dropped = (world + world_after) * (batch_sampler.batch_size - 1) if batch_sampler.drop_last else 0
-    return dropped + ((world - 1) + (world_after - 1) if batch_sampler.sampler_drop_last else 0)
+def _has_own_ids(dataset: Any, id_key: str) -> bool:
+    return len(dataset) > 0 and sample_id(dataset[0], id_key) is not None
 
 
 def _identified(dataset: Any, id_key: str) -> Any:
     """The data set with ids to prove exactly-once with: its own, else its indices (``with_ids``)."""
     if isinstance(dataset, IterableDataset) or len(dataset) == 0:
         return dataset
-    return dataset if sample_id(dataset[0], id_key) is not None else with_ids(dataset, id_key)
+    return dataset if _has_own_ids(dataset, id_key) else with_ids(dataset, id_key)
 
 
 def _check_json_path(path: str) -> None:

@@ -155,6 +155,12 @@ class Ledger:
         self._any_worker |= worker is not None
         self._batches += 1
 
+    @property
+    def recorded(self) -> int:
+        """Ids recorded so far in the epoch being recorded (0 when none is open): where a later cut of
+        that epoch ends (``Epoch.ids[:recorded]``)."""
+        return self._ids.size if self._open else 0
+
     def end_epoch(self, complete: bool = True) -> Epoch:
         """Closes the epoch being recorded and returns it (also appended to ``epochs``)."""
         if not self._open:

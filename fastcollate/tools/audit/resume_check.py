@@ -1,12 +1,15 @@
-"""``doctor --resume``: proves from the sample ids that a loader resumed from a checkpoint delivers the
-epoch exactly once.
+"""``doctor --resume``: proves from the sample ids that a loader resumed from a checkpoint goes on as the
+loader it was checkpointed from, at checkpoints all over the epoch.
 
-An uninterrupted epoch is the reference. Then a loader runs to a batch drawn at random, its state goes
-through ``torch.save`` as a checkpoint would, and a fresh loader resumes from it: once with the same
-``num_workers`` (the loader's own ``load_state_dict``) and once with another (the batch sampler's part of
-the state, ``fastcollate.sampler_state``). What the first loader delivered and what the resumed one did
-must together be the reference's samples, once each. With ``world_sizes=(W, W')``, W rank loaders (in
-this process, stepping in lockstep) take the checkpoint and W' resume it.
+W rank loaders (W = 1 unless ``world_sizes`` is given; in this process, stepping in lockstep as DDP's
+ranks step) run one epoch, and after each chosen batch their states go through ``torch.save`` as a
+checkpoint would: after the first batch, after the last one (the epoch done: a resume delivers nothing
+more), and others spread over the epoch. From each checkpoint, fresh loaders resume: with the same
+``num_workers`` (the loader's own ``load_state_dict``), with another (the batch sampler's part of the
+state, ``fastcollate.sampler_state``), or on W' ranks. What the checkpointed loaders delivered before
+the checkpoint and what the resumed ones delivered after must be, on the same world size, that epoch
+itself, batch for batch; on another, every sample of the data set, repeated and left out only within
+the batch sampler's own ``resume_allowance(W, W')``.
 """
 
 from __future__ import annotations
@@ -14,45 +17,77 @@ from __future__ import annotations
 import dataclasses
 import io
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
 from ...data.sampler_state import sampler_state
-from .checks import compare
+from .checks import as_reference, compare
 from .epoch import Epoch
 from .ledger import Ledger
-from .record_sheet import EXIT_OK, EXIT_PROBLEM, EXIT_UNVERIFIED
 from .report import AuditReport
+from .resume_report import ResumeRun, finished, listed, plural, said
 from .tracing import Stuck, timed
 
-__all__ = ["LoaderMaker", "ResumeCheck", "Unresumable"]
+__all__ = ["DEFAULT_CHECKPOINTS", "LoaderMaker", "ResumeCheck", "Unresumable", "checkpoint_positions"]
+
+DEFAULT_CHECKPOINTS = 8
+"""Checkpoints a resume check takes in an epoch longer than that."""
 
 LoaderMaker = Callable[[int, int, int], Any]
 """``make_loader(num_workers, rank, world_size)``: a fresh loader (fresh sampler), for one rank."""
+
+
+Judge = Callable[[Epoch, Epoch, str], AuditReport]
+"""``judged(checkpointed, delivered, what)``: the report on what a job interrupted at a checkpoint
+delivered (``delivered``), given the epoch the checkpoints were taken in (``checkpointed``)."""
 
 
 class Unresumable(Exception):
     """The loader cannot be checkpointed or resumed at all: the reason, for the report."""
 
 
-@dataclasses.dataclass
-class ResumeRun:
-    """One resume: from which setting to which, and what the ids showed (or why it could not run)."""
+def checkpoint_positions(batches: int, count: int, seed: int) -> list[int]:
+    """The batches after which to checkpoint an epoch of ``batches`` a rank: every one when there are no
+    more than ``count``. Else the first, the last (the epoch done), the second and the second-to-last (an
+    even and an odd position at either end), and the others one in each of equal stretches of the rest,
+    ``seed`` picking where in its stretch."""
+    if batches <= count:
+        return list(range(1, batches + 1))
+    ends = [1, batches, 2, batches - 1][:count]
+    middle = range(3, batches - 1)
+    picks = count - len(ends)
+    draw = random.Random(seed)
+    spread = [
+        middle[draw.randrange(len(middle) * i // picks, len(middle) * (i + 1) // picks)] for i in range(picks)
+    ]
+    return sorted({*ends, *spread})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One way to resume: on how many workers and ranks, and whether through the batch sampler's part of
+    the state (another worker count or world size) or the loader's own."""
 
     what: str
-    report: AuditReport | None = None
-    unverified: str | None = None
+    workers: int
+    world_size: int
+    through_sampler: bool
 
-    problems: list[str] = dataclasses.field(default_factory=list)  # beyond the ids: uneven ranks
 
-    @property
-    def status(self) -> int:
-        if self.unverified is not None:
-            return EXIT_UNVERIFIED
-        return EXIT_OK if self.report is not None and self.report.ok and not self.problems else EXIT_PROBLEM
+@dataclasses.dataclass
+class Checkpoints:
+    """The checkpointed epoch: what its loaders delivered, the states after each chosen batch, and how
+    many ids had come by then."""
+
+    epoch: Epoch
+    states: dict[int, list[dict]]
+    delivered_by: dict[int, int]
+    steps: list[int]
 
 
 class ResumeCheck:
@@ -61,12 +96,15 @@ class ResumeCheck:
     Args:
         make_loader: a fresh loader for ``(num_workers, rank, world_size)``; it must have
             ``state_dict``/``load_state_dict`` (a ``StatefulDataLoader``).
-        workers: the first loader's workers; ``other_workers`` the second resume's.
+        workers: the checkpointed loaders' workers.
+        other_workers: the workers of the resume through the batch sampler's part of the state; None
+            leaves that resume out (one process) or resumes on ``workers`` (``world_sizes``).
         id_key: the batches' id field.
-        seed: draws the checkpoint's batch.
-        world_sizes: ``(W, W')`` to resume W ranks' checkpoint on W' ranks; None for one process.
-        allowed_repeats, allowed_dropped: what the sampler's rule lets an elastic resume repeat or
-            drop (its padding and ``drop_last``), reported apart from real losses and repeats.
+        seed: picks the checkpoints in the middle of an epoch longer than ``checkpoints``.
+        checkpoints: how many checkpoints an epoch gets (all its batches when it has no more).
+        world_sizes: ``(W, W')`` to resume W ranks' checkpoints on W' ranks; None for one process.
+        dataset_ids: the data set's ids, which a resume on another world size must cover: N for the
+            ids ``0..N-1``, or the ids (without them such a resume is not verified).
         timeout: seconds to wait for one batch (0: forever); a batch later than that is a failure.
         out: where progress lines go.
     """
@@ -76,127 +114,217 @@ class ResumeCheck:
         make_loader: LoaderMaker,
         *,
         workers: int,
-        other_workers: int,
+        other_workers: int | None,
         id_key: str = "id",
         seed: int = 0,
+        checkpoints: int = DEFAULT_CHECKPOINTS,
         world_sizes: tuple[int, int] | None = None,
-        allowed_repeats: int = 0,
-        allowed_dropped: int = 0,
+        dataset_ids: int | Iterable | None = None,
         timeout: float = 0,
         out: Callable[[str], Any] = print,
     ) -> None:
+        if checkpoints < 2:
+            raise ValueError(
+                f"checkpoints: at least 2 (after the first batch and after the last), got {checkpoints}"
+            )
         self.make_loader = make_loader
         self.workers, self.other_workers = workers, other_workers
         self.id_key = id_key
         self.seed = seed
+        self.checkpoints = checkpoints
         self.world_sizes = world_sizes
-        self.allowed_repeats, self.allowed_dropped = allowed_repeats, allowed_dropped
+        self.dataset_ids = dataset_ids
         self.timeout = timeout
         self.out = out
         self.weights_only_note: str | None = None
+        self._started = 0.0
 
     def run(self) -> dict:
-        """The report as a dict: ``exit_status`` 0 (every resume delivered the epoch once), 1 (a resume
-        lost or repeated samples, named, or the loader failed) or 2 (the loader cannot be checkpointed,
-        or its epoch is too short to try)."""
+        """The report as a dict: ``exit_status`` 0 (every resume went on as the checkpointed loader),
+        1 (a resume lost or repeated samples, named, or the loader failed) or 2 (the loader cannot be
+        checkpointed, or its epoch is too short to try)."""
+        self._started = time.perf_counter()
         world, world_after = self.world_sizes or (1, 1)
         try:
-            reference = self._uninterrupted(world)
-        except Unresumable as error:
-            return self._finish([], None, str(error))
-        except (Exception, Stuck) as error:  # the loader itself fails: no resume can be judged
-            failed = self._said(ResumeRun("the uninterrupted epoch", problems=[self._failure(error)]))
-            return self._finish([failed], None, None)
-        if reference.batches // world < 2:
-            return self._finish(
-                [],
-                None,
-                f"the epoch has {reference.batches // world} batches a rank: a "
-                "checkpoint needs one before it and one after",
+            loaders = [self.make_loader(self.workers, rank, world) for rank in range(world)]
+            batches, counted_by = self._batches_a_rank(loaders, world)
+            if batches < 2:
+                raise Unresumable(
+                    f"the epoch has {batches} batches a rank: a checkpoint needs one before it and one after"
+                )
+            positions = checkpoint_positions(batches, self.checkpoints, self.seed)
+            picked = f" (--seed {self.seed} picked the middle ones)" if batches > self.checkpoints else ""
+            self.out(
+                f"resume check: {plural(len(positions), 'checkpoint')}, after batch {listed(positions)} "
+                f"of {batches}" + (f" on each of {world} ranks" if world > 1 else "") + picked
             )
-        batch = random.Random(self.seed).randint(1, reference.batches // world - 1)
-        self.out(
-            f"resume check: a checkpoint after batch {batch} of {reference.batches // world}"
-            + (f" on each of {world} ranks" if world > 1 else "")
-            + f" (--seed {self.seed})"
+            judged = self._judge(loaders[0])
+            checkpoints = self._checkpoints(loaders, positions)
+        except Unresumable as error:
+            return self._finished([], unverified=str(error))
+        except (Exception, Stuck) as error:  # the loader itself fails: no resume can be judged
+            failed = ResumeRun("the checkpointed epoch", None, problems=[self._failure(error)])
+            said([failed], self.out)
+            return self._finished([failed])
+        runs = []
+        ran = checkpoints.steps
+        problems = (
+            [f"the ranks ran different numbers of steps ({ran}): DDP would hang"] if len(set(ran)) > 1 else []
         )
-        if self.world_sizes:
-            ranks = f"{_ranks(world)} -> {_ranks(world_after)}, workers {self.workers}"
-            plans = [(ranks, self.workers)]
-        else:
-            plans = [
-                (f"workers {self.workers} -> {self.workers} (the loader's own state)", self.workers),
-                (
-                    f"workers {self.workers} -> {self.other_workers} (the sampler's part of it)",
-                    self.other_workers,
-                ),
-            ]
-        runs = [self._resume(what, reference, batch, world, world_after, after) for what, after in plans]
-        return self._finish(runs, batch, None)
+        if max(ran) != batches:
+            problems.append(f"the epoch ran {max(ran)} batches a rank, not the {batches} {counted_by}")
+        if problems:
+            runs.append(ResumeRun("the checkpointed epoch", None, problems=problems))
+            said(runs, self.out)
+        taken = [position for position in positions if position in checkpoints.states]
+        for plan in self._plans() if taken else []:
+            tried = []
+            for position in taken:
+                tried.append(self._resume(plan, position, checkpoints, judged))
+                if tried[-1].unverified is not None:
+                    break  # the same reason at every checkpoint
+            said(tried, self.out)
+            runs += tried
+        return self._finished(runs, positions=taken, batches=batches)
 
     # -- the runs ---------------------------------------------------------------------------------
 
-    def _uninterrupted(self, world: int) -> Epoch:
-        ledger = Ledger(self.id_key)
-        ledger.begin_epoch()
-        for rank in range(world):
-            for item in timed(self.make_loader(self.workers, rank, world), self.timeout):
-                _record(ledger, item)
-        return ledger.end_epoch()
+    def _plans(self) -> list[Plan]:
+        workers, other = self.workers, self.other_workers
+        if self.world_sizes is None:
+            plans = [Plan(f"workers {workers} -> {workers} (the loader's own state)", workers, 1, False)]
+            if other is not None:
+                plans.append(Plan(f"workers {workers} -> {other} (the sampler's part of it)", other, 1, True))
+            return plans
+        world, world_after = self.world_sizes
+        after = workers if other is None else other
+        what = f"{plural(world, 'rank')} -> {plural(world_after, 'rank')}, workers {workers}" + (
+            f" -> {after}" if after != workers else ""
+        )
+        return [Plan(what, after, world_after, world != world_after or after != workers)]
 
-    def _resume(
-        self, what: str, reference: Epoch, batch: int, world: int, world_after: int, workers_after: int
-    ) -> ResumeRun:
-        ledger = Ledger(self.id_key)
-        ledger.begin_epoch()
+    def _batches_a_rank(self, loaders: list, world: int) -> tuple[int, str]:
+        """The batches each rank's epoch holds, and how that is known: the loaders' len() over a map-style
+        dataset; else (an IterableDataset, a loader without len()) counted by running an epoch of fresh
+        loaders."""
         try:
-            states = self._checkpoint(ledger, batch, world)
-            steps = []
-            for rank in range(world_after):
-                loader = self.make_loader(workers_after, rank, world_after)
-                same = world == world_after and workers_after == self.workers
-                self._load(loader, states[rank % world], same)  # any rank's state will do
-                steps.append(0)
-                for item in timed(loader, self.timeout):
-                    _record(ledger, item)
-                    steps[-1] += 1
-        except Unresumable as error:
-            ledger.end_epoch(complete=False)
-            return self._said(ResumeRun(what, unverified=str(error)))
-        except (Exception, Stuck) as error:
-            ledger.end_epoch(complete=False)
-            return self._said(ResumeRun(what, problems=[self._failure(error)]))
-        report = compare(
-            reference,
-            ledger.end_epoch(),
+            if not any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders):
+                return min(len(loader) for loader in loaders), "its len() says"
+        except TypeError:
+            pass
+        fresh = [self.make_loader(self.workers, rank, world) for rank in range(world)]
+        return min(self._lockstep(fresh, None)), "an epoch before it ran"
+
+    def _judge(self, loader: Any) -> Judge:
+        """How a resume's ids are judged. On the same world size: against the checkpointed epoch, batch
+        for batch. On another: against the data set, up to what the batch sampler (``loader``'s) says a
+        resume may repeat and drop; a sampler that says nothing is held to every sample exactly once."""
+        world, world_after = self.world_sizes or (1, 1)
+        if world == world_after:
+            return _as_checkpointed
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        name = type(batch_sampler).__name__
+        stated = getattr(batch_sampler, "resume_allowance", None)
+        if callable(stated):
+            try:
+                allowance = stated(world, world_after)
+                repeats, drops = int(allowance.repeats), int(allowance.drops)
+            except Exception as error:  # the user's method: whatever it raises or returns is the reason
+                raise Unresumable(
+                    f"{name}.resume_allowance({world}, {world_after}) gave no ResumeAllowance(repeats=..., "
+                    f"drops=...) (fastcollate.data.sampler_state): {type(error).__name__}: {error}"
+                ) from error
+        else:
+            self.out(
+                f"  note: {name} has no resume_allowance(world_size, resumed_world_size): held to every "
+                "sample exactly once"
+            )
+            repeats = drops = 0
+        if self.dataset_ids is None:
+            raise Unresumable(
+                "a resume on another world size is checked against the data set's ids, and they are not "
+                "known: give dataset_ids (N for the ids 0..N-1)"
+            )
+        data_set = as_reference(self.dataset_ids, Epoch(ids=np.zeros(0, np.int64)))
+        return lambda checkpointed, delivered, what: compare(
+            data_set,
+            delivered,
             order="any",
-            allowed_repeats=self.allowed_repeats,
-            allowed_dropped=self.allowed_dropped,
+            allowed_repeats=repeats,
+            allowed_dropped=drops,
             what=what,
             source_kind="rank",
         )
-        run = ResumeRun(what, report=report)
+
+    def _checkpoints(self, loaders: list, positions: list[int]) -> Checkpoints:
+        """One epoch of the rank ``loaders`` in lockstep, their states taken (saved and loaded) after each
+        of ``positions``."""
+        ledger = Ledger(self.id_key)
+        ledger.begin_epoch()
+        states: dict[int, list[dict]] = {}
+        delivered_by: dict[int, int] = {}
+
+        def take(step: int) -> None:
+            if step in positions:
+                states[step] = [self._saved_and_loaded(_state_of(loader)) for loader in loaders]
+                delivered_by[step] = ledger.recorded
+
+        steps = self._lockstep(loaders, ledger, after_step=take)
+        return Checkpoints(ledger.end_epoch(), states, delivered_by, steps)
+
+    def _lockstep(
+        self, loaders: list, ledger: Ledger | None, after_step: Callable[[int], None] | None = None
+    ) -> list[int]:
+        """Steps the rank ``loaders`` together, one batch each a step, as DDP's ranks step, recording
+        every batch in ``ledger``; ``after_step(k)`` after the k-th. Returns the batches of each rank."""
+        iterators = [timed(loader, self.timeout) for loader in loaders]
+        steps = [0] * len(loaders)
+        running = set(range(len(loaders)))
+        while True:
+            for rank in sorted(running):
+                item = next(iterators[rank], _END)
+                if item is _END:
+                    running.discard(rank)
+                    continue
+                if ledger is not None:
+                    _record(ledger, item)
+                steps[rank] += 1
+            if not running:
+                return steps
+            if after_step is not None:
+                after_step(max(steps))
+
+    def _resume(self, plan: Plan, position: int, checkpoints: Checkpoints, judged: Judge) -> ResumeRun:
+        ledger = Ledger(self.id_key)
+        ledger.begin_epoch()
+        try:
+            loaders = [
+                self.make_loader(plan.workers, rank, plan.world_size) for rank in range(plan.world_size)
+            ]
+            states = checkpoints.states[position]
+            for rank, loader in enumerate(loaders):
+                self._load(loader, states[rank % len(states)], plan.through_sampler)  # any rank's will do
+            steps = self._lockstep(loaders, ledger)
+        except Unresumable as error:
+            ledger.end_epoch(complete=False)
+            return ResumeRun(plan.what, position, unverified=str(error))
+        except (Exception, Stuck) as error:
+            ledger.end_epoch(complete=False)
+            return ResumeRun(plan.what, position, problems=[self._failure(error)])
+        delivered = _joined(checkpoints.epoch, checkpoints.delivered_by[position], ledger.end_epoch())
+        run = ResumeRun(
+            plan.what,
+            position,
+            report=judged(checkpoints.epoch, delivered, f"{plan.what}, after batch {position}"),
+        )
         if len(set(steps)) > 1:
             run.problems.append(
                 f"the ranks ran different numbers of steps after the resume ({steps}): DDP would hang"
             )
-        return self._said(run)
+        return run
 
-    def _checkpoint(self, ledger: Ledger, batch: int, world: int) -> list[dict]:
-        """``world`` loaders take ``batch`` batches each, in lockstep; their states, saved and loaded."""
-        loaders = [self.make_loader(self.workers, rank, world) for rank in range(world)]
-        iterators = [timed(loader, self.timeout) for loader in loaders]
-        for _ in range(batch):
-            for iterator in iterators:
-                item = next(iterator, None)
-                if item is not None:
-                    _record(ledger, item)
-        states = [self._saved_and_loaded(_state_of(loader)) for loader in loaders]
-        del iterators  # the job is gone, and its workers with it
-        return states
-
-    def _load(self, loader: Any, state: dict, same: bool) -> None:
-        if same:
+    def _load(self, loader: Any, state: dict, through_sampler: bool) -> None:
+        if not through_sampler:
             loader.load_state_dict(state)
             return
         if isinstance(getattr(loader, "dataset", None), IterableDataset):
@@ -237,6 +365,17 @@ class ResumeCheck:
             buffer.seek(0)
             return torch.load(buffer, weights_only=False)
 
+    def _finished(self, runs: list[ResumeRun], **outcome: Any) -> dict:
+        seconds = time.perf_counter() - self._started
+        return finished(
+            runs,
+            self.out,
+            seconds=seconds,
+            world_sizes=self.world_sizes,
+            weights_only=self.weights_only_note,
+            **outcome,
+        )
+
     def _failure(self, error: BaseException) -> str:
         """An exception in one line: its class and its message's first line (a contract's error names
         the sample and the field, never its values)."""
@@ -245,52 +384,28 @@ class ResumeCheck:
         lines = str(error).strip().splitlines()
         return f"the loader raised {type(error).__name__}: {lines[0] if lines else ''}"
 
-    # -- the report -------------------------------------------------------------------------------
 
-    def _said(self, run: ResumeRun) -> ResumeRun:
-        if run.unverified is not None:
-            self.out(f"  {run.what}: NOT VERIFIED: {run.unverified}")
-            return run
-        report = run.report
-        if report is None:
-            self.out(f"  {run.what}: FAILED: {'; '.join(run.problems)}")
-        elif run.status == EXIT_OK:
-            repeats = sum(report.padded.values()) - len(report.padded)
-            extra = f", and {repeats} repeated by the sampler's padding" if repeats else ""
-            extra += f", {len(report.dropped)} left out by drop_last" if report.dropped else ""
-            self.out(f"  {run.what}: OK, every one of {report.expected} samples delivered once{extra}")
-        else:
-            self.out(f"  {run.what}: FAILED")
-            for line in [*run.problems, *str(report).splitlines()[1:]]:
-                self.out(f"    {line.strip()}")
-        return run
+_END = object()
 
-    def _finish(self, runs: list[ResumeRun], batch: int | None, unverified: str | None) -> dict:
-        if unverified is not None:
-            self.out(f"resume check: NOT VERIFIED: {unverified}")
-            status = EXIT_UNVERIFIED
-        else:
-            statuses = {run.status for run in runs}
-            status = EXIT_PROBLEM if EXIT_PROBLEM in statuses else max(statuses)
-            verdict = {EXIT_OK: "OK", EXIT_PROBLEM: "FAILED", EXIT_UNVERIFIED: "NOT VERIFIED"}[status]
-            self.out(f"resume check: {verdict} (exit status {status})")
-        return {
-            "check": "resume",
-            "checkpoint_batch": batch,
-            "world_sizes": list(self.world_sizes) if self.world_sizes else None,
-            "unverified": unverified,
-            "runs": [
-                {
-                    "what": run.what,
-                    "unverified": run.unverified,
-                    "problems": run.problems,
-                    "report": run.report.to_dict() if run.report is not None else None,
-                }
-                for run in runs
-            ],
-            "weights_only": self.weights_only_note,
-            "exit_status": status,
-        }
+
+def _as_checkpointed(checkpointed: Epoch, delivered: Epoch, what: str) -> AuditReport:
+    """The same ids in the same order as the checkpointed epoch: the repeats its own padding made, and
+    only those, are the resume's too."""
+    repeats = int(checkpointed.ids.size - np.unique(checkpointed.ids).size)
+    return compare(
+        checkpointed, delivered, order="same", allowed_repeats=repeats, what=what, source_kind="rank"
+    )
+
+
+def _joined(checkpointed: Epoch, before: int, resumed: Epoch) -> Epoch:
+    """The first ``before`` ids the checkpointed loaders delivered, then what the resumed ones did: what a
+    job interrupted at that checkpoint delivered."""
+    names = {**(checkpointed.names or {}), **(resumed.names or {})}
+    return Epoch(
+        ids=np.concatenate([checkpointed.ids[:before], resumed.ids]),
+        names=names or None,
+        complete=resumed.complete,
+    )
 
 
 def _state_of(loader: Any) -> dict:
@@ -310,7 +425,3 @@ def _record(ledger: Ledger, batch: Any) -> None:
         ledger.record(batch)
     except KeyError as error:  # no ids in the batch: nothing to prove exactly-once with
         raise Unresumable(error.args[0] if error.args else str(error)) from error
-
-
-def _ranks(count: int) -> str:
-    return f"{count} rank{'s' if count != 1 else ''}"

@@ -71,11 +71,12 @@ def test_checkpoints_take_every_batch_of_a_short_epoch_else_both_ends_and_one_in
         return
     assert len(positions) == count == len(set(positions)) and positions == sorted(positions)
     assert positions[0] == 1 and positions[-1] == batches, "after the first batch, and the epoch done"
-    if count >= 4:
-        assert {2, batches - 1} <= set(positions), "an even and an odd position at either end"
-        middle = positions[2:-2]  # one in each equal stretch of 3 .. batches - 2
-        stretch = (batches - 4) / len(middle) if middle else 0
-        assert all(3 + i * stretch - 1 < k < 3 + (i + 1) * stretch for i, k in enumerate(middle)), middle
+    if count >= 5:
+        # An even and an odd position at either end, and 3: a sampler wrong every second or third is caught.
+        assert {2, 3, batches - 1} <= set(positions)
+        middle = positions[3:-2]  # one in each equal stretch of 4 .. batches - 2
+        stretch = (batches - 5) / len(middle) if middle else 0
+        assert all(4 + i * stretch - 1 < k < 4 + (i + 1) * stretch for i, k in enumerate(middle)), middle
 
 
 def test_the_seed_picks_other_middle_checkpoints_in_a_long_epoch():
@@ -193,7 +194,8 @@ def test_ranks_that_resume_unevenly_fail():
                 self.set_epoch(self.epoch + 1)  # rank 0 starts the next epoch whole: more steps
 
     lines = []
-    report = check(stateful(lambda r, w: Uneven(N, 4, rank=r, world_size=w)), lines, world_sizes=(2, 2))
+    report = check(stateful(lambda r, w: Uneven(N, 4, rank=r, world_size=w)), lines, world_sizes=(2, 2),
+                   dataset_ids=N)
     assert report["exit_status"] == 1
     assert "different numbers of steps" in "\n".join(lines)
 

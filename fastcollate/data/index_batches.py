@@ -144,7 +144,7 @@ class IndexBatches(ResumableEpochs, Sampler[np.ndarray]):
         draws = position is None  # a loaded position drew its order, and the tail, at load
         if position is None:
             position = self._fresh_position(draw=True)
-        self._position = position
+        self._begin(position)
         layout = position.layout
         while position.taken < layout.count:
             batch = layout.batch(position.taken)

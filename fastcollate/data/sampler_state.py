@@ -194,8 +194,14 @@ class ResumableEpochs:
         not at iter(): DataLoader makes iterators it never advances (one in its iterator's __init__,
         one in _reset, a restoring one a finished StatefulDataLoader throws away)."""
         position, resume = self._position, self._resume_next
-        self._resume_next = self._loaded_ended = False
+        self._resume_next = False
         return position if resume and position is not None and position.epoch == self.epoch else None
+
+    def _begin(self, position: Position) -> None:
+        """``position`` is the iteration's now: len() counts it from here on (a loaded position that had
+        ended is replaced only now, so len() never counts it while the new order is drawn)."""
+        self._position = position
+        self._loaded_ended = False
 
     def __len__(self) -> int:
         """Batches this rank runs in the current epoch; after ``load_state_dict``, those it ran before

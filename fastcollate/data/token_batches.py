@@ -109,7 +109,7 @@ class TokenBudgetBatches(ResumableEpochs, Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self._claim() or self._fresh_position()
-        self._position = position
+        self._begin(position)
         while position.taken < position.layout.count:
             batch = position.layout.batch(position.taken)
             position.taken += 1

@@ -10,6 +10,7 @@ The checklist itself is ``checklist.Doctor``; this module reads the options.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -223,7 +224,6 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
             arguments["shuffle"] = True
         return StatefulDataLoader(_identified(fresh.dataset, args.id_key), num_workers=workers, **arguments)
 
-    other_world = world_sizes is not None and world_sizes[0] != world_sizes[1]
     check = ResumeCheck(
         make_loader,
         workers=args.workers,
@@ -232,7 +232,8 @@ def _resume(args: argparse.Namespace, spec: str, argument: str, made: Factory) -
         seed=args.seed,
         checkpoints=args.checkpoints,
         world_sizes=world_sizes,
-        dataset_ids=_dataset_ids(made.dataset, args.id_key) if other_world else None,
+        # Read inside the check, where a sample that fails to load is a failure it reports.
+        dataset_ids=functools.partial(_dataset_ids, made.dataset, args.id_key) if world_sizes else None,
         timeout=args.timeout,
     )
     return check.run()

@@ -53,13 +53,13 @@ class Unresumable(Exception):
 
 def checkpoint_positions(batches: int, count: int, seed: int) -> list[int]:
     """The batches after which to checkpoint an epoch of ``batches`` a rank: every one when there are no
-    more than ``count``. Else the first, the last (the epoch done), the second and the second-to-last (an
-    even and an odd position at either end), and the others one in each of equal stretches of the rest,
-    ``seed`` picking where in its stretch."""
+    more than ``count``. Else the first, the last (the epoch done), the second, the second-to-last and the
+    third (so that a sampler wrong at every second or every third position is caught whatever the seed),
+    and the others one in each of equal stretches of the rest, ``seed`` picking where in its stretch."""
     if batches <= count:
         return list(range(1, batches + 1))
-    ends = [1, batches, 2, batches - 1][:count]
-    middle = range(3, batches - 1)
+    ends = [1, batches, 2, batches - 1, 3][:count]
+    middle = range(4, batches - 1)
     picks = count - len(ends)
     draw = random.Random(seed)
     spread = [
@@ -103,8 +103,9 @@ class ResumeCheck:
         seed: picks the checkpoints in the middle of an epoch longer than ``checkpoints``.
         checkpoints: how many checkpoints an epoch gets (all its batches when it has no more).
         world_sizes: ``(W, W')`` to resume W ranks' checkpoints on W' ranks; None for one process.
-        dataset_ids: the data set's ids, which a resume on another world size must cover: N for the
-            ids ``0..N-1``, or the ids (without them such a resume is not verified).
+        dataset_ids: the data set's ids, which a resume across ranks must cover: N for the ids
+            ``0..N-1``, or the ids, or a callable giving either, called inside the check (without them
+            such a resume is not verified).
         timeout: seconds to wait for one batch (0: forever); a batch later than that is a failure.
         out: where progress lines go.
     """
@@ -119,7 +120,7 @@ class ResumeCheck:
         seed: int = 0,
         checkpoints: int = DEFAULT_CHECKPOINTS,
         world_sizes: tuple[int, int] | None = None,
-        dataset_ids: int | Iterable | None = None,
+        dataset_ids: int | Iterable | Callable[[], int | Iterable] | None = None,
         timeout: float = 0,
         out: Callable[[str], Any] = print,
     ) -> None:
@@ -153,7 +154,8 @@ class ResumeCheck:
                     f"the epoch has {batches} batches a rank: a checkpoint needs one before it and one after"
                 )
             positions = checkpoint_positions(batches, self.checkpoints, self.seed)
-            picked = f" (--seed {self.seed} picked the middle ones)" if batches > self.checkpoints else ""
+            middle = batches > self.checkpoints > 5  # beyond the ends checkpoint_positions always takes
+            picked = f" (--seed {self.seed} picked the middle ones)" if middle else ""
             self.out(
                 f"resume check: {plural(len(positions), 'checkpoint')}, after batch {listed(positions)} "
                 f"of {batches}" + (f" on each of {world} ranks" if world > 1 else "") + picked
@@ -178,11 +180,10 @@ class ResumeCheck:
             said(runs, self.out)
         taken = [position for position in positions if position in checkpoints.states]
         for plan in self._plans() if taken else []:
-            tried = []
-            for position in taken:
-                tried.append(self._resume(plan, position, checkpoints, judged))
-                if tried[-1].unverified is not None:
-                    break  # the same reason at every checkpoint
+            # Every checkpoint, also after one that could not be resumed: a refusal can depend on the
+            # checkpoint (TokenBudgetBatches, too few samples left for the ranks), and a wrong resume at
+            # another must still show.
+            tried = [self._resume(plan, position, checkpoints, judged) for position in taken]
             said(tried, self.out)
             runs += tried
         return self._finished(runs, positions=taken, batches=batches)
@@ -217,11 +218,24 @@ class ResumeCheck:
 
     def _judge(self, loader: Any) -> Judge:
         """How a resume's ids are judged. On the same world size: against the checkpointed epoch, batch
-        for batch. On another: against the data set, up to what the batch sampler (``loader``'s) says a
-        resume may repeat and drop; a sampler that says nothing is held to every sample exactly once."""
-        world, world_after = self.world_sizes or (1, 1)
-        if world == world_after:
+        for batch. Across ranks, also against the data set, up to what the batch sampler (``loader``'s)
+        says a resume may repeat and drop (on the same world size too: a split that repeats or loses
+        samples repeats or loses them in the checkpointed epoch as well); a sampler that says nothing is
+        held to every sample exactly once."""
+        if self.world_sizes is None:
             return _as_checkpointed
+        covering = self._covering(loader, *self.world_sizes)
+        if self.world_sizes[0] != self.world_sizes[1]:
+            return covering
+
+        def both(checkpointed: Epoch, delivered: Epoch, what: str) -> AuditReport:
+            report = _as_checkpointed(checkpointed, delivered, what)
+            return covering(checkpointed, delivered, what) if report.ok else report
+
+        return both
+
+    def _covering(self, loader: Any, world: int, world_after: int) -> Judge:
+        """Against the data set, within the batch sampler's ``resume_allowance(world, world_after)``."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         name = type(batch_sampler).__name__
         stated = getattr(batch_sampler, "resume_allowance", None)
@@ -240,12 +254,15 @@ class ResumeCheck:
                 "sample exactly once"
             )
             repeats = drops = 0
-        if self.dataset_ids is None:
+        ids = self.dataset_ids() if callable(self.dataset_ids) else self.dataset_ids
+        if ids is None:
             raise Unresumable(
-                "a resume on another world size is checked against the data set's ids, and they are not "
-                "known: give dataset_ids (N for the ids 0..N-1)"
+                "a resume across ranks is checked against the data set's ids, and they are not known: give "
+                "dataset_ids (N for the ids 0..N-1)"
             )
-        data_set = as_reference(self.dataset_ids, Epoch(ids=np.zeros(0, np.int64)))
+        if not isinstance(ids, int):  # the data set's own duplicate ids are its own repeats
+            repeats += len(ids) - len(set(ids))
+        data_set = as_reference(ids, Epoch(ids=np.zeros(0, np.int64)))
         return lambda checkpointed, delivered, what: compare(
             data_set,
             delivered,
@@ -297,14 +314,24 @@ class ResumeCheck:
     def _resume(self, plan: Plan, position: int, checkpoints: Checkpoints, judged: Judge) -> ResumeRun:
         ledger = Ledger(self.id_key)
         ledger.begin_epoch()
+        states = checkpoints.states[position]
+
+        def resumed(rank: int) -> Any:
+            loader = self.make_loader(plan.workers, rank, plan.world_size)
+            self._load(loader, states[rank % len(states)], plan.through_sampler)  # any rank's will do
+            return loader
+
         try:
-            loaders = [
-                self.make_loader(plan.workers, rank, plan.world_size) for rank in range(plan.world_size)
-            ]
-            states = checkpoints.states[position]
-            for rank, loader in enumerate(loaders):
-                self._load(loader, states[rank % len(states)], plan.through_sampler)  # any rank's will do
-            steps = self._lockstep(loaders, ledger)
+            if plan.world_size == len(states):  # judged batch for batch: the checkpointed lockstep order
+                loaders = [resumed(rank) for rank in range(plan.world_size)]
+                steps = self._lockstep(loaders, ledger)
+                counted = {_length(loader) for loader in loaders}
+            else:  # judged in any order: one rank at a time, so that many ranks hold few files at once
+                steps, counted = [], set()
+                for rank in range(plan.world_size):
+                    loader = resumed(rank)
+                    steps += self._lockstep([loader], ledger)
+                    counted.add(_length(loader))
         except Unresumable as error:
             ledger.end_epoch(complete=False)
             return ResumeRun(plan.what, position, unverified=str(error))
@@ -320,6 +347,15 @@ class ResumeCheck:
         if len(set(steps)) > 1:
             run.problems.append(
                 f"the ranks ran different numbers of steps after the resume ({steps}): DDP would hang"
+            )
+        # A training loop that restores its step count with the state counts the epoch as len(): read
+        # after the run, as the loop reads it once the state is loaded.
+        counted -= {None}
+        if counted and counted != {position + max(steps, default=0)}:
+            run.problems.append(
+                f"len() says {listed(sorted(counted))} batches a rank for the resumed epoch, but "
+                f"{position} ran before the checkpoint and {max(steps, default=0)} after it: a training "
+                "loop counting by len() (Lightning's) would end the epoch early or wait for batches"
             )
         return run
 
@@ -406,6 +442,13 @@ def _joined(checkpointed: Epoch, before: int, resumed: Epoch) -> Epoch:
         names=names or None,
         complete=resumed.complete,
     )
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except Exception:  # an IterableDataset's loader, or one without len()
+        return None
 
 
 def _state_of(loader: Any) -> dict:

@@ -109,7 +109,8 @@ def _delivered(reports: list[AuditReport]) -> str:
     repeated = max(sum(report.padded.values()) - len(report.padded) for report in reports)
     dropped = max(len(report.dropped) for report in reports)
     text = f"every one of {reports[0].expected} samples delivered once"
-    text += f", up to {repeated} more by the sampler's padding" if repeated else ""
+    # Accounted repeats: a sampler's padding, or ids the data set itself holds twice.
+    text += f", up to {repeated} repeated as accounted for" if repeated else ""
     return text + (f", up to {dropped} left out by drop_last" if dropped else "")
 
 

@@ -37,9 +37,17 @@ def sampler_for_rank(batch_sampler: Any, rank: int, world_size: int) -> Any:
     own = getattr(batch_sampler, "for_rank", None)
     if callable(own):
         try:
-            return own(rank, world_size)
-        except (ValueError, TypeError) as error:
-            raise Unresumable(f"{name}.for_rank({rank}, {world_size}) refused: {error}") from error
+            made = own(rank, world_size)
+        except Exception as error:  # the user's method: whatever it raises is the reason
+            raise Unresumable(
+                f"{name}.for_rank({rank}, {world_size}) refused: {type(error).__name__}: {error}"
+            ) from error
+        if made is None or not callable(getattr(made, "__iter__", None)):
+            # A DataLoader given batch_sampler=None would batch with a sampler the user never gave.
+            raise Unresumable(
+                f"{name}.for_rank({rank}, {world_size}) gave {type(made).__name__}, not a batch sampler"
+            )
+        return made
     return _made_again(batch_sampler, rank, world_size)
 
 
@@ -73,10 +81,33 @@ def _made_again(batch_sampler: Any, rank: int, world_size: int) -> Any:
         )
     positional = [getattr(batch_sampler, p.name) for p in rest if p.kind == p.POSITIONAL_ONLY]
     keywords = {p.name: getattr(batch_sampler, p.name) for p in rest if p.kind != p.POSITIONAL_ONLY}
+
+    def made(rank: Any, world_size: Any) -> Any:
+        try:
+            return kind(*positional, **keywords, rank=rank, **{size_name: world_size})
+        except Exception as error:  # the user's constructor: whatever it raises is the reason
+            raise Unresumable(
+                f"{name} made again with rank={rank}, {size_name}={world_size} and its other arguments read "
+                f"from its attributes raised {type(error).__name__}: {error}"
+            ) from error
+
+    # An attribute may hold something else than the argument of its name (a batch size per rank where
+    # the constructor takes the global one): made again for its own split, it must be the factory's.
+    own_split = (getattr(batch_sampler, "rank", None), getattr(batch_sampler, size_name, None))
+    if None not in own_split:
+        again, length = made(*own_split), _length(batch_sampler)
+        if _length(again) != length:
+            raise Unresumable(
+                f"{name} has no for_rank(rank, world_size), and made again from its attributes for its own "
+                f"rank={own_split[0]}, {size_name}={own_split[1]} it is another sampler ({_length(again)} "
+                f"batches, not {length}): an attribute holds something else than the argument of its name. "
+                "Give it a for_rank"
+            )
+    return made(rank, world_size)
+
+
+def _length(batch_sampler: Any) -> int | None:
     try:
-        return kind(*positional, **keywords, rank=rank, **{size_name: world_size})
-    except Exception as error:  # the user's constructor: whatever it raises is the reason
-        raise Unresumable(
-            f"{name} made again with rank={rank}, {size_name}={world_size} and its other arguments read "
-            f"from its attributes raised {type(error).__name__}: {error}"
-        ) from error
+        return len(batch_sampler)
+    except Exception:  # no len() to compare by
+        return None

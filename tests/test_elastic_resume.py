@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers.elastic_job import EPOCHS, N, make_sampler
 from tests.helpers.processes import ROOT, run_at_once
+from tests.helpers.resume import assert_every_sample
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.slow
@@ -115,16 +116,6 @@ def ids(ranks: list[dict], epoch: int) -> collections.Counter:
     return collections.Counter(i for batch in batches for i in batch)
 
 
-def assert_every_sample(counts: collections.Counter, sampler: str, allowed_repeats: int, what: str) -> None:
-    missing = sorted(set(range(N)) - set(counts))
-    repeats = sum(counts.values()) - len(counts)
-    assert not missing, f"{what}: {len(missing)} samples never delivered: {missing}"
-    if sampler == "tokens":
-        assert repeats == 0, f"{what}: {repeats} repeats"
-    else:
-        assert repeats <= allowed_repeats, f"{what}: {repeats} repeats, over the allowance {allowed_repeats}"
-
-
 CASES = [(kind, sampler, w, w2, place) for kind in KINDS for sampler in SAMPLERS for w, w2 in CHANGES
          for place in PLACES]
 
@@ -139,9 +130,9 @@ def test_every_sample_comes_in_the_resumed_epoch_and_every_later_one(runs, kind,
         assert len(rank["epochs"]["0"]) == stop_at(sampler, world, place)  # each rank stopped there
     # IndexBatches pads the epoch, as DistributedSampler does, before and after the checkpoint.
     assert_every_sample(ids(before, 0) + ids(after, 0), sampler, (world - 1) + (world_after - 1),
-                        f"{what}, epoch 0")
+                        f"{what}, epoch 0", n=N)
     for epoch in range(1, EPOCHS):
-        assert_every_sample(ids(after, epoch), sampler, world_after - 1, f"{what}, epoch {epoch}")
+        assert_every_sample(ids(after, epoch), sampler, world_after - 1, f"{what}, epoch {epoch}", n=N)
     expected = expected_after(sampler, world, world_after, place)
     for rank, (delivered, wanted) in enumerate(zip(after, expected, strict=True)):
         for epoch in range(EPOCHS):

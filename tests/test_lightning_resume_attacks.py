@@ -35,7 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from fastcollate import IndexBatches, TokenBudgetBatches  # noqa: E402
 from fastcollate.lightning import DeviceLoaderCallback, ExactResume  # noqa: E402
-from tests.helpers.resume import Indices  # noqa: E402
+from tests.helpers.resume import Indices, assert_every_sample  # noqa: E402
 
 N = 61
 BATCH_SIZE = 4
@@ -250,26 +250,15 @@ def ids(runs: list[Run], epoch: int, key: str | None = None) -> collections.Coun
     return counter
 
 
-def assert_every_sample(counts: collections.Counter, kind: str, allowance: int, what: str,
-                        n: int = N) -> None:
-    missing = sorted(set(range(n)) - set(counts))
-    repeats = sum(counts.values()) - len(counts)
-    assert not missing, f"{what}: {len(missing)} samples never delivered: {missing}"
-    if kind == "tokens":
-        assert repeats == 0, f"{what}: {repeats} repeats"
-    else:
-        assert repeats <= allowance, f"{what}: {repeats} repeats, over the allowance of {allowance}"
-
-
 def assert_samples(phases: list[list[Run]], kind: str, epochs: int = EPOCHS, key: str | None = None,
                    n: int = N) -> None:
     """The interrupted epoch 0, over every phase, and each later epoch of the last phase."""
     worlds = [len(runs) for runs in phases]
     epoch0 = sum((ids(runs, 0, key) for runs in phases), collections.Counter())
-    assert_every_sample(epoch0, kind, sum(w - 1 for w in worlds), f"{kind} {worlds}: epoch 0", n)
+    assert_every_sample(epoch0, kind, sum(w - 1 for w in worlds), f"{kind} {worlds}: epoch 0", n=n)
     for epoch in range(1, epochs):
         what = f"{kind} {worlds}: epoch {epoch}"
-        assert_every_sample(ids(phases[-1], epoch, key), kind, worlds[-1] - 1, what, n)
+        assert_every_sample(ids(phases[-1], epoch, key), kind, worlds[-1] - 1, what, n=n)
 
 
 def batches_run(phases: list[list[Run]], epoch: int) -> int:
@@ -591,7 +580,7 @@ def test_uninterrupted_token_budget_epochs_with_workers_and_a_device_loader(tmp_
         phases = run_phases(tmp_path / str(workers), "tokens",
                             [Phase(2, workers=workers, callbacks=callbacks)])
         for epoch in range(EPOCHS):
-            assert_every_sample(ids(phases[0], epoch), "tokens", 0, f"workers={workers}, epoch {epoch}")
+            assert_every_sample(ids(phases[0], epoch), "tokens", 0, f"workers={workers}, epoch {epoch}", n=N)
         assert_counts(phases)
 
 

@@ -220,10 +220,10 @@ def test_a_sampler_wrong_at_every_third_position_fails_at_seed_7(tmp_path, capsy
     assert status == 1, text
 
 
-def test_some_seed_in_0_to_9_checkpoints_after_batch_3():
+def test_every_seed_checkpoints_after_batch_3():
     from fastcollate.tools.audit.resume_check import checkpoint_positions
 
-    assert any(3 in checkpoint_positions(32, 8, seed) for seed in range(10))
+    assert all(3 in checkpoint_positions(32, 8, seed) for seed in range(10))
 
 
 def test_a_sampler_wrong_at_every_third_position_fails_with_every_checkpoint(tmp_path, capsys):

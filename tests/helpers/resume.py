@@ -28,6 +28,18 @@ class Indices(Dataset):
         return int(index)
 
 
+def assert_every_sample(counts, kind: str, allowance: int, what: str, n: int) -> None:
+    """Every one of the ``n`` samples came (``counts``: id -> deliveries); TokenBudgetBatches' (``kind``
+    "tokens") once each, IndexBatches' with at most ``allowance`` repeats (its padding)."""
+    missing = sorted(set(range(n)) - set(counts))
+    repeats = sum(counts.values()) - len(counts)
+    assert not missing, f"{what}: {len(missing)} samples never delivered: {missing}"
+    if kind == "tokens":
+        assert repeats == 0, f"{what}: {repeats} repeats"
+    else:
+        assert repeats <= allowance, f"{what}: {repeats} repeats, over the allowance of {allowance}"
+
+
 def through_disk(state):
     buffer = io.BytesIO()
     torch.save(state, buffer)

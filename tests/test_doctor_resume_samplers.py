@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.resume import doctor, factory
+from tests.helpers.resume import doctor, factory, wrong_when_resumed
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -19,21 +19,7 @@ def data(n):
     return fastcollate.with_ids([{"x": torch.tensor([float(i)])} for i in range(n)])
 """
 
-WRONG_WHEN_RESUMED = """
-class {name}(IndexBatches):
-    '''Resumed after a batch count that {wrong}, it {does} its first batch.'''
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.misplaced = {wrong_when}
-
-    def __iter__(self):
-        misplaced, self.misplaced = getattr(self, "misplaced", False), False
-        for number, batch in enumerate(super().__iter__()):
-            if misplaced and number == 0:
-                {action}
-            yield batch
-
+MAKE_WRONG = """
 def make():
     return {{"dataset": data({n}), "batch_sampler": {name}({n}, 4, shuffle=True, seed=1)}}
 """
@@ -65,7 +51,10 @@ WRONG_SAMPLERS = {
 )
 @pytest.mark.parametrize("wrong", list(WRONG_SAMPLERS))
 def test_a_sampler_wrong_at_some_checkpoints_fails_whatever_the_seed(wrong, mode, tmp_path, capsys):
-    spec = factory(tmp_path, "wrong_when_resumed", DATA + WRONG_WHEN_RESUMED.format(**WRONG_SAMPLERS[wrong]))
+    sampler = WRONG_SAMPLERS[wrong]
+    # Resumed after a batch count that is sampler["wrong"], it sampler["does"] its first batch.
+    source = wrong_when_resumed("IndexBatches", sampler["wrong_when"], sampler["action"], sampler["name"])
+    spec = factory(tmp_path, "wrong_when_resumed", DATA + source + MAKE_WRONG.format(**sampler))
     for seed in range(10):
         # The resumed loaders load in this process (--resume-workers 0): the test runs the check 10 times.
         argv = [*mode, "--seed", str(seed), "--workers", "1", "--resume-workers", "0", "--dataset", spec]

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.elastic_job import EPOCHS, N, make_sampler
 from tests.helpers.processes import ROOT, run_at_once
-from tests.helpers.resume import assert_every_sample
+from tests.helpers.resume import assert_every_sample, state_after
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.slow
@@ -94,11 +94,7 @@ def runs(tmp_path_factory):
 def expected_after(sampler: str, world: int, world_after: int, place: str) -> list[dict[int, list]]:
     """What each of the W' ranks' samplers hands out once loaded with rank 0's state at the checkpoint:
     the rest of epoch 0, then the ordinary later epochs."""
-    saving = make_sampler(sampler, 0, world)
-    taken = iter(saving)
-    for _ in range(stop_at(sampler, world, place)):
-        next(taken)
-    state = saving.state_dict()
+    state = state_after(make_sampler(sampler, 0, world), stop_at(sampler, world, place))
     ranks = []
     for rank in range(world_after):
         resumed = make_sampler(sampler, rank, world_after)

@@ -35,7 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from fastcollate import IndexBatches, TokenBudgetBatches  # noqa: E402
 from fastcollate.lightning import DeviceLoaderCallback, ExactResume  # noqa: E402
-from tests.helpers.resume import Indices, assert_every_sample  # noqa: E402
+from tests.helpers.resume import Indices, assert_every_sample, state_after  # noqa: E402
 
 N = 61
 BATCH_SIZE = 4
@@ -286,11 +286,7 @@ def assert_counts(phases: list[list[Run]], accumulate: int = 1) -> None:
 def sampler_batches(kind: str, world: int, stop: int, world_after: int) -> list[list[list[int]]]:
     """What each rank of ``world_after`` runs in the rest of epoch 0, loaded with the state after ``stop``
     batches of epoch 0 on ``world`` ranks."""
-    saving = make_sampler(kind, 0, world)
-    taken = iter(saving)
-    for _ in range(stop):
-        next(taken)
-    state = saving.state_dict()
+    state = state_after(make_sampler(kind, 0, world), stop)
     ranks = []
     for rank in range(world_after):
         resumed = make_sampler(kind, rank, world_after)

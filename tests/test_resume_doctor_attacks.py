@@ -22,7 +22,7 @@ import torch
 
 from fastcollate import IndexBatches, TokenBudgetBatches
 from fastcollate.data.token_batches import _fill, _split_to_multiple
-from tests.helpers.resume import doctor, factory
+from tests.helpers.resume import doctor, factory, wrong_when_resumed
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -43,26 +43,9 @@ def logged(*facts):
         log.write(" ".join(map(str, facts)) + "\\n")
 """
 
-# A sampler that is wrong after some checkpoints: {wrong_when} (on the state it loads) decides which,
-# {action} what it does to its first batch after them.
-WRONG_WHEN_RESUMED = """
-class Wrong({base}):
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.misplaced = {wrong_when}
-
-    def __iter__(self):
-        misplaced, self.misplaced = getattr(self, "misplaced", False), False
-        for number, batch in enumerate(super().__iter__()):
-            if misplaced and number == 0:
-                {action}
-            yield batch
-"""
-
-
 def wrong(base, wrong_when, action, make=""):
     """The Wrong sampler's source, then ``make`` (dedented on its own)."""
-    return WRONG_WHEN_RESUMED.format(base=base, wrong_when=wrong_when, action=action) + textwrap.dedent(make)
+    return wrong_when_resumed(base, wrong_when, action) + textwrap.dedent(make)
 
 
 def spec_of(tmp_path, name, source, monkeypatch=None):
@@ -204,42 +187,31 @@ def test_a_for_rank_that_refuses_with_any_exception_is_not_verified(error, tmp_p
     assert "NOT VERIFIED" in text and "cannot be split by rank" in text, text
 
 
-def test_a_sampler_wrong_at_every_third_position_fails_at_seed_7(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "n, options, said",
+    [(128, ["--seed", "7"], "8 checkpoints"), (96, ["--checkpoints", "40"], "24 checkpoints")],
+    ids=["seed-7", "every-checkpoint"],
+)
+def test_a_sampler_wrong_at_every_third_position_fails(n, options, said, tmp_path, capsys):
     source = wrong(
         "IndexBatches",
         'state["batches_done"] % 3 == 0',
         "continue",
-        make="""
+        make=f"""
     def make():
-        return {"dataset": data(128), "batch_sampler": Wrong(128, 4, shuffle=True, seed=1)}
+        return {{"dataset": data({n}), "batch_sampler": Wrong({n}, 4, shuffle=True, seed=1)}}
     """,
     )
-    spec = spec_of(tmp_path, "every_third", source)
-    argv = ["--resume", "--workers", "1", "--resume-workers", "0", "--seed", "7", "--dataset", spec]
+    spec = spec_of(tmp_path, f"every_third_{n}", source)
+    argv = ["--resume", "--workers", "1", "--resume-workers", "0", *options, "--dataset", spec]
     status, text = doctor(argv, capsys)
-    assert status == 1, text
+    assert status == 1 and said in text, text
 
 
 def test_every_seed_checkpoints_after_batch_3():
     from fastcollate.tools.audit.resume_check import checkpoint_positions
 
     assert all(3 in checkpoint_positions(32, 8, seed) for seed in range(10))
-
-
-def test_a_sampler_wrong_at_every_third_position_fails_with_every_checkpoint(tmp_path, capsys):
-    source = wrong(
-        "IndexBatches",
-        'state["batches_done"] % 3 == 0',
-        "continue",
-        make="""
-    def make():
-        return {"dataset": data(96), "batch_sampler": Wrong(96, 4, shuffle=True, seed=1)}
-    """,
-    )
-    spec = spec_of(tmp_path, "every_third_all", source)
-    argv = ["--resume", "--workers", "1", "--resume-workers", "0", "--checkpoints", "40", "--dataset", spec]
-    status, text = doctor(argv, capsys)
-    assert status == 1 and "24 checkpoints" in text, text
 
 
 def test_a_sampler_that_loses_a_sample_a_rank_within_the_drop_last_allowance_fails(tmp_path, capsys):

@@ -40,6 +40,36 @@ def assert_every_sample(counts, kind: str, allowance: int, what: str, n: int) ->
         assert repeats <= allowance, f"{what}: {repeats} repeats, over the allowance of {allowance}"
 
 
+WRONG_WHEN_RESUMED = """
+class {name}({base}):
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.misplaced = {wrong_when}
+
+    def __iter__(self):
+        misplaced, self.misplaced = getattr(self, "misplaced", False), False
+        for number, batch in enumerate(super().__iter__()):
+            if misplaced and number == 0:
+                {action}
+            yield batch
+"""
+
+
+def wrong_when_resumed(base: str, wrong_when: str, action: str, name: str = "Wrong") -> str:
+    """The source of a factory's sampler class ``name``, a ``base`` wrong after some checkpoints:
+    ``wrong_when`` (an expression of the ``state`` it loads) decides which, ``action`` (a statement) is
+    what it does to its first batch after them (``continue`` skips it, ``yield batch`` repeats it)."""
+    return WRONG_WHEN_RESUMED.format(name=name, base=base, wrong_when=wrong_when, action=action)
+
+
+def state_after(sampler, batches: int) -> dict:
+    """``sampler``'s state after it handed out its first ``batches`` batches of the epoch."""
+    taken = iter(sampler)
+    for _ in range(batches):
+        next(taken)
+    return sampler.state_dict()
+
+
 def through_disk(state):
     buffer = io.BytesIO()
     torch.save(state, buffer)

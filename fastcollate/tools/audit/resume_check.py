@@ -33,7 +33,14 @@ from .report import AuditReport
 from .resume_report import ResumeRun, finished, listed, plural, said
 from .tracing import Stuck, timed
 
-__all__ = ["DEFAULT_CHECKPOINTS", "LoaderMaker", "ResumeCheck", "Unresumable", "checkpoint_positions"]
+__all__ = [
+    "DEFAULT_CHECKPOINTS",
+    "LoaderMaker",
+    "ResumeCheck",
+    "Unresumable",
+    "checkpoint_positions",
+    "length_or_none",
+]
 
 DEFAULT_CHECKPOINTS = 8
 """Checkpoints a resume check takes in an epoch longer than that."""
@@ -325,13 +332,13 @@ class ResumeCheck:
             if plan.world_size == len(states):  # judged batch for batch: the checkpointed lockstep order
                 loaders = [resumed(rank) for rank in range(plan.world_size)]
                 steps = self._lockstep(loaders, ledger)
-                counted = {_length(loader) for loader in loaders}
+                counted = {length_or_none(loader) for loader in loaders}
             else:  # judged in any order: one rank at a time, so that many ranks hold few files at once
                 steps, counted = [], set()
                 for rank in range(plan.world_size):
                     loader = resumed(rank)
                     steps += self._lockstep([loader], ledger)
-                    counted.add(_length(loader))
+                    counted.add(length_or_none(loader))
         except Unresumable as error:
             ledger.end_epoch(complete=False)
             return ResumeRun(plan.what, position, unverified=str(error))
@@ -444,7 +451,8 @@ def _joined(checkpointed: Epoch, before: int, resumed: Epoch) -> Epoch:
     )
 
 
-def _length(loader: Any) -> int | None:
+def length_or_none(loader: Any) -> int | None:
+    """``len(loader)``, or None where it has none (an IterableDataset's loader, or raising)."""
     try:
         return len(loader)
     except Exception:  # an IterableDataset's loader, or one without len()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .resume_check import Unresumable
+from .resume_check import Unresumable, length_or_none
 
 __all__ = ["sampler_for_rank"]
 
@@ -95,19 +95,13 @@ def _made_again(batch_sampler: Any, rank: int, world_size: int) -> Any:
     # the constructor takes the global one): made again for its own split, it must be the factory's.
     own_split = (getattr(batch_sampler, "rank", None), getattr(batch_sampler, size_name, None))
     if None not in own_split:
-        again, length = made(*own_split), _length(batch_sampler)
-        if _length(again) != length:
+        length, again = length_or_none(batch_sampler), length_or_none(made(*own_split))
+        if again != length:
             raise Unresumable(
                 f"{name} has no for_rank(rank, world_size), and made again from its attributes for its own "
-                f"rank={own_split[0]}, {size_name}={own_split[1]} it is another sampler ({_length(again)} "
+                f"rank={own_split[0]}, {size_name}={own_split[1]} it is another sampler ({again} "
                 f"batches, not {length}): an attribute holds something else than the argument of its name. "
                 "Give it a for_rank"
             )
     return made(rank, world_size)
 
-
-def _length(batch_sampler: Any) -> int | None:
-    try:
-        return len(batch_sampler)
-    except Exception:  # no len() to compare by
-        return None

@@ -153,6 +153,8 @@ def main() -> None:
             with open(f"{job['out']}.rank{rank}.json", "w") as file:
                 json.dump(done, file)
             dist.barrier()
+    if dist.is_initialized():  # gloo's threads end here, not in the interpreter's exit
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

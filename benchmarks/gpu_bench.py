@@ -223,7 +223,7 @@ def run_arrays(device: torch.device, quick: bool, steps: int) -> dict:
     out = {}
     for name, (columns, batch) in cases.items():
         n = len(next(iter(columns.values())))
-        arrays = fastcollate.Arrays(columns)
+        arrays = fastcollate.Arrays(columns, index_as="id")
         loader = DataLoader(arrays, batch_sampler=fastcollate.IndexBatches(n, batch, shuffle=True, seed=0),
                             collate_fn=fastcollate.assemble)
         device_loader = DeviceLoader(loader, device=device)

@@ -21,6 +21,8 @@ shuffle=True) that differs only where named:
     HF       ``ds.with_format("torch")``, torch's default collate
     swapped  the same, ``assemble``
     Arrays   ``Arrays.from_hf(ds)``, ``assemble``
+  and in each, ``stored``: the Arrays path with ``from_hf(..., stored_dtypes=True)``, which gathers the
+  stored dtypes (the packed contract then casts int32 to int64 itself): what the default dtypes cost.
   many_files, the packed paths at batches of 16 over ``tokens`` saved in ``--files`` files (1,000: a large
   dataset as ``save_to_disk(num_shards=...)``, ``map(num_proc=...)`` or ``concatenate_datasets`` leave
   it; 1: the single-file baseline), and single rows read one by one, ``ds[i]`` against the packed
@@ -81,7 +83,7 @@ from fastcollate.tools.benchmarks.report_header import header_line, report_heade
 from fastcollate.tools.benchmarks.rounds import loader_epoch
 from fastcollate.tools.terminal import fit_to_terminal
 
-PATHS = ("HF", "swapped", "Arrays")
+PATHS = ("HF", "swapped", "Arrays", "stored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,7 @@ class Case:
 
 
 # Rounds of about 1-2 s (tokens) and 5-7 s (tabular rows) for HF's path on 2 cores: the full run in about
-# 10 minutes with all three paths, --quick in 2-3.
+# 10 minutes with all its paths, --quick in 2-3.
 CASES = {
     "packed": Case("tokens", "tokens", 200_000, 20_000, (8, 16, 64), 1_500_000, 700_000),
     "tabular": Case("tabular", "rows", 500_000, 50_000, (256, 4096), 150_000, 60_000, kind="tabular"),
@@ -116,11 +118,13 @@ NAMES = {
         "HF": "DataCollatorWithFlattening",
         "swapped": "collate swapped: assemble.using(contract)",
         "Arrays": "Arrays.from_hf + assemble.using(contract)",
+        "stored": "the same, stored_dtypes=True (int32 cast_from)",
     },
     "tabular": {
         "HF": 'with_format("torch") + default collate',
         "swapped": "collate swapped: assemble",
         "Arrays": "Arrays.from_hf + assemble",
+        "stored": "the same, stored_dtypes=True",
     },
 }
 

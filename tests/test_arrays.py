@@ -547,7 +547,7 @@ def test_a_value_the_dtype_cannot_hold_is_named_after_the_samples_ranges_as_the_
     rows = Ragged(np.array([1, 2, 3, 100, 4], dtype=np.int8), np.array([0, 2, 4, 5]))
     packing = fastcollate.Packing() if declared.get("pack") else None
     contract = Contract({"t": Field(shape=("T",), range=(0, 10), **declared)}, id=None, packing=packing)
-    dataset = Arrays(t=rows, id_key=None)
+    dataset = Arrays(t=rows)
     collate = fastcollate.Assembler(contract)
     with pytest.raises(ContractError) as gathered:
         collate(dataset.__getitems__([0, 1, 2]))
@@ -616,7 +616,7 @@ def test_one_rule_broken_in_one_row_fails_the_same_gathered_or_walked(case):
 def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it():
     values = torch.tensor([[1.0], [2.0], [9.0]])
     by_index = Arrays(x=values)  # its id key is the collate's: a sample's id is its index
-    by_column = Arrays(id=np.array([10, 20, 30]), x=values, id_key=None)  # the ids are a column
+    by_column = Arrays(id=np.array([10, 20, 30]), x=values)  # the ids are a column
     unnamed = Arrays(x=values, id_key="idx")  # its ids are under a key the collate does not read
     contract = {"x": Field(dtype=torch.float32, shape=(1,), range=(0, 5))}
     for dataset, id_field, named in [(by_index, "id", "sample id=2 (batch position 1)"),

@@ -69,7 +69,7 @@ def batch_from(source, rows, tmp_path):
             lengths = [len(row[key]) for row in rows]
             values = torch.tensor([t for row in rows for t in row[key]], dtype=torch.int32)
             columns[key] = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-        arrays = Arrays(**columns, labels=np.array([row["labels"] for row in rows]), id_key=None)
+        arrays = Arrays(**columns, labels=np.array([row["labels"] for row in rows]))
     else:
         datasets = pytest.importorskip("datasets", reason="datasets is not installed")
         features = datasets.Features({**{k: datasets.Sequence(datasets.Value("int32")) for k in keys},
@@ -202,7 +202,7 @@ EXAMPLES = int(os.environ.get("FASTCOLLATE_FUZZ_EXAMPLES", "100"))
 @given(padded_columns())
 def test_walked_and_gathered_batches_are_one_reference_batch(case):
     tokens, field, indices = case
-    dataset = Arrays(tokens=tokens, id_key=None)
+    dataset = Arrays(tokens=tokens)
     contract = Contract({"tokens": field}, id=None)
     gathered = collate(contract, dataset.__getitems__(indices))
     walked = collate(contract, [dataset[i] for i in indices])

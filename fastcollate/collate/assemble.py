@@ -109,7 +109,7 @@ class Assembler:
                 id_key=self.id_key,
             )
         arrays = None
-        if isinstance(batch, ArrayBatch):
+        if isinstance(batch, ArrayBatch) and not batch.read:  # samples read may have been changed since
             arrays = batch.dataset
             arrays.check_files(batch.indices)  # before anything reads a mapped file, gathered or walked
             plan = self._gathered_plan(batch)

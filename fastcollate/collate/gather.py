@@ -78,7 +78,7 @@ def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:
         return None
     # Samples are named by the collate's id key, as the walk names them: a sample's id is its index when
     # the dataset's id key is that one.
-    by_index = dataset.id_key is not None and dataset.id_key == id_key
+    by_index = dataset.index_as is not None and dataset.index_as == id_key
     return _C.ColumnGather(
         [column for column, _ in chosen], length=len(dataset), id_key=id_key, ids_are_indices=by_index,
         rows_of=dataset.rows_of,
@@ -92,9 +92,9 @@ def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[A
     fields = contract.fields if contract is not None else {}
     dropped = _dropped(contract)
     copies = {key: field.copy_of for key, field in fields.items() if field.copy_of is not None}
-    if dataset.id_key in dropped or any(key in dataset.columns for key in copies):
+    if dataset.index_as in dropped or any(key in dataset.columns for key in copies):
         return None  # a dropped id key; a copy_of field the samples also hold
-    keys = [dataset.id_key] if dataset.id_key is not None else []
+    keys = [dataset.index_as] if dataset.index_as is not None else []
     keys += [key for key in dataset.columns if key not in dropped]
     if contract is not None and (set(fields) != {*keys, *copies} or _shares_a_padded_dim(fields)):
         return None  # a missing or extra key; a padded dim another field names
@@ -105,7 +105,7 @@ def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[A
     taken: set[str] = set()  # the batch's keys so far, masks and lengths included
     for key in _in_batch_order(keys, copies):
         field = fields.get(key)
-        if key == dataset.id_key:
+        if key == dataset.index_as:
             if field is not None and (
                 field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
             ):

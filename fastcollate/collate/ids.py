@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, IterableDataset
 
+from ..data.arrays import Arrays
+
 __all__ = ["TARGET_KEYS", "IdentifiedSample", "guess_target_path", "with_ids"]
 
 TARGET_KEYS = ("y", "label", "labels", "target", "targets")
@@ -34,7 +36,18 @@ class _WithIds(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
-        sample = self.dataset[index]
+        return self._tagged(self.dataset[index], index)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # Defined, not found through __getattr__: the wrapped dataset's own would hand out its samples
+        # without the ids (DataLoader calls it whenever a dataset has it).
+        read_batch = getattr(self.dataset, "__getitems__", None)
+        if read_batch is None:
+            return [self[index] for index in indices]
+        samples = read_batch(indices)
+        return [self._tagged(sample, index) for sample, index in zip(samples, indices, strict=True)]
+
+    def _tagged(self, sample: Any, index: int) -> Any:
         if isinstance(sample, Mapping):
             if self.key in sample:
                 return sample  # the dataset's own ids win: they are what its owner knows samples by
@@ -67,6 +80,8 @@ def with_ids(dataset: Dataset, key: str = "id") -> Dataset:
             "with_ids needs a map-style dataset: an IterableDataset's position in the stream is not a "
             "stable id (each worker has its own stream). Yield an id field from the iterable itself."
         )
+    if isinstance(dataset, Arrays) and (dataset.index_as in (None, key)) and key not in dataset.columns:
+        return dataset.indexed_as(key)  # its batches still gathered by column, with the ids
     return _WithIds(dataset, key)
 
 

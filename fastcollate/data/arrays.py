@@ -1,16 +1,18 @@
 """Arrays: a dataset over columns that already hold every sample (tensors, numpy arrays, memory-mapped
 files, ragged ``(values, offsets)`` pairs), and the lazy batch its ``__getitems__`` returns.
 
-DataLoader calls ``__getitems__(indices)`` when a dataset has it. The batch that returns is a
-``Sequence`` of samples, so ``default_collate`` and any other collate function get what they expect;
-``fastcollate.assemble`` recognizes it and gathers each column by index in C++ (fastcollate.collate.gather)
-instead of building and walking one object per sample.
+DataLoader calls ``__getitems__(indices)`` when a dataset has it. The batch that returns is a list of
+the samples, made when first read, so ``default_collate`` and any other collate function get what they
+always got; ``fastcollate.assemble`` recognizes it and gathers each column by index in C++
+(fastcollate.collate.gather) instead of building and walking one object per sample.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from .columns import Column, column_over
 from .mapped_files import MappedFileError, is_read_fault
 from .touched_files import FilesOfRows
 
-__all__ = ["ArrayBatch", "Arrays"]
+__all__ = ["ArrayBatch", "Arrays", "renamed_index_as"]
 
 # Which columns of a table: every one, some by name, or {key: column name}.
 ColumnChoice = Sequence[str] | Mapping[str, str] | None
@@ -38,6 +40,25 @@ _UNTRACED = (
 )
 
 
+NOT_GIVEN: Any = object()  # an argument left out, where None means something
+
+
+def renamed_index_as(who: str, index_as: str | None, id_key: Any) -> str | None:
+    """``index_as``, or what was given by its old name, ``id_key``, with a warning that says what changed."""
+    if id_key is NOT_GIVEN:
+        return index_as
+    if index_as is not None:
+        raise TypeError(f"{who}: give index_as alone (id_key is its old name)")
+    warnings.warn(
+        f"{who}: id_key= is now index_as=, the key each sample's index goes under (it never named an id "
+        "column: a column is taken as the id by assemble.using(id_key=...)). Left out, no index is added, "
+        "for Arrays, from_hf and from_arrow alike",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return id_key
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -46,7 +67,7 @@ def _is_int(value: Any) -> bool:
 class Arrays(Dataset):
     """A map-style dataset over named columns that share a leading sample dim.
 
-    ``Arrays(image=u8, label=labels)``: ``ds[i]`` is ``{"id": i, "image": u8[i], "label": labels[i]}``
+    ``Arrays(image=u8, label=labels)``: ``ds[i]`` is ``{"image": u8[i], "label": labels[i]}``
     (tensors, whatever the column's type). With ``fastcollate.assemble`` as the collate function, a
     batch is gathered column by column in C++ straight into the memory it goes out in, with no object
     per sample; any other collate function gets the same samples as from ``ds[i]``.
@@ -55,21 +76,30 @@ class Arrays(Dataset):
         columns: name to column, in the order the samples hold them (also accepted as keywords). A
             column is a tensor, a numpy array, an ``np.memmap`` (pickled as its file: a spawned worker
             maps it again rather than receiving its bytes), or ``Ragged(values, offsets)``.
-        id_key: the key of each sample's id, its index (None: no id).
+        index_as: the key each sample's index goes under, as its id (``index_as="id"``: ``ds[i]["id"]``
+            is ``i``); None, the default, adds none. ``fastcollate.with_ids(ds)`` adds it too.
     """
 
     def __init__(
-        self, columns: Mapping[str, Any] | None = None, /, *, id_key: str | None = "id", **named: Any
+        self,
+        columns: Mapping[str, Any] | None = None,
+        /,
+        *,
+        index_as: str | None = None,
+        id_key: Any = NOT_GIVEN,
+        **named: Any,
     ) -> None:
+        index_as = renamed_index_as("Arrays", index_as, id_key)
         given = {**(columns or {}), **named}
         if not given:
             raise ValueError("Arrays: give at least one column, e.g. Arrays(image=images, label=labels)")
-        if id_key is not None and id_key in given:
+        if index_as is not None and index_as in given:
             raise ValueError(
-                f"Arrays: {id_key!r} is the id key (each sample's index) and a column: rename the "
-                "column, or pass id_key=None to use it as the id"
+                f"Arrays: index_as={index_as!r} puts each sample's index under a column's key: "
+                "leave index_as out to keep the column (assemble.using(id_key=...) takes it as the id), or "
+                "give the index another key"
             )
-        self.id_key = id_key
+        self.index_as = index_as
         # Read-only: assemble keeps each batch size's layout, which names these columns.
         columns = {name: column_over(name, value) for name, value in given.items()}
         self.columns = types.MappingProxyType(columns)
@@ -82,24 +112,50 @@ class Arrays(Dataset):
 
     @classmethod
     def from_hf(
-        cls, dataset: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+        cls,
+        dataset: Any,
+        columns: ColumnChoice = None,
+        *,
+        index_as: str | None = None,
+        stored_dtypes: bool = False,
+        id_key: Any = NOT_GIVEN,
     ) -> Arrays:
         """The columns of a Hugging Face ``datasets.Dataset``, read where they lie in its Arrow files (no
         copy of their values), sample ``i`` being row ``dataset[i]`` (through ``select``, ``shuffle``,
         ``shard``, ``train_test_split``). ``columns``: None for every column ``dataset[i]`` holds, a list
         of names, or ``{key: column}`` (one column under two keys reads the same bytes). ``list`` columns
         become ragged, fixed-size lists and ``Array2D``..``Array5D`` rows of that shape, scalars 1-D.
+
+        Rows come in the dtypes Hugging Face hands out: with no format, those its collators make of the
+        rows (integers as int64, floats as float32, cast as the batch is gathered); with
+        ``with_format("torch")`` or ``"numpy"``, the format's. ``stored_dtypes=True`` hands out the
+        stored ones instead. ``index_as``: as in :class:`Arrays`.
+
         Pickled, it is the dataset's (which reopens its files by path), so spawned workers map the files
         again. See fastcollate.data.arrow_columns."""
-        return ARROW_FACTORIES["from_hf"](dataset, columns, id_key)
+        index_as = renamed_index_as("Arrays.from_hf", index_as, id_key)
+        return ARROW_FACTORIES["from_hf"](dataset, columns, index_as=index_as, stored_dtypes=stored_dtypes)
 
     @classmethod
     def from_arrow(
-        cls, table: Any, columns: ColumnChoice = None, *, id_key: str | None = None
+        cls, table: Any, columns: ColumnChoice = None, *, index_as: str | None = None, id_key: Any = NOT_GIVEN
     ) -> Arrays:
         """The columns of a ``pyarrow.Table``, or of the Arrow IPC file at a path (memory-mapped, and
-        pickled as its path), read where they lie, chunk by chunk. Columns map as in :meth:`from_hf`."""
-        return ARROW_FACTORIES["from_arrow"](table, columns, id_key)
+        pickled as its path), read where they lie, chunk by chunk, in their stored dtypes. Columns map as
+        in :meth:`from_hf`; ``index_as`` as in :class:`Arrays`."""
+        index_as = renamed_index_as("Arrays.from_arrow", index_as, id_key)
+        return ARROW_FACTORIES["from_arrow"](table, columns, index_as=index_as)
+
+    def indexed_as(self, key: str) -> Arrays:
+        """The same dataset over the same columns, each sample with its index under ``key``."""
+        indexed = object.__new__(type(self))  # not copy.copy: subclasses pickle as how they are made again
+        indexed.__dict__.update(self.__dict__, index_as=key)
+        return indexed
+
+    @property
+    def id_key(self) -> str | None:
+        """The old name of :attr:`index_as`."""
+        return self.index_as
 
     def __len__(self) -> int:
         return self._length
@@ -146,7 +202,7 @@ class Arrays(Dataset):
 
     def _sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (in range), its files already checked."""
-        sample: dict[str, Any] = {} if self.id_key is None else {self.id_key: index}
+        sample: dict[str, Any] = {} if self.index_as is None else {self.index_as: index}
         row = index if self.rows_of is None else int(self.rows_of[index])
         for name, column in self.columns.items():
             sample[name] = column.row(row)
@@ -207,11 +263,36 @@ class Arrays(Dataset):
         return index + self._length if index < 0 else index  # counted from the end, as in Python and HF
 
 
-class ArrayBatch(Sequence):
-    """The samples ``indices`` of an Arrays dataset, made only if asked for: ``assemble`` gathers the
-    columns instead. ``indices`` is an int64 array, checked against the dataset's length here."""
+class _Unread:
+    """What an ArrayBatch's list holds until its samples are read through its methods. C code that reads a
+    list's items directly, bypassing a subclass's methods, meets this instead of an empty list."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            "fastcollate.Arrays: a batch's samples were read past the list's own methods (by C code "
+            "that indexes a list directly); call list(batch) first to get them"
+        )
+
+    def __repr__(self) -> str:
+        return "<sample not read yet>"
+
+
+_UNREAD = _Unread()
+
+
+class ArrayBatch(list):
+    """The samples ``indices`` of an Arrays dataset, made on the first read: ``assemble`` gathers the
+    columns instead, and never makes them. A list, as DataLoader's batches of samples are: collate
+    functions (Hugging Face's, many users') tell a batch of samples from one sample by
+    ``isinstance(batch, (list, tuple))``. ``indices`` is an int64 array, checked against the dataset's
+    length here."""
+
+    __slots__ = ("dataset", "index_tensor", "indices", "read")
 
     def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        self.read = False  # whether the list holds the samples (made by a read, maybe changed since)
         if type(indices) is list:  # a DataLoader sampler's batch: read in one native pass, a copy of its own
             read = _C.indices_of_list(indices)
             if read is not None:
@@ -252,19 +333,38 @@ class ArrayBatch(Sequence):
         if first >= 0:
             raise index_out_of_range(int(indices[first]), len(dataset))
         self.dataset = dataset
-        self._samples: list[dict[str, Any]] | None = None
+        list.extend(self, repeat(_UNREAD, len(indices)))  # len() is the list's own, right before any read
 
-    def __len__(self) -> int:
-        return len(self.indices)
+    def rows(self) -> ArrayBatch:
+        """The batch with its samples made, as ``ds[i]`` hands them out, all at once: the files of their rows
+        checked once, not once a sample, and the rows in mapped files copied in one guarded call."""
+        if not self.read:
+            self.dataset.check_files(self.indices)
+            samples = self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
+            list.__setitem__(self, slice(None), samples)
+            self.read = True
+        return self
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Every sample of the batch as ``ds[i]`` hands it out, with the files of its rows checked once, not
-        once a sample, and the rows in mapped files copied in one guarded call."""
-        self.dataset.check_files(self.indices)
-        return self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
+    def __reduce__(self) -> tuple:
+        return (list, (list(self.rows()),))  # the samples, not the dataset they came from
 
-    def __getitem__(self, position: int) -> Any:
-        # Made all at once on the first sample asked for: a collate function reads each sample once per key.
-        if self._samples is None:
-            self._samples = self.rows()
-        return self._samples[position]
+
+def _reading_first(name: str) -> Any:
+    method = getattr(list, name)
+
+    def read_first(self: ArrayBatch, *args: Any, **kwargs: Any) -> Any:
+        return method(self.rows(), *args, **kwargs)
+
+    read_first.__name__ = read_first.__qualname__ = name
+    read_first.__doc__ = method.__doc__
+    return read_first
+
+
+# Every list method that reads or changes the items reads the samples first (len() needs none).
+for _name in (
+    "__getitem__", "__iter__", "__reversed__", "__contains__", "__repr__", "__eq__", "__ne__", "__lt__",
+    "__le__", "__gt__", "__ge__", "__add__", "__mul__", "__rmul__", "__iadd__", "__imul__", "__setitem__",
+    "__delitem__", "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "index",
+    "count", "copy",
+):
+    setattr(ArrayBatch, _name, _reading_first(_name))

@@ -46,13 +46,13 @@ class ArrowArrays(Arrays):
     ``ds[i]`` hands out copies of the rows, as Hugging Face's rows are: a view of a mapped file would kill
     the process when read after the file shrank. Batches are gathered from the files themselves."""
 
-    _source: tuple  # (the function that made it, its source, {key: column}, id_key)
+    _source: tuple  # (the function that made it, its source, {key: column}, {its options})
     _refusal: str | None = None  # why this copy cannot read its files (see _rebuilt)
     _index_maps: list[WatchedFile] = []  # the file of a Hugging Face index map, read once when made
     _null_rows: dict[str, np.ndarray] = {}  # by key, the rows that hold a null (none of them is read)
 
     def __reduce__(self) -> tuple:
-        build, source, columns, id_key = self._source
+        build, source, columns, options = self._source
         by_value = _by_value(source)
         if by_value:
             warnings.warn(
@@ -64,7 +64,8 @@ class ArrowArrays(Arrays):
         identities = [watched.identity for watched in self._watched()]
         # The source pickled apart, unpickled inside _rebuilt: a dataset whose files are gone must not
         # fail where it is unpickled (a worker that cannot start), but on its first read, by name.
-        return (_rebuilt, (build, pickle.dumps(source), columns, id_key, identities, len(self)))
+        options = {**options, "index_as": self.index_as}  # with_ids may have set it since
+        return (_rebuilt, (build, pickle.dumps(source), columns, options, identities, len(self)))
 
     def _watched(self) -> list[WatchedFile]:
         """Every file this dataset read or reads: its columns' and its index map's."""
@@ -85,7 +86,9 @@ class ArrowArrays(Arrays):
         self._length = len(rows_of)
 
 
-def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = None) -> Arrays:
+def from_hf(
+    dataset: Any, columns: ColumnChoice = None, *, index_as: str | None = None, stored_dtypes: bool = False
+) -> Arrays:
     """``Arrays.from_hf``: see its docstring."""
     import datasets
 
@@ -109,7 +112,7 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
         shown = dataset.column_names
     chosen = _chosen(columns, shown, dataset.column_names, "Arrays.from_hf")
     hf_formats.refuse_encoded_media(dataset.features, chosen)
-    arrays = _arrays(table, chosen, id_key, "Arrays.from_hf")
+    arrays = _arrays(table, chosen, index_as, "Arrays.from_hf")
     if dataset._indices is not None:  # select, shuffle, shard, train_test_split: rows through a map
         index_map = dataset._indices.column(0)
         rows = index_map.to_numpy().astype(np.int64)
@@ -125,19 +128,20 @@ def from_hf(dataset: Any, columns: ColumnChoice = None, id_key: str | None = Non
         addresses = [chunk.buffers()[1].address for chunk in index_map.chunks if len(chunk)]
         arrays._index_maps = list({id(w): w for w in WatchedFile.of(addresses).values()}.values())
     _refuse_nulls_read(arrays, "Arrays.from_hf")
-    for key, dtype in hf_formats.dtypes_handed_out(dataset, chosen, arrays).items():
+    for key, dtype in hf_formats.dtypes_handed_out(dataset, chosen, arrays, stored_dtypes).items():
         arrays.columns[key].dtype = dtype
     # The view as read now: set_format and set_transform change the dataset in place, and a spawned worker
     # makes the Arrays again from what this pickles. A shallow copy keeps the format (those rebind it).
-    arrays._source = (from_hf, copy.copy(dataset), chosen, id_key)
+    options = {"index_as": index_as, "stored_dtypes": stored_dtypes}
+    arrays._source = (from_hf, copy.copy(dataset), chosen, options)
     return arrays
 
 
 def from_arrow(
     source: Any,
     columns: ColumnChoice = None,
-    id_key: str | None = None,
     *,
+    index_as: str | None = None,
     watch: bool = True,
     who: str = "Arrays.from_arrow",
 ) -> Arrays:
@@ -160,9 +164,9 @@ def from_arrow(
             f"got {type(source).__name__}"
         )
     chosen = _chosen(columns, table.column_names, table.column_names, who)
-    arrays = _arrays(table, chosen, id_key, who, watch)
+    arrays = _arrays(table, chosen, index_as, who, watch)
     _refuse_nulls_read(arrays, who)
-    arrays._source = (from_arrow, source, chosen, id_key)
+    arrays._source = (from_arrow, source, chosen, {"index_as": index_as})
     return arrays
 
 
@@ -228,7 +232,7 @@ def _chosen(columns: ColumnChoice, shown: list[str], every: list[str], who: str)
 
 
 def _arrays(
-    table: Any, chosen: dict[str, str], id_key: str | None, who: str, watch: bool = True
+    table: Any, chosen: dict[str, str], index_as: str | None, who: str, watch: bool = True
 ) -> ArrowArrays:
     """Arrays over the ``chosen`` columns of ``table``, watching the files their chunks lie in (unless not
     ``watch``). The rows that hold a null are kept by key in ``_null_rows``, refused once it is known which
@@ -240,7 +244,7 @@ def _arrays(
             pieces, nulls = _pieces(key, table.column(name), who)
             made[name] = Column(key, Chunked(pieces))
             null_rows[name] = nulls
-    arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, id_key=id_key)
+    arrays = ArrowArrays({key: made[name] for key, name in chosen.items()}, index_as=index_as)
     arrays._null_rows = {key: null_rows[name] for key, name in chosen.items() if len(null_rows[name])}
     if not watch:
         return arrays
@@ -443,19 +447,19 @@ def _by_value(source: Any) -> str | None:
 
 
 def _rebuilt(
-    build: Any, source: bytes, columns: dict[str, str], id_key: str | None, identities: list, length: int
+    build: Any, source: bytes, columns: dict[str, str], options: dict[str, Any], identities: list, length: int
 ) -> Arrays:
     """``build(source, ...)`` again in this process, refusing files that are none of the files it was made
     from as they were then (see WatchedFile.expect); a dataset that cannot be made again refuses every
     read, naming its columns, rather than failing where it is unpickled (a worker that cannot start)."""
     try:
         source = pickle.loads(source)
-        arrays = build(source, columns, id_key)
+        arrays = build(source, columns, **options)
     except Exception as error:
         arrays = ArrowArrays.__new__(ArrowArrays)
-        arrays.id_key, arrays.columns, arrays.rows_of = id_key, MappingProxyType({}), None
+        arrays.index_as, arrays.columns, arrays.rows_of = options["index_as"], MappingProxyType({}), None
         arrays._length = length
-        arrays._source = (build, None, columns, id_key)
+        arrays._source = (build, None, columns, options)
         arrays._refusal = (
             f"Arrays: columns {', '.join(map(repr, columns))}: the dataset cannot be made again in this "
             "process (a spawned or forkserver worker, or an unpickled copy), which opens its files by path: "

@@ -2,7 +2,8 @@
 dtypes are followed, and what Arrays cannot give (a transform, a format that hands out no tensors,
 encoded media) is refused, naming it and saying what to do, rather than read as the stored columns.
 
-Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) and ``"numpy"`` hand out the
+Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) hands out Python numbers,
+which its collators make int64 and float32 tensors, as the torch format does; ``"numpy"`` hands out the
 stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
 ``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
 applies to every column it formats (``dtype=None`` hands out the stored dtypes, the torch format's uint16
@@ -83,13 +84,23 @@ def _media(feature: Any) -> str | None:
     return _media(getattr(feature, "feature", None))  # List, LargeList, Sequence
 
 
-def dtypes_handed_out(dataset: Any, chosen: dict[str, str], arrays: Any) -> dict[str, torch.dtype]:
-    """{key: dtype} for the chosen keys whose rows the dataset's format hands out in another dtype than
-    the stored one."""
+def dtypes_handed_out(
+    dataset: Any, chosen: dict[str, str], arrays: Any, stored_dtypes: bool = False
+) -> dict[str, torch.dtype]:
+    """{key: dtype} for the chosen keys whose rows go out in another dtype than the stored one: the
+    format's, or with no format the dtypes Hugging Face's collators make of its rows (Python numbers:
+    integers as int64, floats as float32, as the torch format's); none with ``stored_dtypes``."""
     form = dataset.format
     kind = form.get("type")
-    if kind in _AS_STORED:
+    if stored_dtypes:
         return {}
+    if kind in _AS_STORED:
+        out = {}
+        for key in chosen:
+            stored = arrays.columns[key].first.dtype
+            if _widened(stored) != stored:
+                out[key] = _widened(stored)
+        return out
     formatted = set(form.get("columns") or dataset.column_names)
     options = form.get("format_kwargs") or {}
     forced = _forced(kind, options.get("dtype"))
@@ -146,7 +157,8 @@ def _as_stored(dtype: torch.dtype) -> torch.dtype:
 
 
 def _widened(dtype: torch.dtype) -> torch.dtype:
-    """The dtype Hugging Face's numpy (arrays) and torch formats give a stored dtype."""
+    """The dtype Hugging Face's numpy (arrays) and torch formats give a stored dtype, and torch.tensor
+    gives Python's numbers: booleans stay booleans."""
     if dtype.is_floating_point:
         return torch.float32
-    return torch.int64
+    return dtype if dtype in (torch.bool, torch.complex64, torch.complex128) else torch.int64

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import Arrays
+from .arrays import NOT_GIVEN, Arrays, renamed_index_as
 from .columns import Column
 
 __all__ = ["TokenWindows"]
@@ -20,12 +20,19 @@ class TokenWindows(Arrays):
 
     Both columns are strided views of ``tokens``, so nothing is copied until a batch is gathered; a
     contract's ``cast_from`` casts on the way (uint16 tokens to int64 ids). ``step`` defaults to
-    ``length`` (windows that do not overlap). A memmap stream pickles as its file.
+    ``length`` (windows that do not overlap). ``index_as`` as in Arrays. A memmap stream pickles as its file.
     """
 
     def __init__(
-        self, tokens: Any, length: int, step: int | None = None, *, id_key: str | None = "id"
+        self,
+        tokens: Any,
+        length: int,
+        step: int | None = None,
+        *,
+        index_as: str | None = None,
+        id_key: Any = NOT_GIVEN,
     ) -> None:
+        index_as = renamed_index_as("TokenWindows", index_as, id_key)
         step = length if step is None else step
         if length < 1 or step < 1:
             raise ValueError(f"TokenWindows: length and step must be >= 1, got {length} and {step}")
@@ -39,18 +46,18 @@ class TokenWindows(Arrays):
         self.length, self.step = length, step
         windows = (len(flat) - length - 1) // step + 1 if len(flat) > length else 0
         if flat.is_meta:  # its file could not be mapped in this process: check_files says why, on every read
-            self.id_key, self.columns, self._length = id_key, types.MappingProxyType({}), windows
+            self.index_as, self.columns, self._length = index_as, types.MappingProxyType({}), windows
             self.rows_of = None
             return
         offset = flat.storage_offset()
         super().__init__(
             input_ids=flat.as_strided((windows, length), (step, 1), offset),
             labels=flat.as_strided((windows, length), (step, 1), offset + 1),
-            id_key=id_key,
+            index_as=index_as,
         )
 
     def __reduce__(self) -> tuple:
-        return (_token_windows, (self.tokens, self.length, self.step, self.id_key))
+        return (_token_windows, (self.tokens, self.length, self.step, self.index_as))
 
     def check_files(self, indices: int | np.ndarray | None = None) -> None:
         self.tokens.check_file()  # one stream, one file
@@ -62,5 +69,5 @@ class TokenWindows(Arrays):
         return self._file_columns()  # both columns are views of the stream
 
 
-def _token_windows(tokens: Column, length: int, step: int, id_key: str | None) -> TokenWindows:
-    return TokenWindows(tokens, length, step, id_key=id_key)
+def _token_windows(tokens: Column, length: int, step: int, index_as: str | None) -> TokenWindows:
+    return TokenWindows(tokens, length, step, index_as=index_as)

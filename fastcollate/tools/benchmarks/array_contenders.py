@@ -72,7 +72,7 @@ def floor_epoch(columns: dict[str, torch.Tensor], n: int, batch: int, seed: int)
 def array_contenders(columns: dict[str, torch.Tensor], batch: int, seed: int) -> dict:
     n = len(next(iter(columns.values())))
     per_sample = Rows(columns)
-    arrays = Arrays(columns)
+    arrays = Arrays(columns, index_as="id")
     contenders = {
         "per-sample + default_collate": loader_epoch(
             DataLoader(per_sample, batch_sampler=sampler(n, batch, seed))
@@ -202,7 +202,7 @@ def packed_contenders(documents: int, batch: int, seed: int) -> dict:
         for name, collate in collates.items()
     }
     tokens = fastcollate.Ragged(values, offsets)
-    arrays = Arrays({"input_ids": tokens, "labels": tokens}, id_key=None)
+    arrays = Arrays({"input_ids": tokens, "labels": tokens})
     contenders["Arrays + assemble, IndexBatches"] = loader_epoch(
         DataLoader(
             arrays,
@@ -232,7 +232,7 @@ def per_batch_tabular_contenders(columns: dict[str, torch.Tensor], batch: int, s
     generator = torch.Generator().manual_seed(seed)
     indices = [torch.randint(0, n, (batch,), generator=generator) for _ in range(4096)]
     as_numpy = [index.numpy() for index in indices]
-    arrays = Arrays(columns)
+    arrays = Arrays(columns, index_as="id")
     buffers = {name: torch.empty((batch, *c.shape[1:]), dtype=c.dtype) for name, c in columns.items()}
 
     def selected(k: int) -> dict:
@@ -253,7 +253,7 @@ def per_batch_packed_contenders(documents: int, batch: int, seed: int) -> dict:
     ``assemble(arrays.__getitems__(indices))`` against a bare torch.cat of the same rows (their views
     made beforehand, untimed), and torch.cat plus the position ids written into a reused buffer."""
     values, offsets = documents_corpus(documents)
-    arrays = Arrays({"input_ids": fastcollate.Ragged(values, offsets)}, id_key=None)
+    arrays = Arrays({"input_ids": fastcollate.Ragged(values, offsets)})
     tokens = Field(dtype=torch.int64, shape=("T",), pack=True)
     contract = Contract({"input_ids": tokens}, id=None, packing=fastcollate.Packing())
     collate = fastcollate.assemble.using(contract)
@@ -284,7 +284,7 @@ def worker_contenders(datasets: dict[str, tuple[dict[str, torch.Tensor], int]], 
     """Arrays + assemble with IndexBatches at 0 and 2 workers, for each named (columns, batch size)."""
     out = {}
     for name, (columns, batch) in datasets.items():
-        arrays = Arrays(columns)
+        arrays = Arrays(columns, index_as="id")
         for workers in (0, 2):
             collate = fastcollate.Assembler()
             loader = DataLoader(

@@ -141,7 +141,7 @@ class PackedFromArrays:
         torch.cumsum(lengths, 0, out=offsets[1:])
         columns = {key: fastcollate.Ragged(torch.cat([s[key] for s in samples]), offsets)
                    for key in ("input_ids", "labels")}
-        self.batch = fastcollate.Arrays(columns, id_key=None).__getitems__(range(len(samples)))
+        self.batch = fastcollate.Arrays(columns).__getitems__(range(len(samples)))
         self.collate = assemble.using(packed_contract())
 
     def __call__(self, batch: Any = None) -> Any:

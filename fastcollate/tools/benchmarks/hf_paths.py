@@ -115,7 +115,7 @@ def failed(error: BaseException) -> str:
 
 
 def make_paths(kind: str, ds) -> dict[str, Contender]:
-    """The three paths of a case of ``kind`` (packed, tabular) over ``ds``."""
+    """The paths of a case of ``kind`` (packed, tabular) over ``ds``."""
     paths: dict[str, Contender] = {}
     if kind == "packed":
         from transformers import DataCollatorWithFlattening
@@ -126,12 +126,15 @@ def make_paths(kind: str, ds) -> dict[str, Contender]:
         columns = {"input_ids": "input_ids", "labels": "input_ids"}
         packed = packed_contract(copy_labels=False)
         paths["Arrays"] = arrays_path(ds, lambda: fastcollate.assemble.using(packed), columns=columns)
+        paths["stored"] = arrays_path(ds, lambda: fastcollate.assemble.using(packed), columns=columns,
+                                      stored_dtypes=True)
     else:
         formatted = ds.with_format("torch")
         paths["HF"] = Contender(formatted, None)
         # fastcollate.assemble is an Assembler() made once: one of its own for each loader.
         paths["swapped"] = Contender(formatted, fastcollate.Assembler)
         paths["Arrays"] = arrays_path(ds, fastcollate.Assembler)
+        paths["stored"] = arrays_path(ds, fastcollate.Assembler, stored_dtypes=True)
     return paths
 
 
@@ -237,5 +240,6 @@ def check_paths(paths: dict[str, Contender], indices: list[int]) -> None:
         except Exception as error:
             path.failed = failed(error)
             continue
-        ignore = (path.dataset.id_key,) if isinstance(path.dataset, Arrays) and path.dataset.id_key else ()
+        indexed = isinstance(path.dataset, Arrays) and path.dataset.index_as
+        ignore = (path.dataset.index_as,) if indexed else ()
         check_same_batch(name, reference, batch, ignore)

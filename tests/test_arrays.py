@@ -47,7 +47,7 @@ def datasets(draw):
         as_numpy = draw(st.booleans())
         columns[f"c{n}"] = chunked(values.numpy() if as_numpy else values, draw(cuts(rows)))
     indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=30))
-    return Arrays(columns), indices
+    return Arrays(columns, index_as="id"), indices
 
 
 # make fuzz runs each property FASTCOLLATE_FUZZ_EXAMPLES times (10,000); make test 150 and 100.
@@ -84,7 +84,7 @@ def ragged_datasets(draw):
         }
     )
     tokens = chunked(Ragged(values, offsets), draw(cuts(rows)))
-    dataset = Arrays(tokens=tokens, label=chunked(np.arange(rows) % 7, draw(cuts(rows))))
+    dataset = Arrays(tokens=tokens, label=chunked(np.arange(rows) % 7, draw(cuts(rows))), index_as="id")
     indices = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=20))
     return dataset, contract, indices
 
@@ -105,7 +105,7 @@ def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
     ("dtype", "pad"), [(torch.int64, 2**53), (torch.uint64, 2**53), (torch.int64, -(2**53))]
 )
 def test_a_large_integer_pad_is_the_same_gathered_from_a_ragged_column_and_walked(dtype, pad):
-    dataset = Arrays(t=Ragged(torch.arange(5).to(dtype), np.array([0, 1, 5])))
+    dataset = Arrays(t=Ragged(torch.arange(5).to(dtype), np.array([0, 1, 5])), index_as="id")
     collate = fastcollate.assemble.using(
         Contract({"id": Field(kind="number"), "t": Field(dtype=dtype, shape=("T",), pad=pad)})
     )
@@ -114,7 +114,7 @@ def test_a_large_integer_pad_is_the_same_gathered_from_a_ragged_column_and_walke
 
 
 def test_a_fractional_pad_for_integer_rows_is_refused_gathered_or_walked():
-    dataset = Arrays(t=Ragged(torch.arange(5), np.array([0, 1, 5])))
+    dataset = Arrays(t=Ragged(torch.arange(5), np.array([0, 1, 5])), index_as="id")
     contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=2.5)})
     collate = fastcollate.assemble.using(contract)
     for batch in (dataset.__getitems__([0, 1]), [dataset[0], dataset[1]]):
@@ -126,7 +126,7 @@ def test_a_fractional_pad_for_integer_rows_is_refused_gathered_or_walked():
 def test_a_contract_casts_during_the_gather_and_checks_ranges_per_column():
     tokens = np.arange(40, dtype=np.uint16).reshape(10, 4)
     labels = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 12])
-    dataset = Arrays(tokens=tokens, label=labels)
+    dataset = Arrays(tokens=tokens, label=labels, index_as="id")
     contract = Contract(
         {
             "id": Field(kind="number"),
@@ -148,7 +148,7 @@ def test_a_contract_casts_during_the_gather_and_checks_ranges_per_column():
 
 
 def test_a_column_of_the_wrong_dtype_or_shape_is_named_with_the_first_sample():
-    dataset = Arrays(image=np.zeros((5, 2, 3), dtype=np.uint16))
+    dataset = Arrays(image=np.zeros((5, 2, 3), dtype=np.uint16), index_as="id")
     with pytest.raises(ContractError) as caught:
         fastcollate.assemble.using(Contract({"id": Field(kind="number"), "image": Field(dtype=torch.uint8)}))(
             dataset.__getitems__([4, 1])
@@ -163,14 +163,14 @@ def test_a_column_of_the_wrong_dtype_or_shape_is_named_with_the_first_sample():
 
 def test_bad_columns_and_indices_are_refused_with_the_column_or_the_index_named():
     with pytest.raises(ValueError, match=r"same number of rows, got 'a': 3, 'b': 4"):
-        Arrays(a=np.zeros(3), b=np.zeros(4))
+        Arrays(a=np.zeros(3), b=np.zeros(4), index_as="id")
     with pytest.raises(ValueError, match=r"column 'a'.*not contiguous.*np.ascontiguousarray"):
-        Arrays(a=np.zeros((4, 3)).T)
+        Arrays(a=np.zeros((4, 3)).T, index_as="id")
     with pytest.raises(ValueError, match="offsets must start at 0"):
-        Arrays(t=Ragged(np.zeros(5), np.array([0, 3, 2, 5])))
+        Arrays(t=Ragged(np.zeros(5), np.array([0, 3, 2, 5])), index_as="id")
     with pytest.raises(TypeError, match="column 'a'.*got list"):
-        Arrays(a=[1, 2, 3])
-    dataset = Arrays(a=np.arange(6))
+        Arrays(a=[1, 2, 3], index_as="id")
+    dataset = Arrays(a=np.arange(6), index_as="id")
     with pytest.raises(IndexError, match="index 6 is out of range for a dataset of 6 samples"):
         dataset[6]
     with pytest.raises(IndexError, match="index 9 is out of range for a dataset of 6 samples"):
@@ -182,7 +182,7 @@ def test_bad_columns_and_indices_are_refused_with_the_column_or_the_index_named(
 
 
 def test_a_tensor_index_that_is_no_integer_scalar_is_refused_not_truncated():
-    dataset = Arrays(a=np.arange(6) * 10)
+    dataset = Arrays(a=np.arange(6) * 10, index_as="id")
     assert dataset[torch.tensor(4)]["a"].item() == 40
     assert dataset[torch.tensor(-1, dtype=torch.int8)]["a"].item() == 50
     for index, what in [
@@ -214,7 +214,7 @@ def test_the_gather_op_checks_every_index_before_writing_a_byte():
 def test_a_memmap_that_shrank_under_the_dataset_raises_instead_of_killing_the_process(tmp_path):
     path = tmp_path / "x.u8"
     np.arange(4096, dtype=np.uint8).tofile(path)
-    dataset = Arrays(x=np.memmap(path, dtype=np.uint8, mode="r", shape=(64, 64)))
+    dataset = Arrays(x=np.memmap(path, dtype=np.uint8, mode="r", shape=(64, 64)), index_as="id")
     assert fastcollate.assemble(dataset.__getitems__([63]))["x"][0, -1] == 4095 % 256
     with open(path, "r+b") as f:
         f.truncate(1000)
@@ -225,7 +225,8 @@ def test_a_memmap_that_shrank_under_the_dataset_raises_instead_of_killing_the_pr
 def test_a_memmap_column_pickles_as_its_file_and_maps_again(tmp_path):
     path = tmp_path / "big.f32"
     np.arange(64 * 256, dtype=np.float32).tofile(path)
-    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(256, 64)), y=np.arange(256))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(256, 64)), y=np.arange(256),
+                     index_as="id")
     sent = pickle.dumps(dataset)
     assert len(sent) < 8 * 1024, "the 64 KiB column crossed as its path, not its bytes"
     again = pickle.loads(sent)
@@ -241,7 +242,8 @@ def test_dataloader_workers_deliver_each_sample_once_with_the_gathered_values(tm
     images = np.random.default_rng(0).integers(0, 255, (300, 3, 8, 8), dtype=np.uint8)
     images.tofile(path)
     dataset = Arrays(
-        image=np.memmap(path, dtype=np.uint8, mode="r", shape=images.shape), label=torch.arange(300) % 10
+        image=np.memmap(path, dtype=np.uint8, mode="r", shape=images.shape), label=torch.arange(300) % 10,
+        index_as="id",
     )
     collate = fastcollate.Assembler()
     loader = DataLoader(
@@ -267,7 +269,7 @@ def test_dataloader_workers_deliver_each_sample_once_with_the_gathered_values(tm
 
 
 def test_stock_batch_sampler_lists_and_index_arrays_both_gather():
-    dataset = Arrays(x=torch.arange(100.0))
+    dataset = Arrays(x=torch.arange(100.0), index_as="id")
     sampler = BatchSampler(RandomSampler(range(100), generator=torch.Generator().manual_seed(0)), 10, False)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=fastcollate.assemble)
     delivered = torch.cat([b["x"] for b in loader])
@@ -282,7 +284,7 @@ def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path
     data = np.random.default_rng(0).integers(0, 50_000, 10_000, dtype=np.uint16)
     data.tofile(path)
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    windows = TokenWindows(tokens, length=64, step=1)
+    windows = TokenWindows(tokens, length=64, step=1, index_as="id")
     assert len(windows) == len(data) - 64
     starts = np.random.default_rng(1).integers(0, len(windows), 16)
     contract = Contract(
@@ -308,7 +310,7 @@ def test_token_windows_equal_nanogpt_get_batch_and_pickle_as_their_file(tmp_path
 
 
 def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_the_same_result():
-    dataset = Arrays(image=torch.zeros(4, 1, 2, 2, dtype=torch.uint8))
+    dataset = Arrays(image=torch.zeros(4, 1, 2, 2, dtype=torch.uint8), index_as="id")
     contract = Contract(
         {
             "id": Field(kind="number"),
@@ -325,8 +327,8 @@ def test_a_contract_the_column_path_does_not_cover_goes_the_per_sample_way_with_
 
 def test_one_assembler_keeps_a_layout_per_dataset_and_batch_size_and_still_checks_every_batch():
     collate = fastcollate.Assembler(Contract({"id": Field(kind="number"), "x": Field(range=(0, 100))}))
-    floats = Arrays(x=np.arange(10, dtype=np.float32))
-    ints = Arrays(x=np.arange(10, dtype=np.int16) * 12)
+    floats = Arrays(x=np.arange(10, dtype=np.float32), index_as="id")
+    ints = Arrays(x=np.arange(10, dtype=np.int16) * 12, index_as="id")
     for _ in range(2):
         assert collate(floats.__getitems__([1, 2]))["x"].dtype == torch.float32
         assert collate(ints.__getitems__([1, 2]))["x"].tolist() == [12, 24]
@@ -352,7 +354,7 @@ class _KilledAfterGather:
 
 
 def test_a_worker_killed_after_gathering_into_a_slot_leaves_no_slot_held():
-    dataset = Arrays(x=torch.arange(64.0).reshape(64, 1).expand(64, 4096).contiguous())
+    dataset = Arrays(x=torch.arange(64.0).reshape(64, 1).expand(64, 4096).contiguous(), index_as="id")
     collate = _KilledAfterGather(victim=40)
     loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate)
     with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
@@ -366,7 +368,8 @@ def test_a_worker_killed_after_gathering_into_a_slot_leaves_no_slot_held():
 
 def test_device_loader_on_the_cpu_passes_gathered_batches_through_unchanged():
     dataset = Arrays(
-        image=torch.randint(0, 255, (40, 3, 4, 4), dtype=torch.uint8), label=torch.arange(40) % 3
+        image=torch.randint(0, 255, (40, 3, 4, 4), dtype=torch.uint8), label=torch.arange(40) % 3,
+        index_as="id",
     )
     loader = DataLoader(dataset, batch_size=16, collate_fn=fastcollate.assemble)
     seen = []
@@ -385,7 +388,7 @@ def test_slices_of_a_memmap_pickle_as_their_place_in_the_file(tmp_path):
     mm = np.memmap(path, dtype=np.int32, mode="r", shape=(1000, 4))
     flat = np.memmap(path, dtype=np.int32, mode="r")
     for column in (mm[800:], mm[::3], mm[:, 1:3], mm[10:20, 2]):
-        dataset = Arrays(x=column)
+        dataset = Arrays(x=column, index_as="id")
         sent = pickle.dumps(dataset)
         assert len(sent) < 4096, "crossed as its file"
         again = pickle.loads(sent)
@@ -399,7 +402,7 @@ def test_slices_of_a_memmap_pickle_as_their_place_in_the_file(tmp_path):
 
 def test_a_ragged_column_cast_on_the_way_is_padded_in_the_output_dtype():
     values, offsets = np.arange(10, dtype=np.uint16), np.array([0, 3, 3, 10])
-    dataset = Arrays(t=Ragged(values, offsets))
+    dataset = Arrays(t=Ragged(values, offsets), index_as="id")
     for pad in (-100, 70000):
         contract = Contract(
             {
@@ -416,7 +419,7 @@ def test_a_ragged_memmap_column_is_checked_against_its_file_and_pickles_as_it(tm
     path = tmp_path / "v.i64"
     np.arange(100_000, dtype=np.int64).tofile(path)
     values = np.memmap(path, dtype=np.int64, mode="r")
-    dataset = Arrays(t=Ragged(values, np.arange(0, 100_001, 100)))
+    dataset = Arrays(t=Ragged(values, np.arange(0, 100_001, 100)), index_as="id")
     assert len(pickle.dumps(dataset)) < 8192 + 1001 * 8, "values crossed as their file"
     assert torch.equal(pickle.loads(pickle.dumps(dataset))[999]["t"], dataset[999]["t"])
     os.truncate(path, 800)
@@ -438,13 +441,13 @@ def test_contracts_the_column_path_must_not_loosen_give_the_per_sample_result():
     narrowing = Contract(
         {"id": Field(kind="number"), "x": Field(dtype=torch.uint8, range=(0, 100), cast_from=(torch.int64,))}
     )
-    gathered, per_sample = both(Arrays(x=np.full(8, 300, np.int64)), narrowing, [0, 1])
+    gathered, per_sample = both(Arrays(x=np.full(8, 300, np.int64), index_as="id"), narrowing, [0, 1])
     assert gathered == per_sample and gathered[0] == "ContractValueError", gathered
     no_id = Contract({"x": Field()})
-    gathered, per_sample = both(Arrays(x=np.zeros(4)), no_id, [0, 1])
+    gathered, per_sample = both(Arrays(x=np.zeros(4), index_as="id"), no_id, [0, 1])
     assert gathered == per_sample and gathered[0] != "ok"
     shared = Contract({"id": Field(kind="number"), "a": Field(shape=("T",), pad=0), "b": Field(shape=("T",))})
-    dataset = Arrays(a=Ragged(np.arange(7), np.array([0, 3, 7])), b=np.zeros((2, 3)))
+    dataset = Arrays(a=Ragged(np.arange(7), np.array([0, 3, 7])), b=np.zeros((2, 3)), index_as="id")
     gathered, per_sample = both(dataset, shared, [0, 1])
     assert gathered == per_sample and gathered[0] == "ContractSizeError", gathered
 
@@ -452,8 +455,9 @@ def test_contracts_the_column_path_must_not_loosen_give_the_per_sample_result():
 def test_ranges_on_unsigned_columns_and_casts_of_complex_columns_work():
     contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.uint16, range=(0, 2))})
     with pytest.raises(ContractError, match="values in"):
-        fastcollate.assemble.using(contract)(Arrays(x=np.array([0, 1, 5], np.uint16)).__getitems__([2]))
-    complex_column = Arrays(z=np.arange(6, dtype=np.complex64))
+        dataset = Arrays(x=np.array([0, 1, 5], np.uint16), index_as="id")
+        fastcollate.assemble.using(contract)(dataset.__getitems__([2]))
+    complex_column = Arrays(z=np.arange(6, dtype=np.complex64), index_as="id")
     contract = Contract(
         {"id": Field(kind="number"), "z": Field(dtype=torch.complex128, cast_from=(torch.complex64,))}
     )
@@ -461,14 +465,14 @@ def test_ranges_on_unsigned_columns_and_casts_of_complex_columns_work():
 
 
 def test_columns_are_read_only_and_odd_arrays_are_named_or_taken():
-    dataset = Arrays(x=np.zeros(3))
+    dataset = Arrays(x=np.zeros(3), index_as="id")
     with pytest.raises(TypeError):
         dataset.columns["x"] = dataset.columns["x"]
-    assert len(Arrays(x=np.zeros((0, 3)))) == 0
+    assert len(Arrays(x=np.zeros((0, 3)), index_as="id")) == 0
     with pytest.raises((TypeError, ValueError), match="column 'b'.*np.ascontiguousarray"):
-        Arrays(b=np.arange(4, dtype=">i4"))
+        Arrays(b=np.arange(4, dtype=">i4"), index_as="id")
     with pytest.raises(IndexError, match="out of range"):
-        Arrays(x=np.zeros(3)).__getitems__(np.array([2**64 - 1], dtype=np.uint64))
+        Arrays(x=np.zeros(3), index_as="id").__getitems__(np.array([2**64 - 1], dtype=np.uint64))
 
 
 def test_a_batch_refused_after_its_gather_in_a_worker_gives_its_slot_back():
@@ -476,7 +480,7 @@ def test_a_batch_refused_after_its_gather_in_a_worker_gives_its_slot_back():
     # must come back, epoch after epoch, with no fresh fallback.
     labels = np.arange(64) % 10
     labels[20] = 99
-    dataset = Arrays(x=np.zeros((64, 1024), np.float32), y=labels)
+    dataset = Arrays(x=np.zeros((64, 1024), np.float32), y=labels, index_as="id")
     collate = fastcollate.Assembler(
         Contract({"id": Field(kind="number"), "x": Field(), "y": Field(kind="number", range=(0, 10))})
     )
@@ -500,7 +504,7 @@ def test_a_batch_refused_after_its_gather_in_a_worker_gives_its_slot_back():
 
 
 def test_a_range_on_a_ragged_column_checks_real_positions_only_whatever_the_mask_dtype():
-    dataset = Arrays(t=Ragged(np.array([1, 2, 3, 9, 4]), np.array([0, 2, 3, 5])))
+    dataset = Arrays(t=Ragged(np.array([1, 2, 3, 9, 4]), np.array([0, 2, 3, 5])), index_as="id")
     for mask_dtype in (torch.bool, torch.int64, torch.float32):
         contract = Contract({"id": Field(kind="number"),
                              "t": Field(shape=("T",), pad=-5, mask_dtype=mask_dtype, range=(0, 5))})
@@ -514,7 +518,7 @@ def test_a_range_on_a_ragged_column_checks_real_positions_only_whatever_the_mask
 
 
 def test_indices_changed_after_getitems_do_not_move_the_gather():
-    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])))
+    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])), index_as="id")
     indices = np.array([0, 1], dtype=np.int64)
     batch = dataset.__getitems__(indices)
     indices[1] = 10**12  # the caller's array, changed after the batch checked it
@@ -526,7 +530,7 @@ def test_indices_changed_after_getitems_do_not_move_the_gather():
 
 
 def test_the_native_plan_refuses_what_arraybatch_would_not_hand_it():
-    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])))
+    dataset = Arrays(t=Ragged(np.arange(9), np.array([0, 3, 6, 9])), index_as="id")
     columns = gather.gatherer(dataset, None, "id")
     with pytest.raises(RuntimeError, match="an empty batch"):
         columns.plan(torch.zeros(0, dtype=torch.int64))
@@ -558,7 +562,7 @@ def test_a_value_the_dtype_cannot_hold_is_named_after_the_samples_ranges_as_the_
 
 def test_a_range_on_a_complex_column_names_the_first_sample_with_values():
     values = np.array([1 + 1j, 2 + 0j], dtype=np.complex64)
-    dataset = Arrays(t=Ragged(values, np.array([0, 0, 2])))
+    dataset = Arrays(t=Ragged(values, np.array([0, 0, 2])), index_as="id")
     contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=0, range=(0, 10))})
     collate = fastcollate.Assembler(contract)
     with pytest.raises(ContractError) as gathered:
@@ -571,7 +575,7 @@ def test_a_range_on_a_complex_column_names_the_first_sample_with_values():
 
 def test_a_refused_batch_in_a_full_ring_still_warns_and_its_kept_error_holds_no_slot():
     ring = fastcollate.StagingRing(max_slots=1)
-    dataset = Arrays(a=np.arange(100).reshape(50, 2))
+    dataset = Arrays(a=np.arange(100).reshape(50, 2), index_as="id")
     contract = Contract({"id": Field(kind="number"), "a": Field(shape=(2,), range=(0, 10))})
     collate = fastcollate.Assembler(contract, ring=ring)
     kept = collate(dataset.__getitems__([0, 1]))  # holds the only slot
@@ -592,7 +596,7 @@ def test_a_refused_batch_in_a_full_ring_still_warns_and_its_kept_error_holds_no_
 
 @pytest.mark.parametrize("given", [[4, 0, 2], [np.int64(4), 0, 2], [4, 0, True], [4.0, 0, 2], [2**64, 0, 2]])
 def test_a_list_of_indices_is_read_as_the_same_batch_whatever_its_elements(given):
-    dataset = Arrays(x=np.arange(10) * 10)
+    dataset = Arrays(x=np.arange(10) * 10, index_as="id")
     if any(isinstance(i, float) for i in given):
         with pytest.raises(TypeError, match="a batch of indices must be a 1-D sequence of ints"):
             dataset.__getitems__(given)
@@ -615,7 +619,7 @@ def test_one_rule_broken_in_one_row_fails_the_same_gathered_or_walked(case):
 
 def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it():
     values = torch.tensor([[1.0], [2.0], [9.0]])
-    by_index = Arrays(x=values)  # its id key is the collate's: a sample's id is its index
+    by_index = Arrays(x=values, index_as="id")  # its id key is the collate's: a sample's id is its index
     by_column = Arrays(id=np.array([10, 20, 30]), x=values)  # the ids are a column
     unnamed = Arrays(x=values, id_key="idx")  # its ids are under a key the collate does not read
     contract = {"x": Field(dtype=torch.float32, shape=(1,), range=(0, 5))}
@@ -638,7 +642,8 @@ def test_a_pad_the_dtype_cannot_hold_is_named_in_the_walk_s_order_of_fields_gath
     ranged = {"y": Field(dtype=torch.int64, shape=(1,), range=(0, 5))}
     columns = {"t": tokens, "y": labels} if pad_first else {"y": labels, "t": tokens}
     fields = {**padded, **ranged} if pad_first else {**ranged, **padded}
-    case = Broken(Arrays(columns), Contract({"id": Field(kind="number"), **fields}), [0, 1], "pad", True)
+    contract = Contract({"id": Field(kind="number"), **fields})
+    case = Broken(Arrays(columns, index_as="id"), contract, [0, 1], "pad", True)
     assert_same_outcome(case)
     with pytest.raises(ContractError) as caught:
         fastcollate.assemble.using(case.contract)(case.dataset.__getitems__([0, 1]))

@@ -54,7 +54,7 @@ def errors_both_ways(dataset, indices, contract, error=ContractError):
 
 def test_a_copy_of_field_is_gathered_from_its_source_s_column_as_the_walk_copies_it():
     lengths = [4, 1, 0, 6, 3]
-    dataset = Arrays(input_ids=ragged(lengths))
+    dataset = Arrays(input_ids=ragged(lengths), index_as="id")
     gathered, walked = both_ways(dataset, [3, 0, 2, 1], labels_copied())
     assert_same_batch(gathered, walked)
     row = gathered["input_ids"][0]
@@ -63,7 +63,7 @@ def test_a_copy_of_field_is_gathered_from_its_source_s_column_as_the_walk_copies
 
 
 def test_a_copy_is_cast_by_its_own_declaration_while_its_source_keeps_its_dtype():
-    dataset = Arrays(input_ids=ragged([5, 2, 3], dtype=torch.uint16))
+    dataset = Arrays(input_ids=ragged([5, 2, 3], dtype=torch.uint16), index_as="id")
     contract = Contract({
         "id": Field(kind="number"),
         "input_ids": Field(dtype=torch.uint16, shape=("T",), pack=True),
@@ -76,7 +76,7 @@ def test_a_copy_is_cast_by_its_own_declaration_while_its_source_keeps_its_dtype(
 
 def test_a_dropped_attention_mask_is_left_out_column_by_column_as_the_walk_leaves_it():
     lengths = [3, 5, 1, 2]
-    dataset = Arrays(input_ids=ragged(lengths), attention_mask=ragged(lengths, high=2))
+    dataset = Arrays(input_ids=ragged(lengths), attention_mask=ragged(lengths, high=2), index_as="id")
     contract = Contract({"id": Field(kind="number"), "input_ids": tokens()})
     gathered, walked = both_ways(dataset, [1, 3, 0], contract)
     assert_same_batch(gathered, walked)
@@ -86,7 +86,7 @@ def test_a_dropped_attention_mask_is_left_out_column_by_column_as_the_walk_leave
 def test_a_copy_beside_a_dropped_key_is_gathered_in_the_walk_s_key_order():
     lengths = [2, 7, 3]
     dataset = Arrays(input_ids=ragged(lengths), attention_mask=ragged(lengths, high=2),
-                     token_type_ids=ragged(lengths, seed=1, high=2))
+                     token_type_ids=ragged(lengths, seed=1, high=2), index_as="id")
     contract = Contract({"id": Field(kind="number"), "input_ids": tokens(), "token_type_ids": tokens(),
                          "labels": tokens(separator=-100, copy_of="input_ids")},
                         packing=Packing(seq_idx="seq_idx"))
@@ -96,7 +96,7 @@ def test_a_copy_beside_a_dropped_key_is_gathered_in_the_walk_s_key_order():
 
 
 def test_a_copy_of_the_wrong_dtype_gets_the_walk_s_error():
-    dataset = Arrays(input_ids=ragged([3, 4]))
+    dataset = Arrays(input_ids=ragged([3, 4]), index_as="id")
     contract = labels_copied(Field(dtype=torch.int32, shape=("T",), pack=True, copy_of="input_ids"))
     gathered, walked = errors_both_ways(dataset, [1, 0], contract, ContractTypeError)
     assert str(gathered) == str(walked)
@@ -106,7 +106,7 @@ def test_a_copy_of_the_wrong_dtype_gets_the_walk_s_error():
 def test_a_copy_s_range_broken_in_one_sample_names_that_sample_as_the_walk_does():
     values = torch.zeros(9, dtype=torch.int64)
     values[6] = 99  # sample 2's second token
-    dataset = Arrays(input_ids=Ragged(values, np.array([0, 3, 5, 9])))
+    dataset = Arrays(input_ids=Ragged(values, np.array([0, 3, 5, 9])), index_as="id")
     contract = labels_copied(tokens(separator=-100, copy_of="input_ids", range=(0, 50)))
     gathered, walked = errors_both_ways(dataset, [0, 2, 1], contract, ContractValueError)
     assert str(gathered) == str(walked)
@@ -115,7 +115,7 @@ def test_a_copy_s_range_broken_in_one_sample_names_that_sample_as_the_walk_does(
 
 def test_a_copy_the_samples_also_hold_goes_to_the_walk_which_refuses_the_key():
     lengths = [2, 3]
-    dataset = Arrays(input_ids=ragged(lengths), labels=ragged(lengths, seed=1))
+    dataset = Arrays(input_ids=ragged(lengths), labels=ragged(lengths, seed=1), index_as="id")
     batch = dataset.__getitems__([0, 1])
     assert gather.layout(batch, labels_copied(), "id") is None
     gathered, walked = errors_both_ways(dataset, [0, 1], labels_copied())
@@ -139,7 +139,7 @@ def test_any_copy_and_drop_gives_the_walk_s_batch_or_error(  # noqa: PLR0913 (hy
     columns = {"input_ids": ragged(lengths)}
     if drop:
         columns["attention_mask"] = ragged(lengths, high=2)
-    dataset = Arrays(columns)
+    dataset = Arrays(columns, index_as="id")
     copy = tokens(separator=separator, copy_of="input_ids", range=None if bound is None else (0, bound))
     contract = labels_copied(copy, packing=Packing(drop=("attention_mask",) if drop else ()))
     batch = dataset.__getitems__(indices)

@@ -68,9 +68,9 @@ def arrays_batches(lines: list[str]) -> None:
 
 
 def hf_sample_is_its_row(lines: list[str]) -> None:
-    (line,) = lines  # the sample's two keys read the row's one column, in its Arrow dtype
-    match = re.fullmatch(r"\{'input_ids': tensor\((\[[\d, ]+\]), dtype=torch.int32\), "
-                         r"'labels': tensor\((\[[\d, ]+\]), dtype=torch.int32\)\} (\[[\d, ]+\])", line)
+    (line,) = lines  # the sample's two keys read the row's one column, as int64 (Hugging Face's collators')
+    match = re.fullmatch(r"\{'input_ids': tensor\((\[[\d, ]+\])\), "
+                         r"'labels': tensor\((\[[\d, ]+\])\)\} (\[[\d, ]+\])", line)
     assert match and match.group(1) == match.group(2) == match.group(3), line
 
 

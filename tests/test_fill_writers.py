@@ -42,7 +42,7 @@ def test_a_padded_field_is_padded_alike_by_the_walk_the_column_gather_and_pad_in
     if dtype == torch.uint8:
         pad = abs(pad)
     indices = [p % len(lengths) for p in picks]
-    dataset = Arrays(input_ids=ragged(lengths, dtype, seed=len(picks)))
+    dataset = Arrays(input_ids=ragged(lengths, dtype, seed=len(picks)), index_as="id")
     contract = Contract({"id": Field(kind="number"), "input_ids": Field(dtype=dtype, shape=("T",), pad=pad)})
     walked, gathered = walked_and_gathered(dataset, indices, contract)
     assert_same_batch(gathered, walked)
@@ -82,7 +82,7 @@ def test_a_packed_field_is_packed_alike_by_the_walk_the_column_gather_and_the_op
     if sum(lengths[i] for i in indices) == 0:
         lengths[indices[0]] = 1
     column = ragged(lengths, torch.int64, seed=len(picks))
-    dataset = Arrays(input_ids=column)
+    dataset = Arrays(input_ids=column, index_as="id")
     packed = Field(dtype=torch.int64, shape=("T",), pack=True)
     contract = Contract({"id": Field(kind="number"), "input_ids": packed},
                         packing=Packing(seq_idx="seq_idx", position_ids_start=start))

@@ -102,6 +102,31 @@ def test_a_formatted_dataset_hands_out_what_hugging_face_hands_out_key_for_key(s
         _same(batch, expected)
 
 
+def test_no_format_hands_out_the_dtypes_hugging_face_s_collators_make_of_its_rows(tmp_path):
+    """Rows of Python numbers become int64 and float32 tensors in Hugging Face's collators (and in its
+    torch format): Arrays hands out the same, cast as the batch is gathered; stored_dtypes keeps the
+    stored ones."""
+    features = Features({
+        "ids": Sequence(Value("int32")), "mask": Sequence(Value("int8")), "u16": Value("uint16"),
+        "half": Sequence(Value("float16"), length=2), "score": Value("float64"),
+    })
+    rows = {"ids": [[1, 2], [3, 4]], "mask": [[1, 1], [1, 0]], "u16": [7, 65535], "half": [[0.5, 1], [2, 3]],
+            "score": [0.25, 1 / 3]}
+    dataset = Dataset.from_dict(rows, features=features)
+    torch_format = dataset.with_format("torch")
+    arrays = Arrays.from_hf(dataset)
+    stored = Arrays.from_hf(dataset, stored_dtypes=True)
+    for batch in (assemble(arrays.__getitems__([0, 1])), default_collate(arrays.__getitems__([0, 1]))):
+        for key in rows:
+            expected = torch.stack([torch_format[i][key] for i in (0, 1)])
+            assert batch[key].dtype == expected.dtype and torch.equal(batch[key], expected), key
+    assert {key: value.dtype for key, value in assemble(stored.__getitems__([1])).items()} == {
+        "ids": torch.int32, "mask": torch.int8, "u16": torch.uint16, "half": torch.float16,
+        "score": torch.float64,
+    }
+    assert pickle.loads(pickle.dumps(stored))[0]["ids"].dtype == torch.int32, "kept by a worker's copy"
+
+
 def test_a_contract_over_a_formatted_dataset_checks_the_dtype_samples_hold(saved):
     # The torch format hands out int64 labels: a contract declaring int64 (no cast from the stored int32)
     # takes them, gathered or not, and equals Hugging Face's rows.
@@ -143,7 +168,7 @@ def test_a_format_set_after_from_hf_changes_neither_the_arrays_nor_their_pickled
     # this process and in each spawned worker, which makes it again from the pickled dataset.
     Dataset.from_dict(_rows(10), features=FEATURES).save_to_disk(str(tmp_path / "data"))
     dataset = datasets.load_from_disk(str(tmp_path / "data"))
-    arrays = Arrays.from_hf(dataset, ["label", "pair"])
+    arrays = Arrays.from_hf(dataset, ["label", "pair"], stored_dtypes=True)
     dataset.set_format("torch")
     assert dataset[0]["label"].dtype == torch.int64
     copy = pickle.loads(pickle.dumps(arrays))

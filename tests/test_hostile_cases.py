@@ -45,7 +45,7 @@ def test_a_range_broken_in_a_later_sample_of_an_earlier_field_is_named_first_by_
     # The walk checks field by field: x's values in every sample before y's dtype or shape in sample 0.
     x = torch.zeros(4, 2)
     x[2, 0] = float("nan")
-    dataset = Arrays(x=x, y=later)
+    dataset = Arrays(x=x, y=later, index_as="id")
     x_field = Field(dtype=torch.float32, shape=("D",) if field.shape == ("D",) else (2,), range=(-1, 1))
     contract = Contract({"id": Field(kind="number"), "x": x_field, "y": field})
     walked, gathered = walked_and_gathered(dataset, [0, 2], contract)
@@ -55,7 +55,7 @@ def test_a_range_broken_in_a_later_sample_of_an_earlier_field_is_named_first_by_
 
 
 def test_a_later_field_s_dtype_is_still_named_when_the_earlier_field_s_range_holds():
-    dataset = Arrays(x=torch.zeros(4, 2), y=torch.zeros(4, 3, dtype=torch.float64))
+    dataset = Arrays(x=torch.zeros(4, 2), y=torch.zeros(4, 3, dtype=torch.float64), index_as="id")
     contract = Contract({
         "id": Field(kind="number"),
         "x": Field(dtype=torch.float32, shape=(2,), range=(-1, 1)),

@@ -160,7 +160,7 @@ def test_gathered_arrays_stay_flat_over_epochs(workers):
     x = torch.zeros(32, *SAMPLE)
     x[:, 0, 0, 0] = torch.arange(32, dtype=torch.float32)
     ring = StagingRing(max_slots=4) if workers == 0 else None
-    loader = DataLoader(Arrays(x=x), batch_size=8, shuffle=True, num_workers=workers,
+    loader = DataLoader(Arrays(x=x, index_as="id"), batch_size=8, shuffle=True, num_workers=workers,
                         collate_fn=assemble.using(ring=ring), persistent_workers=workers > 0,
                         worker_init_fn=fixed_mmap_threshold if workers else None)
     seen = run_epochs(loader, ring, workers)

@@ -62,8 +62,8 @@ def test_a_truncated_file_is_an_error_on_every_path_that_reads_it_never_sigbus(t
     # all check the file before reading it.
     result = _run(_MAKE + """
     x = make("x.bin")
-    ds = Arrays(x=x)
-    as_array = Arrays(x=np.asarray(make("y.bin")))
+    ds = Arrays(x=x, index_as="id")
+    as_array = Arrays(x=np.asarray(make("y.bin")), index_as="id")
     os.truncate("x.bin", 1000)
     os.truncate("y.bin", 1000)
     per_sample = {
@@ -92,7 +92,7 @@ def test_a_truncated_file_is_an_error_on_every_path_that_reads_it_never_sigbus(t
 _GUARDED_OPS = """
     import faulthandler
     x = make("x.bin", rows=4096, width=1024)  # 16 MiB: the copies run on two threads
-    ds = Arrays(x=x)
+    ds = Arrays(x=x, index_as="id")
     stream = make("t.bin", rows=1, width=1 << 20, dtype=np.uint16).reshape(-1)
     windows = fastcollate.TokenWindows(stream, 1024)
     os.truncate("t.bin", 4096)
@@ -121,8 +121,9 @@ _GUARDED_OPS = """
     import signal
     signal.signal(signal.SIGBUS, lambda *_: None)  # returns: a fault it took would recur forever
     outcome("python handler just before", lambda: torch.ops.fastcollate.gather_into(rows, every, out()))
-    outcome("untraced", lambda: fastcollate.assemble(Arrays(x=rows).__getitems__(every)))
-    beside = Arrays(x=rows, traced=make("b.bin", rows=4096, width=4))  # its file intact: not to be blamed
+    outcome("untraced", lambda: fastcollate.assemble(Arrays(x=rows, index_as="id").__getitems__(every)))
+    # its file intact: not to be blamed
+    beside = Arrays(x=rows, traced=make("b.bin", rows=4096, width=4), index_as="id")
     outcome("untraced beside", lambda: fastcollate.assemble(beside.__getitems__(every)))
     # The file check passes (as when the file shrinks just after it): the guard names the column.
     fastcollate.data.mapped_files.MappedFile.unreadable = lambda self: None
@@ -159,7 +160,7 @@ def test_a_read_the_guard_does_not_cover_still_dies_of_sigbus_as_without_fastcol
     # The handler is fastcollate's only inside its copies: elsewhere SIGBUS keeps its usual meaning.
     result = _run(_MAKE + """
     x = make("x.bin", rows=4096, width=1024)
-    fastcollate.assemble(Arrays(x=x).__getitems__([0]))  # the handler is installed
+    fastcollate.assemble(Arrays(x=x, index_as="id").__getitems__([0]))  # the handler is installed
     os.truncate("x.bin", 4096)
     print("reading", flush=True)
     print(np.asarray(x)[-1].sum())
@@ -172,7 +173,7 @@ def test_a_file_rewritten_in_place_during_gathers_gives_errors_or_right_batches_
     import time
     x = make("x.bin", rows=2048, width=1024)  # 8 MiB
     expected = np.arange(2048 * 1024, dtype=np.float32)
-    ds = Arrays(x=x)
+    ds = Arrays(x=x, index_as="id")
     stop = threading.Event()
     def rewrite():
         while not stop.is_set():
@@ -207,7 +208,7 @@ def test_a_file_rewritten_in_place_during_gathers_gives_errors_or_right_batches_
 def test_a_deleted_path_under_an_intact_mapping_goes_on_working(tmp_path):
     path = tmp_path / "x.bin"
     np.arange(64 * 8, dtype=np.float32).tofile(path)
-    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(64, 8)))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(64, 8)), index_as="id")
     before = fastcollate.assemble(dataset.__getitems__(list(range(64))))["x"].clone()
     os.remove(path)
     assert torch.equal(dataset[1]["x"], before[1])
@@ -221,7 +222,7 @@ def test_a_deleted_path_under_an_intact_mapping_goes_on_working(tmp_path):
 def test_a_file_replaced_by_a_smaller_one_leaves_the_old_mapping_readable(tmp_path):
     path = tmp_path / "x.bin"
     np.arange(64 * 8, dtype=np.float32).tofile(path)
-    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(64, 8)))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(64, 8)), index_as="id")
     np.zeros(10, dtype=np.float32).tofile(tmp_path / "small.bin")
     os.replace(tmp_path / "small.bin", path)
     assert fastcollate.assemble(dataset.__getitems__([63]))["x"][0, -1] == 64 * 8 - 1
@@ -233,7 +234,7 @@ def test_a_file_replaced_under_its_path_is_read_as_made_or_refused_by_a_worker_t
 ):
     path = tmp_path / "x.bin"
     np.zeros((16, 4), dtype=np.float32).tofile(path)
-    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)), index_as="id")
     np.ones((16, 4), dtype=np.float32).tofile(tmp_path / "new.bin")
     os.replace(tmp_path / "new.bin", path)  # same size, other data
     assert dataset[0]["x"].sum() == 0
@@ -267,7 +268,7 @@ def test_a_ragged_column_owns_its_offsets_so_the_callers_later_changes_change_no
     offsets_torch = torch.arange(0, 101, 20)
     contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pack=True)}, packing=Packing())
     for offsets in (offsets_np, offsets_torch):
-        dataset = Arrays(t=Ragged(values, offsets))
+        dataset = Arrays(t=Ragged(values, offsets), index_as="id")
         offsets[1] = 100  # a row of all 100 values, if the column still read the caller's array
         offsets[2:] = 0  # and decreasing offsets
         assert dataset[0]["t"].tolist() == list(range(20))
@@ -278,7 +279,7 @@ def test_a_ragged_column_owns_its_offsets_so_the_callers_later_changes_change_no
 
 
 def test_an_op_error_on_a_column_names_the_column_and_the_row():
-    dataset = Arrays(t=Ragged(np.arange(10), np.array([0, 4, 10])))
+    dataset = Arrays(t=Ragged(np.arange(10), np.array([0, 4, 10])), index_as="id")
     dataset.columns["t"].offsets[1] = 11  # past the values: what a rewritten file of offsets could hold
     contract = Contract({"id": Field(kind="number"), "t": Field(shape=("T",), pad=0)})
     spans = r"^Arrays: column 't': row 0 \(batch position 0\) spans offsets 0\.\.11"
@@ -287,16 +288,16 @@ def test_an_op_error_on_a_column_names_the_column_and_the_row():
 
 
 def test_index_and_offset_errors_say_what_is_wrong_in_words_that_apply():
-    dataset = Arrays(a=np.arange(6))
+    dataset = Arrays(a=np.arange(6), index_as="id")
     with pytest.raises(IndexError, match=r"index 18446744073709551616 is out of range for a dataset of 6"):
         dataset.__getitems__([0, 2**64])
     with pytest.raises(IndexError, match=r"index -18446744073709551616 is out of range"):
         dataset.__getitems__([-(2**64)])
     offsets_words = r"offsets must be a torch.Tensor or a numpy array \(np.memmap included\), got list$"
     with pytest.raises(TypeError, match=offsets_words):
-        Arrays(t=Ragged(np.arange(4), [0, 2, 4]))
+        Arrays(t=Ragged(np.arange(4), [0, 2, 4]), index_as="id")
     with pytest.raises(TypeError, match=r"or fastcollate.Ragged, got list"):
-        Arrays(t=[1, 2])
+        Arrays(t=[1, 2], index_as="id")
 
 
 def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refused_with_the_way_out():
@@ -312,13 +313,13 @@ def test_token_budget_batches_that_cannot_be_shared_evenly_by_the_ranks_are_refu
 def test_a_pickled_dataset_refuses_a_new_file_even_on_the_old_inode_and_reads_one_written_in_place(tmp_path):
     path = tmp_path / "x.bin"
     np.ones(64, dtype=np.float32).tofile(path)
-    sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4))))
+    sent = pickle.dumps(Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)), index_as="id"))
     os.remove(path)  # a new file of the same size may get the freed inode number: its generation differs
     np.full(64, 7, dtype=np.float32).tofile(path)
     changed = r"column 'x': its path .*x\.bin now holds another file than the one the dataset was made from"
     with pytest.raises(MappedFileError, match=changed + r" \(then inode"):
         pickle.loads(sent)[0]
-    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)))
+    dataset = Arrays(x=np.memmap(path, dtype=np.float32, mode="r", shape=(16, 4)), index_as="id")
     sent = pickle.dumps(dataset)
     time.sleep(0.01)
     with open(path, "r+b") as f:  # in place: the same file, other bytes, as the dataset's own mapping sees
@@ -360,19 +361,19 @@ def test_a_memmap_whose_path_was_replaced_or_deleted_before_the_dataset_is_read_
     deleted = np.memmap(tmp_path / "gone.bin", dtype=np.float32, mode="r", shape=(16, 4))
     os.remove(tmp_path / "gone.bin")
     if map_files and os.access("/proc/self/map_files", os.R_OK):
-        dataset = Arrays(x=replaced)
+        dataset = Arrays(x=replaced, index_as="id")
         assert dataset[0]["x"].tolist() == [1.0] * 4, "the memmap's file, not the path's"
-        assert Arrays(x=deleted)[0]["x"].tolist() == [1.0] * 4
+        assert Arrays(x=deleted, index_as="id")[0]["x"].tolist() == [1.0] * 4
         stale = r"its path .*x\.bin named another file, or none, already when the dataset was made"
         with pytest.raises(MappedFileError, match=stale + ".*make the np.memmap again from the path"):
             pickle.loads(pickle.dumps(dataset))[0]
         return
     other = r"column 'x': its path .*x\.bin names another file than the np\.memmap maps .*make the memmap"
     with pytest.raises(MappedFileError, match=other):
-        Arrays(x=replaced)
+        Arrays(x=replaced, index_as="id")
     gone = r"column 'x': its file .*gone\.bin is no longer at its path .*keep the file in place until the"
     with pytest.raises(MappedFileError, match=gone):
-        Arrays(x=deleted)
+        Arrays(x=deleted, index_as="id")
 
 
 def test_running_out_of_descriptors_is_an_error_naming_the_column_and_the_limit(tmp_path):
@@ -383,7 +384,7 @@ def test_running_out_of_descriptors_is_an_error_naming_the_column_and_the_limit(
     kept = []
     try:
         for _ in range(100):
-            kept.append(Arrays(x=x))
+            kept.append(Arrays(x=x, index_as="id"))
     except MappedFileError as error:
         print("refused after", len(kept), error)
     """, tmp_path)
@@ -396,7 +397,7 @@ def test_a_sigbus_sent_by_another_process_is_not_taken_for_a_read_fault(tmp_path
     # kill -BUS goes to the handler that was there before fastcollate's: Python's, or the default (death).
     result = _run(_MAKE + """
     import signal
-    ds = Arrays(x=make("x.bin"))
+    ds = Arrays(x=make("x.bin"), index_as="id")
     signal.signal(signal.SIGBUS, lambda *_: print("python handler", flush=True))
     fastcollate.assemble(ds.__getitems__([0]))  # the guard's handler goes in front of Python's
     os.kill(os.getpid(), signal.SIGBUS)

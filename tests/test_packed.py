@@ -423,12 +423,12 @@ def test_an_arrays_batch_under_a_copy_is_gathered_and_a_labels_column_is_refused
             "labels": tokens(pack=True, separator=-100, copy_of="input_ids"),
         }
     )
-    dataset = Arrays(columns)
+    dataset = Arrays(columns, index_as="id")
     assert gather.gatherer(dataset, contract, "id") is not None  # the copy is its source's column again
     batch = assemble.using(contract)(dataset.__getitems__([2, 0]))
     assert batch["input_ids"].tolist() == [[8, 9, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 9, -100, 2]]
-    labelled = Arrays({**columns, "labels": Ragged(values.clone(), offsets)})
+    labelled = Arrays({**columns, "labels": Ragged(values.clone(), offsets)}, index_as="id")
     assert gather.gatherer(labelled, contract, "id") is None
     with pytest.raises(ContractKeyError) as raised:
         assemble.using(contract)(labelled.__getitems__([0, 1]))

@@ -39,7 +39,7 @@ def token_arrays(lengths, token_type_ids=False, dtype=torch.int64, seed=0):
     columns = {"input_ids": ids, "labels": Ragged(ids.values.clone(), ids.offsets)}
     if token_type_ids:
         columns["token_type_ids"] = ragged(lengths, dtype, seed=seed + 1, high=2)
-    return Arrays(columns)
+    return Arrays(columns, index_as="id")
 
 
 def packed_contract(keys=("input_ids", "labels"), dtype=torch.int64, separator=-100, **packing):
@@ -110,7 +110,7 @@ def test_uint16_tokens_are_cast_on_the_way_and_the_separator_written_in_the_fiel
 
 def test_a_packed_column_with_fixed_dims_after_the_token_dim_keeps_them():
     values = ragged([2, 1, 3], torch.float32, inner=(3,))
-    dataset = Arrays(embeddings=values)
+    dataset = Arrays(embeddings=values, index_as="id")
     contract = Contract({"id": Field(kind="number"),
                          "embeddings": Field(dtype=torch.float32, shape=("T", 3), pack=True, separator=0)})
     ours = gathered(dataset, [0, 1, 2], contract)
@@ -119,7 +119,7 @@ def test_a_packed_column_with_fixed_dims_after_the_token_dim_keeps_them():
 
 
 def test_a_packed_column_whose_rows_have_the_wrong_fixed_dims_is_named():
-    dataset = Arrays(embeddings=ragged([2, 1], torch.float32, inner=(4,)))
+    dataset = Arrays(embeddings=ragged([2, 1], torch.float32, inner=(4,)), index_as="id")
     contract = Contract({"id": Field(kind="number"),
                          "embeddings": Field(dtype=torch.float32, shape=("T", 3), pack=True)})
     with pytest.raises(ContractSizeError) as raised:
@@ -167,7 +167,7 @@ def test_a_range_is_checked_on_the_samples_own_tokens_and_names_the_sample_and_p
 @pytest.mark.parametrize("refusal", ["lengths differ", "over max_tokens", "no token"])
 def test_refused_batches_go_the_per_sample_way_and_get_its_errors(refusal):
     if refusal == "lengths differ":
-        dataset = Arrays(input_ids=ragged([3, 4, 5]), labels=ragged([3, 2, 5], seed=1))
+        dataset = Arrays(input_ids=ragged([3, 4, 5]), labels=ragged([3, 2, 5], seed=1), index_as="id")
         contract, error, sample = packed_contract(), ContractSizeError, 1
     elif refusal == "over max_tokens":
         dataset = token_arrays([6, 6, 6])
@@ -187,7 +187,7 @@ def test_refused_batches_go_the_per_sample_way_and_get_its_errors(refusal):
 
 
 def test_a_padded_field_naming_the_packed_dim_or_fixed_length_rows_go_the_per_sample_way():
-    rows = Arrays(input_ids=torch.arange(12).reshape(4, 3))
+    rows = Arrays(input_ids=torch.arange(12).reshape(4, 3), index_as="id")
     contract = Contract(
         {"id": Field(kind="number"), "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True)}
     )
@@ -239,7 +239,7 @@ def test_any_gathered_packed_batch_equals_the_walk_s(  # noqa: PLR0913 (hypothes
         column = Ragged(torch.randint(0, 100, (int(offsets[-1]),)).to(dtype), offsets)
         columns[f"f{k}"] = chunked(column, data.draw(cuts(len(lengths))))
         fields[f"f{k}"] = Field(dtype=dtype, shape=("T",), pack=True, separator=separator)
-    dataset = Arrays(columns)
+    dataset = Arrays(columns, index_as="id")
     packing = Packing(position_ids_start=start, seq_idx="seq_idx" if seq_idx else None)
     contract = Contract(fields, packing=packing)
     assert_same_batch(gathered(dataset, indices, contract), walked(dataset, indices, contract))
@@ -302,7 +302,7 @@ def test_opcheck_gather_packed_into_and_packed_positions_into():
 
 def test_a_float_column_cast_to_integers_goes_to_the_walk_which_refuses_nan_and_overflow():
     values = torch.tensor([1.5, float("nan"), 1e20, 2.0], dtype=torch.float64)
-    dataset = Arrays(input_ids=Ragged(values, np.array([0, 1, 4])))
+    dataset = Arrays(input_ids=Ragged(values, np.array([0, 1, 4])), index_as="id")
     for field in (Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.float64,)),
                   Field(dtype=torch.int64, shape=("T",), pad=0, cast_from=(torch.float64,))):
         contract = Contract({"id": Field(kind="number"), "input_ids": field})
@@ -318,7 +318,7 @@ def test_a_float_column_cast_to_integers_goes_to_the_walk_which_refuses_nan_and_
 ])
 def test_a_separator_the_column_s_own_dtype_cannot_hold_is_the_walk_s_error(dtype, separator):
     # No dtype declared: the field's dtype is the column's, known only at the batch.
-    dataset = Arrays(labels=Ragged(torch.ones(4, dtype=dtype), np.array([0, 2, 4])))
+    dataset = Arrays(labels=Ragged(torch.ones(4, dtype=dtype), np.array([0, 2, 4])), index_as="id")
     labels = Field(shape=("T",), pack=True, separator=separator)
     contract = Contract({"id": Field(kind="number"), "labels": labels})
     with pytest.raises(ContractValueError, match="separator value") as raised:
@@ -330,7 +330,7 @@ def test_a_separator_the_column_s_own_dtype_cannot_hold_is_the_walk_s_error(dtyp
                                                 (torch.uint32, torch.int64), (torch.uint8, torch.float16)])
 def test_an_unsigned_or_bool_column_cast_with_a_range_is_packed(source, target):
     values = torch.tensor([1, 0, 1, 1, 0]).to(source)
-    dataset = Arrays(input_ids=Ragged(values, np.array([0, 2, 5])))
+    dataset = Arrays(input_ids=Ragged(values, np.array([0, 2, 5])), index_as="id")
     field = Field(dtype=target, shape=("T",), pack=True, cast_from=(source,), range=(0, 2))
     contract = Contract({"id": Field(kind="number"), "input_ids": field})
     assert_same_batch(gathered(dataset, [1, 0], contract), walked(dataset, [1, 0], contract))
@@ -343,7 +343,7 @@ def test_an_unsigned_or_bool_column_cast_with_a_range_is_packed(source, target):
 ])
 @pytest.mark.parametrize("how", ["pack", "pad"])
 def test_ranges_are_compared_in_double_as_the_walk_compares_them(dtype, value, bounds, how):
-    dataset = Arrays(x=Ragged(torch.full((3,), value).to(dtype), np.array([0, 1, 3])))
+    dataset = Arrays(x=Ragged(torch.full((3,), value).to(dtype), np.array([0, 1, 3])), index_as="id")
     declared = dict(pack=True) if how == "pack" else dict(pad=0)
     field = Field(dtype=dtype, shape=("T",), range=bounds, **declared)
     contract = Contract({"id": Field(kind="number"), "x": field})
@@ -351,7 +351,7 @@ def test_ranges_are_compared_in_double_as_the_walk_compares_them(dtype, value, b
 
 
 def test_a_value_just_past_the_bound_in_double_is_refused_as_the_walk_refuses_it():
-    dataset = Arrays(x=Ragged(torch.tensor([2**62], dtype=torch.int64), np.array([0, 1])))
+    dataset = Arrays(x=Ragged(torch.tensor([2**62], dtype=torch.int64), np.array([0, 1])), index_as="id")
     contract = Contract({"id": Field(kind="number"), "x": Field(dtype=torch.int64, shape=("T",), pack=True,
                                                                  range=(0, 2**62 + 1))})
     with pytest.raises(ContractValueError) as gathered_error:
@@ -363,7 +363,7 @@ def test_a_value_just_past_the_bound_in_double_is_refused_as_the_walk_refuses_it
 
 @pytest.mark.parametrize("declared", [("T",), ("T", 3)])
 def test_packed_rows_of_other_fixed_dims_get_the_walk_s_message(declared):
-    dataset = Arrays(x=ragged([2, 1], inner=(4,)))
+    dataset = Arrays(x=ragged([2, 1], inner=(4,)), index_as="id")
     field = Field(dtype=torch.int64, shape=declared, pack=True)
     contract = Contract({"id": Field(kind="number"), "x": field})
     with pytest.raises(ContractSizeError) as gathered_error:
@@ -386,4 +386,4 @@ def test_the_gather_ops_refuse_an_out_that_is_their_own_source():
 
 def test_ragged_offsets_that_are_not_integers_are_refused():
     with pytest.raises(TypeError, match="offsets must be integers"):
-        Arrays(x=Ragged(torch.arange(10), np.array([0.0, 3.5, 10.0])))
+        Arrays(x=Ragged(torch.arange(10), np.array([0.0, 3.5, 10.0])), index_as="id")

@@ -241,7 +241,7 @@ def test_a_value_out_of_range_in_a_left_padded_row_is_named_alike_gathered_or_wa
     """The padding (-1 here) is no value of the sample's: only the sample's own positions are checked, at
     the end of its row."""
     values = torch.tensor([1, 2, 3, 4, 5, 60, 7])
-    dataset = Arrays(tokens=Ragged(values, np.array([0, 1, 4, 7])))
+    dataset = Arrays(tokens=Ragged(values, np.array([0, 1, 4, 7])), index_as="id")
     contract = Contract({"id": Field(kind="number"),
                          "tokens": Field(shape=("T",), pad=-1, range=(0, 50), padding_side="left",
                                          pad_to_multiple_of=4)})

@@ -64,7 +64,7 @@ def test_the_overflow_warning_points_at_the_line_that_collated(path):
     fields = {"id": fastcollate.Field(kind="number"), "x": fastcollate.Field(range=(0, 9))}
     contract = fastcollate.Contract(fields)
     collate = fastcollate.Assembler(contract if path == "refused after the overflow" else None, ring=ring)
-    dataset = fastcollate.Arrays(x=np.arange(10))
+    dataset = fastcollate.Arrays(x=np.arange(10), index_as="id")
     kept = collate(dataset.__getitems__([0, 1]))  # holds the only slot
     calls = {
         "walked": lambda: collate([{"id": 0, "x": 1}, {"id": 1, "x": 2}]),

@@ -389,7 +389,7 @@ def test_fetch_batches_hands_an_arrays_dataset_the_whole_index_array_and_gathers
     from torch.utils.data import default_collate
 
     features = torch.arange(4096 * 8, dtype=torch.float32).view(4096, 8)
-    dataset = fastcollate.Arrays(x=features, label=torch.arange(4096) % 5)
+    dataset = fastcollate.Arrays(x=features, label=torch.arange(4096) % 5, index_as="id")
     sampler = fastcollate.IndexBatches(
         len(dataset), 256, shuffle=True, generator=torch.Generator().manual_seed(0)
     )

@@ -157,8 +157,8 @@ def _as_stored(dtype: torch.dtype) -> torch.dtype:
 
 
 def _widened(dtype: torch.dtype) -> torch.dtype:
-    """The dtype Hugging Face's numpy (arrays) and torch formats give a stored dtype, and torch.tensor
-    gives Python's numbers: booleans stay booleans."""
+    """The dtype Hugging Face's numpy (arrays) and torch formats give a stored dtype, as torch.tensor gives
+    Python's numbers (Arrays refuses Arrow's booleans)."""
     if dtype.is_floating_point:
         return torch.float32
-    return dtype if dtype in (torch.bool, torch.complex64, torch.complex128) else torch.int64
+    return torch.int64

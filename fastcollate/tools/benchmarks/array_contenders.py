@@ -128,7 +128,7 @@ def with_threads(threads: int, epoch: Epoch) -> Epoch:
 
 def token_contenders(path: Path, block: int, batch: int, seed: int) -> dict:
     data = np.memmap(path, dtype=np.uint16, mode="r")
-    windows = TokenWindows(data, length=block, step=1)
+    windows = TokenWindows(data, length=block, step=1, index_as="id")  # ids, as the baseline yields
     contract = Contract(
         {
             "id": Field(kind="number"),

@@ -23,7 +23,8 @@ if cuda:
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4).to(device))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 generator = torch.Generator().manual_seed(0)  # the same arrays on every rank
-dataset = fastcollate.Arrays(x=torch.randn(1000, 16, generator=generator), y=torch.arange(1000) % 4, index_as="id")
+dataset = fastcollate.Arrays(x=torch.randn(1000, 16, generator=generator), y=torch.arange(1000) % 4,
+                             index_as="id")  # each sample's index as its id, for the audit
 shards = fastcollate.IndexBatches(len(dataset), 50, shuffle=True, seed=0, rank=dist.get_rank(),
                                   world_size=dist.get_world_size())
 batches = DataLoader(dataset, batch_sampler=shards, num_workers=2, collate_fn=fastcollate.assemble)

@@ -256,6 +256,19 @@ def test_a_map_style_dataset_that_swaps_a_sample_in_workers_is_flagged_as_lost_a
             assert c["runs"][0]["check"]["lost_ids"] == [3] and c["runs"][0]["check"]["duplicated_ids"] == [4]
 
 
+def test_arrays_without_ids_under_an_id_less_contract_and_a_list_collate_are_audited_by_the_ids_attached(
+    tmp_path,
+):
+    arguments = ["--steps", "2", "--warmup", "1", "--repeat", "1", "--workers", "0", "1", "--observation",
+                 "loader", "--no-progress", "--out", str(tmp_path)]
+    dataset = "tests.helpers.bench_datasets:arrays_with_own_collate_and_an_id_less_contract"
+    assert command.main(["--dataset", dataset, *arguments]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert len(result["configs"]) == 6
+    for c in result["configs"]:
+        assert c["ids_match_reference"] and c["ranked"] and c["lost"] == c["duplicated"] == 0, c["config"]
+
+
 def test_a_user_factory_returning_a_mapping_sets_the_batch_size(tmp_path):
     status = command.main(
         [

@@ -355,7 +355,8 @@ def test_on_a_gpu_the_batch_in_training_step_is_the_device_loaders_copy(made):
 
 def test_arrays_gathered_with_index_batches_reach_training_step_once_per_epoch(made):
     generator = torch.Generator().manual_seed(0)
-    dataset = fastcollate.Arrays(x=torch.randn(40, 4, generator=generator), y=torch.arange(40) % 2, index_as="id")
+    dataset = fastcollate.Arrays(x=torch.randn(40, 4, generator=generator), y=torch.arange(40) % 2,
+                                 index_as="id")
     train = DataLoader(dataset, batch_sampler=fastcollate.IndexBatches(40, 8, shuffle=True, seed=0),
                        collate_fn=fastcollate.assemble)
     model = Recorder()

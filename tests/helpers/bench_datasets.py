@@ -115,3 +115,22 @@ def tiny_with_device_transform_and_step() -> dict:
         "device_transforms": {"x": CountingCalls()},
         "step": lambda batch: None,
     }
+
+
+def own_collate(rows: list) -> dict:
+    """A user's own collate, which tells a batch of samples by ``isinstance(rows, list)`` as Hugging Face's
+    collators do, and passes every key through."""
+    assert isinstance(rows, list), f"a batch of samples is a list, got {type(rows).__name__}"
+    return {key: torch.stack([torch.as_tensor(row[key]) for row in rows]) for key in rows[0]}
+
+
+def arrays_with_own_collate_and_an_id_less_contract() -> dict:
+    """Arrays without ids, a user's own collate as the baseline, a contract that declares no id: the
+    bench attaches ids for its audit, and every configuration must still deliver every sample once."""
+    import fastcollate
+
+    dataset = fastcollate.Arrays(x=torch.arange(64.0), y=torch.arange(64) % 3)
+    contract = fastcollate.Contract(
+        {"x": fastcollate.Field(shape=()), "y": fastcollate.Field(kind="number")}, id=None
+    )
+    return {"dataset": dataset, "collate": own_collate, "contract": contract, "batch_size": 8}

@@ -349,10 +349,14 @@ def _preset_data(args: argparse.Namespace, device: torch.device) -> DataChoice:
 
 def _user_data(args: argparse.Namespace, notes: list[str]) -> DataChoice:
     user = load_factory_output(args.dataset, size=args.size, seed=args.seed)
-    dataset = user.dataset
+    dataset, contract = user.dataset, user.contract
     if not isinstance(dataset, IterableDataset) and not _has_id(dataset):
         dataset = fastcollate.with_ids(dataset)
         notes.append("samples have no 'id': fastcollate.with_ids attached dataset indices")
+        if contract is not None and "id" not in contract.fields:
+            # The ids are the bench's, for its audit: the contract takes them as it would the dataset's own.
+            fields = {"id": fastcollate.Field(kind="number"), **contract.fields}
+            contract = dataclasses.replace(contract, fields=fields, id="id")
     batching = loader_arguments(user, batch_size=args.batch_size, default_batch_size=256)
     return DataChoice(
         name=args.dataset,
@@ -361,7 +365,7 @@ def _user_data(args: argparse.Namespace, notes: list[str]) -> DataChoice:
         batch_size=batching.get("batch_size", 0),
         baseline_collate=user.collate or default_collate,
         assemble_fn=(
-            fastcollate.assemble.using(user.contract) if user.contract is not None else fastcollate.assemble
+            fastcollate.assemble.using(contract) if contract is not None else fastcollate.assemble
         ),
         device_transforms=dict(user.extra.get("device_transforms") or {}),
         make_step=(lambda: user.step) if user.step is not None else None,

@@ -109,6 +109,15 @@ def test_the_build_requires_no_torch_so_isolation_cannot_fetch_another():
     assert "torch" not in names(requires) and {"setuptools", "wheel", "ninja"} <= names(requires)
 
 
+def test_all_brings_every_feature_and_test_brings_all_and_the_bench():
+    extras = pyproject()["project"]["optional-dependencies"]
+    features = set(extras) - {"all", "bench", "test"}
+    assert features == {"hf", "resume", "ray", "lightning"}
+    (everything,) = extras["all"]
+    assert everything.startswith("fastcollate[") and set(everything[12:-1].split(",")) == features
+    assert "fastcollate[all,bench]" in extras["test"]
+
+
 def unbuilt_checkout(at: Path) -> Path:
     """A copy of the checkout's package without its compiled core, beside a setup.py."""
     skipped = shutil.ignore_patterns("_C*", "__pycache__")

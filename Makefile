@@ -89,7 +89,8 @@ demo: .stamp-build $(EXTRAS)
 	@echo; echo "3/4  data already in arrays: fastcollate.Arrays gathered by index, against the idiom and nanoGPT"
 	$(PY) benchmarks/array_ratios.py --cases tabular tokens $(ARRAY_ARGS) --no-targets \
 		--json bench-out-arrays/results.json
-	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf"
+	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf;"
+	@echo "     --quick: a tenth of the rows of the README's table, whose run is python benchmarks/hf_ratios.py"
 	$(PY) benchmarks/hf_ratios.py --quick --json bench-out-hf/results.json
 	@echo
 	@$(PY) benchmarks/demo_summary.py bench-out-workers bench-out-loader bench-out-arrays bench-out-hf

@@ -48,12 +48,12 @@ help:
 	touch $@
 
 # pip shows a build's own output only with -v: the whole log goes to .stamp-build.log, and what it does is
-# shown as it goes (scripts/build_progress.awk): the build's decisions (toolkit, architectures, CPU-only or
+# shown as it goes (scripts/build_progress.py): the build's decisions (toolkit, architectures, CPU-only or
 # CUDA), once each, then a line per compiled file; a build that printed no decision fails.
 .stamp-build: $(DEPS) $(SOURCES)
 	@echo "building fastcollate._C, a few minutes (the whole log: .stamp-build.log)"
 	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee .stamp-build.log \
-		| awk -f scripts/build_progress.awk \
+		| $(PY) scripts/build_progress.py \
 		|| { tail -n 60 .stamp-build.log; echo "the build failed: the whole log is .stamp-build.log"; exit 1; }
 	@grep -q "\[fastcollate build\]" .stamp-build.log \
 		|| { echo "the build printed none of its decisions: see .stamp-build.log"; exit 1; }

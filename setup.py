@@ -193,7 +193,17 @@ if USE_CUDA:
 else:
     extension_class = CppExtension
 say(f"sources: {' '.join(sources)}")
-say(f"compiling {len(sources)} files takes minutes (about 5 on 2 cores): a line per file")
+
+
+class BuildWithProgress(BuildExtension):
+    """torch's BuildExtension, saying what the compiling takes before it starts (only when it builds, not
+    each time setup.py runs)."""
+
+    def build_extensions(self) -> None:
+        say(f"compiling what changed of {len(sources)} files (all of them: minutes on a few cores); ninja "
+            "prints an [n/N] line as each one is done")
+        super().build_extensions()
+
 
 setup(
     ext_modules=[
@@ -206,5 +216,5 @@ setup(
             extra_link_args=link_flags,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildWithProgress.with_options(use_ninja=True)},
 )

@@ -6,9 +6,11 @@ SHELL := /bin/bash
 ifdef PYTHON
 PY := $(PYTHON)
 DEPS := .stamp-deps-external
+EXTRAS :=
 else
 PY := .venv/bin/python
 DEPS := .venv/.stamp-deps
+EXTRAS := .venv/.stamp-extras
 endif
 
 # Every C++ and CUDA file under csrc/, at any depth (collate/, fill/, memory/, ops/cpu/, ops/cuda/, memory/cuda/): a change
@@ -29,9 +31,16 @@ help:
 	@echo "make build     only build the extension"
 	@echo "make test-compat PYTHON=/path/to/python   the suite on a second interpreter and torch (not in CI)"
 
+# Before the build: torch and the build's tools (requirements.txt). After it: everything else the tests and
+# the demo need, which is the package's own `test` extra (pyproject.toml, the one list): pip reads it from the
+# installed package's metadata and installs only what is missing.
 .venv/.stamp-deps: requirements.txt
 	test -x .venv/bin/python || python3 -m venv .venv
 	.venv/bin/python -m pip install --quiet -r requirements.txt
+	touch $@
+
+.venv/.stamp-extras: .stamp-build pyproject.toml
+	.venv/bin/python -m pip install --quiet "fastcollate[test]"
 	touch $@
 
 .stamp-deps-external:
@@ -39,12 +48,12 @@ help:
 	touch $@
 
 # pip shows a build's own output only with -v: the whole log goes to .stamp-build.log, and what it does is
-# shown as it goes (scripts/build_progress.awk): the build's decisions (toolkit, architectures, CPU-only or
+# shown as it goes (scripts/build_progress.py): the build's decisions (toolkit, architectures, CPU-only or
 # CUDA), once each, then a line per compiled file; a build that printed no decision fails.
 .stamp-build: $(DEPS) $(SOURCES)
 	@echo "building fastcollate._C, a few minutes (the whole log: .stamp-build.log)"
 	@set -o pipefail; $(PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee .stamp-build.log \
-		| awk -f scripts/build_progress.awk \
+		| $(PY) scripts/build_progress.py \
 		|| { tail -n 60 .stamp-build.log; echo "the build failed: the whole log is .stamp-build.log"; exit 1; }
 	@grep -q "\[fastcollate build\]" .stamp-build.log \
 		|| { echo "the build printed none of its decisions: see .stamp-build.log"; exit 1; }
@@ -53,7 +62,7 @@ help:
 
 build: .stamp-build
 
-test: .stamp-build
+test: .stamp-build $(EXTRAS)
 	$(PY) -m pytest tests -q
 
 # First where the data path matters: pre-decoded images with workers (bound by moving bytes: shared slots
@@ -71,7 +80,7 @@ WORKER_ROUNDS := $(if $(findstring --quick,$(BENCH_ARGS)),3,5)
 ARRAY_ARGS := $(if $(findstring --quick,$(BENCH_ARGS)),--rounds 3 --rows 200000 --tokens 20000000,--rounds 5)
 # The Hugging Face part always runs --quick (a tenth of its rows, 3 rounds: 2-3 minutes on 2 cores);
 # benchmarks/hf_ratios.py alone runs the full sizes, in up to 15.
-demo: .stamp-build
+demo: .stamp-build $(EXTRAS)
 	@echo; echo "1/4  pre-decoded images through DataLoader workers: shared slots on and off, default_collate"
 	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds $(WORKER_ROUNDS) \
 		--json bench-out-workers/results.json --chart bench-out-workers/chart.png
@@ -80,25 +89,26 @@ demo: .stamp-build
 	@echo; echo "3/4  data already in arrays: fastcollate.Arrays gathered by index, against the idiom and nanoGPT"
 	$(PY) benchmarks/array_ratios.py --cases tabular tokens $(ARRAY_ARGS) --no-targets \
 		--json bench-out-arrays/results.json
-	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf"
+	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf;"
+	@echo "     --quick: a tenth of the rows of the README's table, whose run is python benchmarks/hf_ratios.py"
 	$(PY) benchmarks/hf_ratios.py --quick --json bench-out-hf/results.json
 	@echo
 	@$(PY) benchmarks/demo_summary.py bench-out-workers bench-out-loader bench-out-arrays bench-out-hf
 
-bench: .stamp-build
+bench: .stamp-build $(EXTRAS)
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \
 		--benchmark-autosave $(if $(COMPARE),--benchmark-compare)
 
-profile: .stamp-build
+profile: .stamp-build $(EXTRAS)
 	$(PY) -m fastcollate profile $(PROFILE_ARGS)
 
 # Hypothesis's statistics say how many examples each property ran (its event lines are left out).
-fuzz: .stamp-build
+fuzz: .stamp-build $(EXTRAS)
 	set -o pipefail; FASTCOLLATE_FUZZ_EXAMPLES=10000 FASTCOLLATE_EPOCHS=20 $(PY) -m pytest tests/test_fuzz.py \
 		tests/test_arrays.py tests/test_packed_arrays.py \
 		tests/test_lifetimes.py -q --hypothesis-show-statistics | grep -vE '^ +(\* |- Events:)'
 
-sanitize: $(DEPS)
+sanitize: $(DEPS) $(EXTRAS)
 	PYTHON=$(PY) bash scripts/sanitize.sh
 
 # Style checks (not part of make test: the tools are not among the dependencies). ruff and clang-format
@@ -119,6 +129,6 @@ test-compat:
 	$(PYTHON) -m pytest tests -q -p no:cacheprovider
 
 clean:
-	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps
+	rm -rf build *.egg-info fastcollate/_C*.so .stamp-* .venv/.stamp-deps .venv/.stamp-extras
 
 .PHONY: help build test test-compat demo bench profile fuzz sanitize lint clean

@@ -14,13 +14,53 @@ import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
 
+BUILD_COMMAND = "pip install -v --no-build-isolation ."  # -v: pip shows a build's output only with it
+
 
 def say(message: str) -> None:
     print(f"[fastcollate build] {message}", flush=True)
+
+
+def torch_outside_the_build_environment() -> bool:
+    """Whether this interpreter finds torch once pip's isolated build environment is taken away: pip
+    hides the interpreter's own site-packages behind PYTHONPATH and PYTHONNOUSERSITE."""
+    hidden_by_pip = ("PYTHONPATH", "PYTHONNOUSERSITE")
+    environment = {name: value for name, value in os.environ.items() if name not in hidden_by_pip}
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"
+    flags = ["-S"] if sys.flags.no_site else []
+    found = subprocess.run([sys.executable, *flags, "-c", probe], env=environment, capture_output=True)
+    return found.returncode == 0
+
+
+def stop_without_torch() -> None:
+    """The extension compiles against the torch it will run with, so that torch must be installed first
+    and visible to the build: an isolated build would fetch another torch (another version, CUDA or not)
+    and build a core that fails to load beside the user's."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "torch":  # torch is there but broken: its own error says why
+            raise
+        if torch_outside_the_build_environment():
+            sys.exit(
+                "[fastcollate build] torch is installed, but pip's isolated build cannot see it, and "
+                f"fastcollate compiles against the torch it runs with: build with `{BUILD_COMMAND}` "
+                "(setuptools, wheel and ninja installed; -v shows the progress)"
+            )
+        sys.exit(
+            "[fastcollate build] torch is not installed, and fastcollate compiles against the torch it runs "
+            "with: install it first (`pip install torch setuptools wheel ninja`; a CUDA build of torch: "
+            f"https://pytorch.org/get-started/locally/), then build beside it with `{BUILD_COMMAND}` (-v "
+            "shows the progress)"
+        )
+
+
+stop_without_torch()
 
 
 def _toolkit_root_from_nvcc(nvcc: str) -> str | None:
@@ -154,6 +194,17 @@ else:
     extension_class = CppExtension
 say(f"sources: {' '.join(sources)}")
 
+
+class BuildWithProgress(BuildExtension):
+    """torch's BuildExtension, saying what the compiling takes before it starts (only when it builds, not
+    each time setup.py runs)."""
+
+    def build_extensions(self) -> None:
+        say(f"compiling what changed of {len(sources)} files (all of them: minutes on a few cores); ninja "
+            "prints an [n/N] line as each one is done")
+        super().build_extensions()
+
+
 setup(
     ext_modules=[
         extension_class(
@@ -165,5 +216,5 @@ setup(
             extra_link_args=link_flags,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildWithProgress.with_options(use_ninja=True)},
 )

@@ -4,7 +4,8 @@
 
 Each folder holds the results.json its part wrote. Nothing is measured or judged here: the verdicts and
 ratios are read as written (``~``: not beyond the noise), so the summary claims only what this run
-measured. A part that wrote nothing is named as missing.
+measured. A part that wrote nothing is named as missing. The Hugging Face part, the one the README's table
+shows, has a line per worker count and says the rows it ran, and the full run's where they were fewer.
 """
 
 from __future__ import annotations
@@ -58,23 +59,40 @@ def arrays_line(report: dict) -> str:
     return "gathered by index over " + "; ".join(parts) if parts else "no case ran"
 
 
-def hf_line(report: dict) -> str:
-    """Arrays.from_hf over HF's own path without workers: each case's range over its batch sizes."""
-    parts = []
-    for case, result in report["cases"].items():
-        cells = [g["Arrays"] for g in result["groups"] if g["workers"] == 0 and "Arrays" in g]
-        if cells:
-            ratios = [c["ratio"] for c in cells]
-            mark = "" if all(c["clears_noise"] for c in cells) else f" {NOT_DIFFERENT}"
-            parts.append(f"{case} {min(ratios):.1f}-{max(ratios):.1f}x{mark}")
-    return "from_hf over HF's path at every batch size: " + ", ".join(parts) if parts else "no case ran"
+def hf_lines(report: dict) -> list[str]:
+    """Arrays.from_hf over HF's own path: at each worker count the run had, each case's range over its
+    batch sizes; then the rows each case ran and, where they are fewer (--quick), the full run's, which is
+    the README's table, and its command."""
+    cases = report["cases"]
+    if not cases:
+        return ["no case ran"]
+    lines = ["Arrays.from_hf over HF's path, min-max over the batch sizes"]
+    for workers in sorted({group["workers"] for result in cases.values() for group in result["groups"]}):
+        parts = []
+        for case, result in cases.items():
+            cells = [g["Arrays"] for g in result["groups"] if g["workers"] == workers and "Arrays" in g]
+            if cells:
+                parts.append(f"{case} {_span(cells)}")
+        lines.append(f"at {workers} workers: " + (", ".join(parts) or "no Arrays result"))
+    lines.append("rows: " + ", ".join(f"{case} {result['rows']:,}" for case, result in cases.items()))
+    if any(result["rows"] < result["full_rows"] for result in cases.values()):
+        full = ", ".join(f"{case} {result['full_rows']:,}" for case, result in cases.items())
+        lines.append(f"the README's table ran {full}: python benchmarks/hf_ratios.py")
+    return lines
+
+
+def _span(cells: list[dict]) -> str:
+    """The range of paired ratios (``ratio``, as hf_ratios.py keeps them), ``~`` when any is in the noise."""
+    low, high = (f"{r:.1f}" for r in (min(c["ratio"] for c in cells), max(c["ratio"] for c in cells)))
+    mark = "" if all(c["clears_noise"] for c in cells) else f" {NOT_DIFFERENT}"
+    return (f"{low}x" if low == high else f"{low}-{high}x") + mark
 
 
 PARTS = (
     ("workers, pre-decoded images", workers_line),
     ("bench, PIL-bound images", loader_line),
     ("arrays", arrays_line),
-    ("Hugging Face", hf_line),
+    ("Hugging Face", hf_lines),
 )
 
 
@@ -85,9 +103,13 @@ def summary(folders: list[Path]) -> list[str]:
             said = read(json.loads((folder / "results.json").read_text()))
         except (OSError, ValueError, LookupError, TypeError, AttributeError, StopIteration) as error:
             said = f"no result ({type(error).__name__}: {error})"
-        text = f"  {title}: {said}"
-        lines.append(text if len(text) <= WIDTH else text[: WIDTH - 3] + "...")
+        first, *more = [said] if isinstance(said, str) else said
+        lines += [_fit(f"  {title}: {first}"), *(_fit(f"    {line}") for line in more)]
     return lines
+
+
+def _fit(text: str) -> str:
+    return text if len(text) <= WIDTH else text[: WIDTH - 3] + "..."
 
 
 def main(argv: list[str]) -> int:

@@ -51,7 +51,7 @@ def missing_core(error: ImportError) -> str:
     if in_checkout:
         return (
             f"{what}. The current folder is the checkout, so Python imports its source folder: {build}, or, "
-            "with fastcollate installed by `pip install .`, run from another folder."
+            "with fastcollate installed by `pip install --no-build-isolation .`, run from another folder."
         )
     return f"{what}. From the source checkout, {build}."
 

@@ -1,5 +1,6 @@
-"""The summary ``make demo`` ends with: at most 5 lines of 100 columns, each part's verdict as its own run
-wrote it (ratios keep their ~), every output folder named, and a part that wrote nothing named missing."""
+"""The summary ``make demo`` ends with: lines of 100 columns at most, each part's verdict as its own run
+wrote it (ratios keep their ~), every output folder named, and a part that wrote nothing named missing; the
+Hugging Face part at each worker count it ran, with the rows it ran and the full run's where fewer."""
 
 from __future__ import annotations
 
@@ -44,20 +45,26 @@ def _folders(tmp_path: Path, monkeypatch, arrays_case: str = "tabular") -> list[
             "tokens": {"ratios": {"TokenWindows + assemble / nanoGPT get_batch":
                                   {"ratio": 1.04, "clears_noise": False}}}}}),
         _write(Path("bench-out-hf"), {"cases": {
-            "packed": {"groups": [{"workers": 0, "batch_size": 16, "Arrays": {**clear, "ratio": 10.23}},
-                                  {"workers": 0, "batch_size": 64, "Arrays": {**clear, "ratio": 28.6}},
-                                  {"workers": 2, "batch_size": 16, "Arrays": {**clear, "ratio": 13.9}}]},
-            "tabular": {"groups": [{"workers": 0, "batch_size": 256, "Arrays": {**clear, "ratio": 29.2}},
-                                   {"workers": 0, "batch_size": 4096, "Arrays": {"ratio": 1.2,
-                                                                                "clears_noise": False}},
-                                   {"workers": 0, "batch_size": 8192, "HF": {}}]}}}),
+            "packed": {"rows": 20_000, "full_rows": 200_000, "groups": [
+                {"workers": 0, "batch_size": 16, "Arrays": {**clear, "ratio": 10.23}},
+                {"workers": 2, "batch_size": 16, "Arrays": {**clear, "ratio": 10.04}},
+                {"workers": 0, "batch_size": 64, "Arrays": {**clear, "ratio": 28.6}},
+                {"workers": 2, "batch_size": 64, "Arrays": {**clear, "ratio": 12.1}}]},
+            "tabular": {"rows": 50_000, "full_rows": 500_000, "groups": [
+                {"workers": 0, "batch_size": 256, "Arrays": {**clear, "ratio": 29.2}},
+                {"workers": 2, "batch_size": 256, "Arrays": {**clear, "ratio": 21.0}},
+                {"workers": 0, "batch_size": 4096, "Arrays": {"ratio": 1.2, "clears_noise": False}},
+                {"workers": 2, "batch_size": 4096, "HF": {}}]}}}),
     ]
 
 
-def test_each_parts_result_as_written_with_its_marks_in_5_lines_of_100(tmp_path, monkeypatch):
+HF_FULL_RUN = "    the README's table ran packed 200,000, tabular 500,000: python benchmarks/hf_ratios.py"
+
+
+def test_each_parts_result_as_written_with_its_marks_in_lines_of_100(tmp_path, monkeypatch):
     folders = _folders(tmp_path, monkeypatch)
     lines = demo_summary.summary(folders)
-    assert len(lines) == 5 and all(len(line) <= 100 for line in lines), lines
+    assert all(len(line) <= 100 for line in lines), lines
     assert lines[0] == ("summary (~: within noise) of bench-out-workers/ bench-out-loader/ bench-out-arrays/ "
                         "bench-out-hf/")
     # the part's point at its most workers, not the overall fastest cell (on 2 cores a tie with workers=0)
@@ -68,8 +75,34 @@ def test_each_parts_result_as_written_with_its_marks_in_5_lines_of_100(tmp_path,
                         "1.04x ~ at 2 workers")
     assert lines[3] == ("  arrays: gathered by index over tabular 12.3x batched-index idiom; tokens 1.0x ~ "
                         "nanoGPT get_batch")
-    assert lines[4] == ("  Hugging Face: from_hf over HF's path at every batch size: packed 10.2-28.6x, "
-                        "tabular 1.2-29.2x ~")
+    assert lines[4:] == [
+        "  Hugging Face: Arrays.from_hf over HF's path, min-max over the batch sizes",
+        "    at 0 workers: packed 10.2-28.6x, tabular 1.2-29.2x ~",
+        "    at 2 workers: packed 10.0-12.1x, tabular 21.0x",  # a batch size with no Arrays cell is left out
+        "    rows: packed 20,000, tabular 50,000",
+        HF_FULL_RUN,
+    ]
+
+
+def test_a_hugging_face_run_at_full_size_names_no_other_run(tmp_path, monkeypatch):
+    folders = _folders(tmp_path, monkeypatch)
+    report = json.loads((folders[3] / "results.json").read_text())
+    for result in report["cases"].values():
+        result["rows"] = result["full_rows"]
+    (folders[3] / "results.json").write_text(json.dumps(report))
+    lines = demo_summary.summary(folders)
+    assert lines[-1] == "    rows: packed 200,000, tabular 500,000" and HF_FULL_RUN not in lines
+
+
+def test_a_worker_count_or_a_run_with_no_from_hf_result_says_so(tmp_path, monkeypatch):
+    folders = _folders(tmp_path, monkeypatch)
+    report = json.loads((folders[3] / "results.json").read_text())
+    for result in report["cases"].values():  # the Arrays path failed at 2 workers: HF's cells only
+        result["groups"] = [g if g["workers"] == 0 else {"workers": 2, "HF": {}} for g in result["groups"]]
+    (folders[3] / "results.json").write_text(json.dumps(report))
+    assert demo_summary.summary(folders)[6] == "    at 2 workers: no Arrays result"
+    (folders[3] / "results.json").write_text(json.dumps({"cases": {}}))
+    assert demo_summary.summary(folders)[4:] == ["  Hugging Face: no case ran"]
 
 
 def test_a_long_verdict_is_cut_to_the_width_and_a_missing_part_is_named(tmp_path, monkeypatch):
@@ -78,6 +111,7 @@ def test_a_long_verdict_is_cut_to_the_width_and_a_missing_part_is_named(tmp_path
     lines = demo_summary.summary(folders)
     assert len(lines[3]) == 100 and lines[3].endswith("...") and "nanoGPT" not in lines[3]
     assert lines[4].startswith("  Hugging Face: no result (FileNotFoundError") and len(lines[4]) <= 100
+    assert len(lines) == 5
 
 
 def test_a_part_whose_json_is_odd_or_empty_is_named_not_a_traceback(tmp_path, monkeypatch):

@@ -276,12 +276,24 @@ def options_exist(command: tuple[str, ...], line: str) -> None:
             assert choice in taken.group(1).split(","), f"{' '.join(command)} {option} does not take {choice}"
 
 
+def extras() -> set[str]:
+    found = re.search(r"^\[project\.optional-dependencies\]\n(.*?)^\[", (ROOT / "pyproject.toml").read_text(),
+                      re.M | re.S)
+    return set(re.findall(r"^([a-z][\w-]*) = ", found.group(1), re.M))
+
+
 def check_command(line: str) -> None:
     words = shlex.split(line)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         words.pop(0)  # an environment variable set for the command
     program, args = words[0], words[1:]
-    if program == "make":
+    if program == "pip" and args[0] == "install":
+        for arg in args[1:]:
+            named = re.fullmatch(r"(?:\.|fastcollate)\[([\w,-]+)\]", arg)  # ".[hf]", "fastcollate[ray]"
+            assert not named or set(named.group(1).split(",")) <= extras(), f"no such extra: {line}"
+    elif program in (".", "source") or (program in ("python", "python3") and args[:2] == ["-m", "venv"]):
+        pass  # making and entering a venv
+    elif program == "make":
         for target in (arg for arg in args if "=" not in arg):
             assert target in MAKE_TARGETS, f"the Makefile has no target {target}: {line}"
     elif program in ("python", "python3") and args[:2] == ["-m", "fastcollate"]:
@@ -299,13 +311,22 @@ def check_command(line: str) -> None:
         raise AssertionError(f"no check for the command {line!r}: add one to tests/test_docs_examples.py")
 
 
+def test_a_pip_line_naming_an_extra_pyproject_lacks_fails():
+    check_command('pip install -v --no-build-isolation ".[hf,resume]"')
+    check_command('pip install "fastcollate[all]"')
+    for line in ('pip install -v --no-build-isolation ".[hf,nope]"', 'pip install "fastcollate[nope]"'):
+        with pytest.raises(AssertionError, match="no such extra"):
+            check_command(line)
+
+
 def shell_blocks() -> list[tuple[str, str]]:
     return [(page, text) for page in PAGES for language, text in blocks(page) if language == "sh"]
 
 
 @pytest.mark.parametrize("page, text", shell_blocks(), ids=lambda value: value.split("\n")[0][:40])
 def test_the_commands_of_a_shell_block_name_what_exists(page, text):
-    commands = [line.split(" #", 1)[0].strip() for line in text.replace("\\\n", " ").splitlines()]
+    lines = [line.split(" #", 1)[0] for line in text.replace("\\\n", " ").splitlines()]
+    commands = [command.strip() for line in lines for command in line.split("&&")]
     commands = [command for command in commands if command and not command.startswith("#")]
     assert commands, f"{page}: a sh block without a command"
     for command in commands:

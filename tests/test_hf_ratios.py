@@ -38,7 +38,8 @@ def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):
         described = report["datasets"][name]
         assert described["rows"] == 600 and len(described["files"]) == hf_paths.SHARDS
         assert described["record_batches"] >= hf_paths.SHARDS  # one at least per file: mapped, not merged
-    for case in ("packed", "tabular"):
+    for case, full_rows in (("packed", 200_000), ("tabular", 500_000)):
+        assert (report["cases"][case]["rows"], report["cases"][case]["full_rows"]) == (600, full_rows)
         cost = report["cases"][case]["from_hf"]
         assert cost["rows"] == 600 and cost["pyarrow_allocated_bytes"] == 0  # the values are not copied
         assert 0 < cost["build_seconds"] and 0 < cost["pickled_bytes"] < 64 << 10 and cost["column_bytes"] > 0

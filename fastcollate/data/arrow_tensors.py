@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["alike", "is_tensor_type", "is_ragged", "plain_array", "plain_table"]
+__all__ = ["alike", "is_tensor_type", "is_ragged", "plain_array", "plain_table", "row_dims"]
 
 RAY_FIXED = frozenset({"ray.data.arrow_tensor", "ray.data.arrow_tensor_v2"})
 ARROW_FIXED = "arrow.fixed_shape_tensor"
@@ -33,6 +33,13 @@ def is_tensor_type(kind: Any) -> bool:
 def is_ragged(kind: Any) -> bool:
     """Whether ``kind`` is Ray's ragged tensor type."""
     return getattr(kind, "extension_name", None) == RAY_RAGGED
+
+
+def row_dims(kind: Any) -> list[int]:
+    """Each row's dims in a column of tensor type ``kind``, as its type gives them: -1 for every dim of a
+    ragged tensor, whose rows each store their own. What ``_C.ArrowGather`` reads a tensor column's storage
+    by (its metadata says the same, in a form of each library's own)."""
+    return [-1] * kind.ndim if is_ragged(kind) else [int(dim) for dim in kind.shape]
 
 
 def alike(first: Any, now: Any) -> bool:

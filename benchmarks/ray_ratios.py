@@ -4,7 +4,7 @@ per-batch cost, the ceiling), ``assemble(Arrays.from_arrow(table)...)`` and, whe
 ``fastcollate.ray.ArrowCollate``; each collate also alone, on the tables Ray hands it.
 
     python benchmarks/ray_ratios.py [--cases tabular packed tensor] [--rows 65536] [--batch-size 4096]
-                                    [--tensor-rows 262144] [--tensor-batch-sizes 256 4096] [--rounds 7]
+                                    [--tensor-rows 1048576] [--tensor-batch-sizes 256 4096] [--rounds 7]
                                     [--json PATH]
 
 Method. One local Ray (2 CPUs, no dashboard) holds the materialized datasets: tabular, 100 float32
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packed-batch", type=int, default=16, help="sequences a packed batch")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--tensor-batch-sizes", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--tensor-rows", type=int, default=262144, help="rows of the tensor data set")
+    parser.add_argument("--tensor-rows", type=int, default=1 << 20, help="rows of the tensor data set")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -182,3 +182,12 @@ def test_ragged_dims_after_the_first_that_vary_in_a_later_batch_are_named_with_t
         collate(points((2, 3), (4, 3), (1, 5)))
     with pytest.raises(ContractError, match="points"):
         collate(points((2, 4), (3, 4)))
+
+
+def test_rays_column_of_pickled_objects_is_refused_naming_it():
+    from ray.data.extensions import ArrowPythonObjectArray
+
+    objects = ArrowPythonObjectArray.from_objects([{"a": 1}, [1, 2], "x"])
+    table = pa.table({"blob": objects, "label": np.arange(3)})
+    with pytest.raises(TypeError, match="column 'blob' has the extension type .*pickled_object"):
+        ArrowCollate()(table)

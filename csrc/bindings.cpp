@@ -323,8 +323,11 @@ void bind_column_gather(py::module_& m) {
            py::arg("rows_of") = py::none())
       .def("plan", &ColumnGather::plan, py::arg("indices"));
   py::class_<ArrowGather>(m, "ArrowGather")
-      .def(py::init<std::vector<GatheredColumn>, std::vector<std::string>, std::string, std::string>(),
-           py::arg("columns"), py::arg("sources"), py::arg("id_key"), py::arg("who"))
+      .def(py::init<std::vector<GatheredColumn>, std::vector<std::string>,
+                    std::vector<std::optional<std::vector<int64_t>>>, const py::capsule&, std::string,
+                    std::string>(),
+           py::arg("columns"), py::arg("sources"), py::arg("tensor_dims"), py::arg("schema"), py::arg("id_key"),
+           py::arg("who"))
       .def("plan", &ArrowGather::plan, py::arg("stream"));
 }
 

@@ -36,9 +36,10 @@ _WHO = "fastcollate.ray.ArrowCollate"
 
 
 class _Layout:
-    """How the tables of one schema are gathered: an ``_C.ArrowGather``, or None when each of them goes the
-    per-sample way (a case of fastcollate.collate.gather.HANDED_TO_THE_WALK); and its tensor extension
-    columns, read as the plain columns of their storage."""
+    """How the tables of one schema are gathered: an ``_C.ArrowGather`` (which reads tensor extension
+    columns from their storage itself), or None when each of them goes the per-sample way (a case of
+    fastcollate.collate.gather.HANDED_TO_THE_WALK); and its tensor extension columns, which the per-sample
+    way reads as the plain columns of their storage."""
 
     __slots__ = ("gather", "ragged", "schema", "tensors")
 
@@ -126,7 +127,7 @@ class ArrowCollate(_ArrowBatchCollateFn):
         layout = self._layout_for(table)
         if layout.gather is None:
             return None
-        return layout.gather.plan(layout.plain(table).__arrow_c_stream__())
+        return layout.gather.plan(table.__arrow_c_stream__())
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
@@ -187,9 +188,14 @@ class ArrowCollate(_ArrowBatchCollateFn):
             arrays = arrow_columns.from_arrow(layout.plain(table), self.columns, watch=False, who=_WHO)
             chosen = gather.gathered_columns(arrays, self.contract)
             if chosen is not None:
+                sources = [names[key] for _, key in chosen]
                 layout.gather = _C.ArrowGather(
                     [column for column, _ in chosen],
-                    [names[key] for _, key in chosen],
+                    sources,
+                    tensor_dims=[
+                        arrow_tensors.row_dims(types[name]) if name in tensors else None for name in sources
+                    ],
+                    schema=table.schema.__arrow_c_schema__(),
                     id_key=self._assemble.id_key,
                     who=_WHO,
                 )

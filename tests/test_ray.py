@@ -173,3 +173,20 @@ def test_rays_tensor_columns_arrive_as_rows_and_padded_tokens(local_ray):
             assert tokens[:length].tolist() == rows[row] and not tokens[length:].any()
             seen.append(int(row))
     assert sorted(seen) == list(range(ROWS + 1))
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (0, 3)])
+def test_a_tensor_column_in_several_blocks_gives_rays_default_batches(local_ray, shape):
+    from ray.data.extensions import ArrowTensorArray
+
+    images = np.arange(ROWS * int(np.prod(shape)), dtype=np.float32).reshape(ROWS, *shape)
+    table = pa.table({"image": ArrowTensorArray.from_numpy(images), "label": np.arange(ROWS) % 10})
+    dataset = ray.data.from_arrow(table).repartition(5).materialize()
+    ours = list(dataset.iter_torch_batches(batch_size=40, collate_fn=ArrowCollate()))
+    rays = list(dataset.iter_torch_batches(batch_size=40))
+    assert [len(batch["label"]) for batch in ours] == [40, 40, 16]
+    for got, expected in zip(ours, rays, strict=True):
+        assert list(got) == list(expected)
+        for key, value in expected.items():
+            assert (got[key].dtype, got[key].shape) == (value.dtype, value.shape), key
+            assert torch.equal(got[key], value), key

@@ -1,15 +1,18 @@
 // A whole Arrow table as one batch, read through the Arrow C stream interface (a pyarrow.Table's
 // __arrow_c_stream__): each record batch's column buffers are viewed where they lie (slices at any offset,
-// any number of chunks), then gathered by a ColumnGather in order, with the columns and contract rules that
-// fastcollate.gather chose for the first table of this schema. One native call a batch, no Python per
-// column: what fastcollate.ray's collate runs for each table Ray hands it.
+// any number of chunks), tensor extension columns through their storage (csrc/collate/arrow_tensors.h),
+// then gathered by a ColumnGather in order, with the columns and contract rules that fastcollate.gather
+// chose for the first table of this schema. One native call a batch, no Python per column: what
+// fastcollate.ray's collate runs for each table Ray hands it.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "collate/arrow_tensors.h"
 #include "collate/column_gather.h"
 
 namespace fastcollate {
@@ -18,9 +21,12 @@ class ArrowGather {
  public:
   // `columns`: how each output key is gathered (as gather.gathered_columns chose them; their chunks are
   // only read for the dtype and inner dims every later table must have). `sources`: the table column each
-  // reads. `who` leads the errors.
-  ArrowGather(std::vector<GatheredColumn> columns, std::vector<std::string> sources, std::string id_key,
-              std::string who);
+  // reads. `tensor_dims`: for a tensor extension column, its rows' dims as its type gives them (-1 where
+  // each row stores its own); none for a plain column. `schema`: the first table's (a capsule
+  // "arrow_schema"), whose tensor columns' types every later table's must be. `who` leads the errors.
+  ArrowGather(std::vector<GatheredColumn> columns, std::vector<std::string> sources,
+              std::vector<std::optional<std::vector<int64_t>>> tensor_dims, const py::capsule& schema,
+              std::string id_key, std::string who);
 
   // The plan of every row of the stream's table (a capsule "arrow_array_stream", consumed), or None when
   // the table holds no row or a column is not laid out as the first table's was (the caller collates it
@@ -30,6 +36,8 @@ class ArrowGather {
  private:
   std::vector<GatheredColumn> columns_;
   std::vector<std::string> sources_;
+  std::vector<std::optional<TensorReading>> tensors_;  // how each tensor column is read; none for the others
+  std::vector<std::string> metadata_;                  // each column's field metadata in the first table
   std::vector<std::vector<int64_t>> inner_;  // each column's dims after its first, as the first table's
   std::vector<at::ScalarType> stored_;       // each column's stored dtype, as the first table's
   std::string id_key_;

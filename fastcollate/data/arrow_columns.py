@@ -348,7 +348,9 @@ def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
             )
         shape = array.type.shape  # Hugging Face's Array2D..Array5D: each row's dims (the first may be None)
         array = array.storage
-    levels: list[tuple[np.ndarray | None, int | None]] = []  # each list level: (offsets, fixed length)
+    # Each list level: (offsets, fixed length, rows). Its rows are kept: lists of a zero-size dim hold no
+    # value, so their values do not tell how many there are.
+    levels: list[tuple[np.ndarray | None, int | None, int]] = []
     node = array
     while (
         pa.types.is_list(node.type)
@@ -356,17 +358,17 @@ def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
         or pa.types.is_fixed_size_list(node.type)
     ):
         if pa.types.is_fixed_size_list(node.type):
-            levels.append((None, node.type.list_size))
+            levels.append((None, node.type.list_size, len(node)))
             node = _fixed_values(node)
         else:
             fixed = shape[len(levels)] if shape is not None and len(levels) < len(shape) else None
-            levels.append((node.offsets.to_numpy(zero_copy_only=True), fixed))
+            levels.append((node.offsets.to_numpy(zero_copy_only=True), fixed, len(node)))
             node = node.values
     leaf = _leaf(where, node, array.type)
     for depth in reversed(range(len(levels))):
-        offsets, fixed = levels[depth]
+        offsets, fixed, rows = levels[depth]
         if offsets is None:
-            leaf = leaf.reshape(-1, fixed, *leaf.shape[1:])
+            leaf = leaf.reshape(rows, fixed, *leaf.shape[1:])
             continue
         within = leaf[offsets[0] : offsets[-1]]
         if fixed is None and depth == 0:
@@ -384,7 +386,7 @@ def _piece(key: str, array: Any, who: str, start: int) -> np.ndarray | Ragged:
                 "row's first dim may vary (ragged). Declare the inner lengths with a feature "
                 "(Sequence(length=k), Array2D(shape=(None, k))) or flatten the column"
             )
-        leaf = within.reshape(-1, fixed, *leaf.shape[1:])
+        leaf = within.reshape(rows, fixed, *leaf.shape[1:])
     return leaf
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["alike", "is_tensor_type", "is_ragged", "plain_array", "plain_table"]
+__all__ = ["alike", "is_tensor_type", "is_ragged", "plain_array", "plain_table", "row_dims"]
 
 RAY_FIXED = frozenset({"ray.data.arrow_tensor", "ray.data.arrow_tensor_v2"})
 ARROW_FIXED = "arrow.fixed_shape_tensor"
@@ -33,6 +33,13 @@ def is_tensor_type(kind: Any) -> bool:
 def is_ragged(kind: Any) -> bool:
     """Whether ``kind`` is Ray's ragged tensor type."""
     return getattr(kind, "extension_name", None) == RAY_RAGGED
+
+
+def row_dims(kind: Any) -> list[int]:
+    """Each row's dims in a column of tensor type ``kind``, as its type gives them: -1 for every dim of a
+    ragged tensor, whose rows each store their own. What ``_C.ArrowGather`` reads a tensor column's storage
+    by (its metadata says the same, in a form of each library's own)."""
+    return [-1] * kind.ndim if is_ragged(kind) else [int(dim) for dim in kind.shape]
 
 
 def alike(first: Any, now: Any) -> bool:
@@ -81,6 +88,7 @@ def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) ->
     table, for the row an error names; ``ragged``: fixed-shape tensors as ragged rows that share a length."""
     kind = array.type
     storage = array.storage
+    rows = len(storage)
     mask = storage.is_null() if storage.null_count else None
     if kind.extension_name in RAY_FIXED:
         shape = tuple(kind.shape)
@@ -92,8 +100,8 @@ def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) ->
                 f"{where} ({kind}) holds {int(offsets[row + 1] - offsets[row])} values in row {start + row}, "
                 f"where its shape {shape} holds {size}: the column is corrupt; make it again"
             )
-        values = storage.values.slice(int(offsets[0]), len(storage) * size)
-        return _as_ragged(values, shape, len(storage), mask) if ragged else _rows(values, shape, mask)
+        values = storage.values.slice(int(offsets[0]), rows * size)
+        return _as_ragged(values, shape, rows, mask) if ragged else _rows(values, shape, rows, mask)
     if kind.extension_name == ARROW_FIXED:
         shape = tuple(kind.shape)
         permutation = kind.permutation
@@ -104,21 +112,33 @@ def plain_array(array: Any, where: str, start: int = 0, ragged: bool = False) ->
                 "(FixedShapeTensorArray.from_numpy_ndarray of a C-contiguous array)"
             )
         size = storage.type.list_size
-        values = storage.values.slice(storage.offset * size, len(storage) * size)
-        return _as_ragged(values, shape, len(storage), mask) if ragged else _rows(values, shape, mask)
+        values = storage.values.slice(storage.offset * size, rows * size)
+        return _as_ragged(values, shape, rows, mask) if ragged else _rows(values, shape, rows, mask)
     return _ragged(storage, kind.ndim, where, start, mask)
 
 
-def _rows(values: Any, shape: tuple[int, ...], mask: Any) -> Any:
-    """Flat ``values`` as rows of ``shape``: fixed-size lists nested one a dim."""
+def _rows(values: Any, shape: tuple[int, ...], rows: int, mask: Any) -> Any:
+    """Flat ``values`` as ``rows`` rows of ``shape``: fixed-size lists nested one a dim."""
     import pyarrow as pa
     import pyarrow.compute  # noqa: F401  (pa.compute)
 
     if not shape:  # a tensor of no dim: one number a row
         return values if mask is None else pa.compute.if_else(mask, pa.scalar(None, values.type), values)
-    for size in reversed(shape[1:]):
-        values = pa.FixedSizeListArray.from_arrays(values, size)
-    return pa.FixedSizeListArray.from_arrays(values, shape[0], mask=mask)
+    for depth in reversed(range(1, len(shape))):
+        values = _fixed_size_lists(values, shape[depth], rows * int(np.prod(shape[:depth])), None)
+    return _fixed_size_lists(values, shape[0], rows, mask)
+
+
+def _fixed_size_lists(values: Any, size: int, count: int, mask: Any) -> Any:
+    """``count`` fixed-size lists of ``size`` of ``values``. Lists of no value (a zero-size dim) are made
+    from their buffers: pyarrow's from_arrays refuses a size of 0, since no values tell their count."""
+    import pyarrow as pa
+    import pyarrow.compute  # noqa: F401  (pa.compute)
+
+    if size:
+        return pa.FixedSizeListArray.from_arrays(values, size, mask=mask)
+    validity = None if mask is None else pa.compute.invert(mask).buffers()[1]
+    return pa.Array.from_buffers(pa.list_(values.type, 0), count, [validity], children=[values])
 
 
 def _as_ragged(values: Any, shape: tuple[int, ...], rows: int, mask: Any) -> Any:
@@ -127,7 +147,7 @@ def _as_ragged(values: Any, shape: tuple[int, ...], rows: int, mask: Any) -> Any
     import pyarrow as pa
 
     offsets = pa.array(np.arange(rows + 1, dtype=np.int64) * shape[0])
-    return pa.LargeListArray.from_arrays(offsets, _rows(values, shape[1:], None), mask=mask)
+    return pa.LargeListArray.from_arrays(offsets, _rows(values, shape[1:], rows * shape[0], None), mask=mask)
 
 
 def _ragged(storage: Any, ndim: int, where: str, start: int, mask: Any) -> Any:
@@ -155,9 +175,10 @@ def _ragged(storage: Any, ndim: int, where: str, start: int, mask: Any) -> Any:
         )
     offsets = data.offsets.to_numpy()
     first = int(offsets[0])
-    values = _rows(data.values.slice(first, int(offsets[-1]) - first), tuple(inner.tolist()), None)
     starts = np.zeros(len(dims) + 1, dtype=np.int64)
     np.cumsum(dims[:, 0], out=starts[1:])
+    flat = data.values.slice(first, int(offsets[-1]) - first)
+    values = _rows(flat, tuple(inner.tolist()), int(starts[-1]), None)
     if mask is not None:
         mask = pa.compute.or_(mask, data.is_null())
     return pa.LargeListArray.from_arrays(pa.array(starts), values, mask=mask)

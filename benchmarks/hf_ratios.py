@@ -118,7 +118,7 @@ NAMES = {
         "HF": "DataCollatorWithFlattening",
         "swapped": "collate swapped: assemble.using(contract)",
         "Arrays": "Arrays.from_hf + assemble.using(contract)",
-        "stored": "the same, stored_dtypes=True (int32 cast_from)",
+        "stored": "the same, stored_dtypes=True",
     },
     "tabular": {
         "HF": 'with_format("torch") + default collate',

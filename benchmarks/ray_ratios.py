@@ -5,7 +5,7 @@ per-batch cost, the ceiling), ``assemble(Arrays.from_arrow(table)...)`` and, whe
 
     python benchmarks/ray_ratios.py [--cases tabular packed tensor] [--rows 65536] [--batch-size 4096]
                                     [--tensor-rows 1048576] [--tensor-batch-sizes 256 4096] [--rounds 7]
-                                    [--json PATH]
+                                    [--malloc fixed|default] [--json PATH]
 
 Method. One local Ray (2 CPUs, no dashboard) holds the materialized datasets: tabular, 100 float32
 columns and an int64 label; packed, token lists; tensor, ``--tensor-rows`` rows of one column of Ray's
@@ -15,8 +15,10 @@ every row) for every contender, in a freshly shuffled order (seeded); the first 
 in the JSON, left out of the medians). Rows/s is wall clock from ``iter_torch_batches`` to the last
 batch. The collate-alone figures time each collate on the same tables Ray handed out (captured once:
 zero-copy slices of its blocks). A ratio is the median of the per-round ratios, min-max beside, ``~``
-unless it clears the noise (``fastcollate.tools.bench.ratios``). One torch thread; glibc's malloc as it
-comes.
+unless it clears the noise (``fastcollate.tools.bench.ratios``). One torch thread. glibc's mmap threshold
+fixed at 64 MiB in the main process, where Ray calls the collate (``--malloc fixed``, as array_ratios.py
+and hf_ratios.py run: a fresh batch-sized buffer is then reused heap memory, not a fresh mapping), or
+left as glibc sets it (``--malloc default``): the header and the JSON say which ran.
 
 In the tensor case Ray's default is the collate ``iter_torch_batches`` makes when given none on the CPU
 (``DefaultCollateFn(combine_chunks=True)``), passed in so that it also runs alone; and through Ray every
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 import fastcollate
+from fastcollate.tools.bench.malloc import samples_on_the_heap
 from fastcollate.tools.bench.ratios import paired_ratio
 from fastcollate.tools.benchmarks.report_header import header_line, report_header
 
@@ -261,12 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-batch-sizes", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--tensor-rows", type=int, default=1 << 20, help="rows of the tensor data set")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--malloc", choices=("fixed", "default"), default="fixed",
+                        help="glibc's mmap threshold fixed at 64 MiB in this process, or glibc's defaults")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import pyarrow.compute as pc
     import ray
 
     torch.set_num_threads(1)
+    if args.malloc == "fixed":
+        samples_on_the_heap()
     batches = args.batches or args.rows // args.batch_size
     header = report_header()
     print(header_line(header))

@@ -5,6 +5,7 @@ TestDefaultCollate*): their semantics, written here for assemble.
 """
 
 import collections
+import json
 from collections import namedtuple
 from collections.abc import Mapping, Sequence
 
@@ -293,6 +294,90 @@ def test_an_extra_key_is_an_error_not_silently_dropped():
     with pytest.raises(KeyError) as caught:
         assemble(batch)
     assert caught.value.sample_id == 1 and caught.value.field == "z"
+
+
+def records_with_keys_made_anew(count=4):
+    """Dicts as json.loads hands them out record by record: equal keys, a new str object in each sample."""
+    records = [json.loads(f'{{"id": {i}, "score": {i / 2}, "meta": {{"name": "r{i}", "tokens": [1, 2]}}}}')
+               for i in range(count)]
+    for record in records:
+        # An f-string key ("pixels_0" in every sample, id % 1 being 0): a new str in every sample too.
+        record[f"pixels_{record['id'] % 1}"] = torch.full((2, 3), float(record["id"]))
+    assert records[0].keys() == records[1].keys()
+    assert all(a is not b for a, b in zip(records[0], records[1], strict=True)), "keys must not be shared"
+    return records
+
+
+def test_keys_made_anew_in_every_sample_collate_as_shared_keys_do():
+    records = records_with_keys_made_anew()
+    got = check(records)
+    shared_keys = [{key: record[key2] for key, key2 in zip(records[0], record, strict=True)}
+                   for record in records]
+    assert_same(got, assemble(shared_keys))
+    assert all(a is b for a, b in zip(got, records[0], strict=True))  # the batch's keys are sample 0's
+
+
+def test_keys_made_anew_in_another_order_are_looked_up():
+    records = records_with_keys_made_anew()
+    records[2] = dict(reversed(list(records[2].items())))
+    check(records)
+
+
+def test_keys_made_anew_name_the_sample_that_lacks_one_or_has_another():
+    records = records_with_keys_made_anew()
+    del records[2]["score"]
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (2, "score")
+    records = records_with_keys_made_anew()
+    records[3]["extra"] = 1
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (3, "extra")
+    records = records_with_keys_made_anew()
+    records[1]["scorE"] = records[1].pop("score")  # same length and count: only the characters differ
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (1, "score")
+
+
+class FoldedKey(str):
+    """A key equal to any other FoldedKey with the same characters in any case."""
+
+    def __eq__(self, other):
+        return isinstance(other, str) and self.lower() == other.lower()
+
+    def __hash__(self):
+        return hash(self.lower())
+
+
+class NeverEqualKey(str):
+    """A key equal to nothing but itself, whatever its characters."""
+
+    def __eq__(self, other):
+        return self is other
+
+    __hash__ = str.__hash__
+
+
+def test_str_subclass_keys_are_compared_by_their_own_eq():
+    batch = [{FoldedKey("X"): torch.zeros(2), "id": 0}, {FoldedKey("x"): torch.ones(2), "id": 1}]
+    got = check(batch)  # equal by FoldedKey.__eq__ only, as default_collate's lookup finds them
+    assert type(next(iter(got))) is FoldedKey
+    batch = [{NeverEqualKey("x"): torch.zeros(2), "id": 0}, {NeverEqualKey("x"): torch.ones(2), "id": 1}]
+    with pytest.raises(KeyError):
+        default_collate(batch)
+    with pytest.raises(KeyError) as caught:
+        assemble(batch)  # the same characters, but not equal: not matched by its characters
+    assert (caught.value.sample_id, caught.value.field) == (1, "x")
+
+
+def test_non_str_keys_made_anew_in_every_sample():
+    # Parsed from text in each sample: equal keys, new objects.
+    batch = [{int("100000000000000000000"): torch.full((2,), float(i)), ("pair", int("7")): i,
+              float("2.5"): float(i)} for i in range(3)]
+    assert all(a is not b for a, b in zip(batch[0], batch[1], strict=True))
+    check(batch)
 
 
 def test_sequences_of_different_lengths_raise_runtime_error():

@@ -6,6 +6,7 @@ TestDefaultCollate*): their semantics, written here for assemble.
 
 import collections
 import json
+import re
 from collections import namedtuple
 from collections.abc import Mapping, Sequence
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from fastcollate import ContractError, assemble
+import fastcollate
+from fastcollate import Contract, ContractError, Field, assemble
 
 
 def assert_same(ours, theirs, path="batch"):
@@ -387,6 +389,63 @@ def test_sequences_of_different_lengths_raise_runtime_error():
     with pytest.raises(RuntimeError) as caught:
         assemble(batch)
     assert isinstance(caught.value, ContractError) and caught.value.position == 1
+
+
+PADDED_FIELD = re.compile(
+    r"assemble\.using\(fastcollate\.Contract\(\{'(?P<key>[^']+)': "
+    r"(?P<field>fastcollate\.Field\(.*\)), \.\.\.\}\)\)"
+)
+
+
+@pytest.mark.parametrize(
+    ("batch", "declared"),
+    [
+        ([{"x": [1, 2, 3]}, {"x": [1]}], 'fastcollate.Field(dtype=torch.int64, shape=("T",), pad=0)'),
+        ([{"x": [0.5]}, {"x": [0.5, 1.5]}], 'fastcollate.Field(dtype=torch.float64, shape=("T",), pad=0)'),
+        ([{"id": i, "x": torch.ones(3 - i)} for i in range(2)],
+         'fastcollate.Field(dtype=torch.float32, shape=("T",), pad=0)'),
+        ([{"x": torch.ones(2, 3, dtype=torch.int32)}, {"x": torch.ones(2, 1, dtype=torch.int32)}],
+         'fastcollate.Field(dtype=torch.int32, shape=(2, "T"), pad=0)'),
+        ([{"x": torch.ones(4, 3)}, {"x": torch.ones(2, 1)}],
+         'fastcollate.Field(dtype=torch.float32, shape=("T0", "T1"), pad=0)'),
+    ],
+    ids=["int-lists", "float-lists", "tensors-with-ids", "tensors-2d", "tensors-two-dims"],
+)
+def test_a_ragged_field_points_to_the_padded_field_that_takes_it(batch, declared):
+    with pytest.raises(Exception) as theirs:
+        default_collate(batch)
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    error = caught.value
+    # default_collate's class (RuntimeError): code that catches it around default_collate still works.
+    assert isinstance(error, RuntimeError) and isinstance(error, type(theirs.value))
+    assert (error.field, error.position) == ("x", 1)
+    assert error.sample_id == (1 if "id" in batch[0] else None)
+    if isinstance(batch[0]["x"], list):
+        assert "Each element in list of batch should be of equal size" in str(error)  # default_collate's
+    match = PADDED_FIELD.search(str(error))
+    assert match and match["field"] == declared, str(error)
+    # The declaration it gives pads this very batch.
+    field = eval(match["field"], {"fastcollate": fastcollate, "torch": torch})  # noqa: S307 - our own message
+    ids = {"id": Field(kind="number")} if "id" in batch[0] else {}
+    padded = assemble.using(Contract({match["key"]: field, **ids}, id="id" if ids else None))(batch)
+    assert padded["x_lengths"].shape[0] == 2 and not padded["x_mask"].all()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [torch.ones(2), torch.ones(3)],  # the sample itself: a padded field goes in a dict, beside its mask
+        [[1, 2, 3], [1]],
+        [{"x": torch.ones(2, 3)}, {"x": torch.ones(2)}],  # another rank: no padding makes it fit
+        [{"x": ["a", "b"]}, {"x": ["a"]}],  # strings: no padded field takes them
+    ],
+    ids=["tensor-samples", "list-samples", "other-rank", "strings"],
+)
+def test_a_misfit_no_padding_takes_suggests_none(batch):
+    with pytest.raises(RuntimeError) as caught:
+        assemble(batch)
+    assert isinstance(caught.value, ContractError) and "Field(" not in str(caught.value)
 
 
 def test_a_different_type_in_a_later_sample_is_named():

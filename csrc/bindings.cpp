@@ -165,6 +165,21 @@ void bind_shared_slots(py::module_& m) {
           },
           py::arg("nbytes"), py::arg("bound"), py::arg("loader") = 0, py::arg("loader_workers") = 0)
       .def("count_fresh_fallback", &SharedSlots::count_fresh_fallback)
+      .def(
+          "written_fields",
+          [](SharedSlots& pool) {
+            py::dict out;
+            for (const auto& [where, fields] : pool.written_fields()) {
+              py::list listed;
+              for (const auto& field : fields) {
+                listed.append(py::make_tuple(field.offset, field.nbytes, field.key));
+              }
+              out[py::make_tuple(where.first, where.second)] = listed;
+            }
+            return out;
+          },
+          "{(slot, sequence number): [(offset, nbytes, key), ...]}: the fields of this process's last write "
+          "into each slot")
       .def("undeliver", &SharedSlots::undeliver, py::arg("slot"), py::arg("seq"))
       .def(
           "receive",
@@ -188,6 +203,13 @@ void bind_shared_slots(py::module_& m) {
       "SLOT_KIND_NONE: not a shared slot; SLOT_KIND_WRITING: a worker's view of the slot it writes; "
       "SLOT_KIND_RECEIVED: a batch received from a worker; SLOT_KIND_PAGE_LOCKED: the same, page-locked");
   m.def("deliver_slot_tensor", &deliver_slot_tensor, py::arg("tensor"));
+  m.def(
+      "received_slot_of",
+      [](const at::Tensor& tensor) -> py::object {
+        const std::vector<int64_t> where = received_slot_of(tensor);
+        return where.empty() ? py::object(py::none()) : py::object(py::make_tuple(where[0], where[1], where[2]));
+      },
+      py::arg("tensor"), "(pool token, slot, sequence number) of a tensor received over a slot; None for any other");
 }
 
 // ---- the collate side: contract fields, plans, the walk's collator, the column gather ----

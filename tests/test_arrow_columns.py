@@ -357,6 +357,23 @@ def test_an_ipc_file_a_memory_mapped_table_and_parquet_read_the_same(tmp_path):
         pickle.dumps(Arrays.from_arrow(mapped))
 
 
+def test_a_path_that_is_no_ipc_file_names_its_reader_and_keeps_pyarrows_words_as_the_cause(tmp_path):
+    table = pa.table({"x": list(range(1000))})
+    parquet, whole, cut = tmp_path / "data.parquet", tmp_path / "whole.arrow", tmp_path / "cut.arrow"
+    pq.write_table(table, str(parquet))
+    with pa.OSFile(str(whole), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    for path, reader in ((parquet, "It is a Parquet file: read it with pyarrow.parquet.read_table(path)"),
+                         (cut, "It begins as an Arrow IPC file does, so it may be cut short or damaged")):
+        with pytest.raises(ValueError) as caught:
+            Arrays.from_arrow(str(path))
+        message, cause = str(caught.value), caught.value.__cause__
+        assert message.startswith(f"Arrays.from_arrow: {path} is not an Arrow IPC file. {reader}"), message
+        assert isinstance(cause, pa.ArrowInvalid) and "metadata bytes" in str(cause)
+        assert str(cause) not in message and "metadata bytes" not in message
+
+
 def test_an_extension_type_of_unknown_layout_is_refused():
     ids = pa.ExtensionArray.from_storage(pa.uuid(), pa.array([b"0" * 16, b"1" * 16], pa.binary(16)))
     with pytest.raises(TypeError, match="column 't' has the extension type .* whose layout Arrays does not"):

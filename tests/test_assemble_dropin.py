@@ -5,6 +5,8 @@ TestDefaultCollate*): their semantics, written here for assemble.
 """
 
 import collections
+import json
+import re
 from collections import namedtuple
 from collections.abc import Mapping, Sequence
 
@@ -13,7 +15,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from fastcollate import ContractError, assemble
+import fastcollate
+from fastcollate import Contract, ContractError, Field, assemble
 
 
 def assert_same(ours, theirs, path="batch"):
@@ -295,6 +298,90 @@ def test_an_extra_key_is_an_error_not_silently_dropped():
     assert caught.value.sample_id == 1 and caught.value.field == "z"
 
 
+def records_with_keys_made_anew(count=4):
+    """Dicts as json.loads hands them out record by record: equal keys, a new str object in each sample."""
+    records = [json.loads(f'{{"id": {i}, "score": {i / 2}, "meta": {{"name": "r{i}", "tokens": [1, 2]}}}}')
+               for i in range(count)]
+    for record in records:
+        # An f-string key ("pixels_0" in every sample, id % 1 being 0): a new str in every sample too.
+        record[f"pixels_{record['id'] % 1}"] = torch.full((2, 3), float(record["id"]))
+    assert records[0].keys() == records[1].keys()
+    assert all(a is not b for a, b in zip(records[0], records[1], strict=True)), "keys must not be shared"
+    return records
+
+
+def test_keys_made_anew_in_every_sample_collate_as_shared_keys_do():
+    records = records_with_keys_made_anew()
+    got = check(records)
+    shared_keys = [{key: record[key2] for key, key2 in zip(records[0], record, strict=True)}
+                   for record in records]
+    assert_same(got, assemble(shared_keys))
+    assert all(a is b for a, b in zip(got, records[0], strict=True))  # the batch's keys are sample 0's
+
+
+def test_keys_made_anew_in_another_order_are_looked_up():
+    records = records_with_keys_made_anew()
+    records[2] = dict(reversed(list(records[2].items())))
+    check(records)
+
+
+def test_keys_made_anew_name_the_sample_that_lacks_one_or_has_another():
+    records = records_with_keys_made_anew()
+    del records[2]["score"]
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (2, "score")
+    records = records_with_keys_made_anew()
+    records[3]["extra"] = 1
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (3, "extra")
+    records = records_with_keys_made_anew()
+    records[1]["scorE"] = records[1].pop("score")  # same length and count: only the characters differ
+    with pytest.raises(KeyError) as caught:
+        assemble(records)
+    assert (caught.value.sample_id, caught.value.field) == (1, "score")
+
+
+class FoldedKey(str):
+    """A key equal to any other FoldedKey with the same characters in any case."""
+
+    def __eq__(self, other):
+        return isinstance(other, str) and self.lower() == other.lower()
+
+    def __hash__(self):
+        return hash(self.lower())
+
+
+class NeverEqualKey(str):
+    """A key equal to nothing but itself, whatever its characters."""
+
+    def __eq__(self, other):
+        return self is other
+
+    __hash__ = str.__hash__
+
+
+def test_str_subclass_keys_are_compared_by_their_own_eq():
+    batch = [{FoldedKey("X"): torch.zeros(2), "id": 0}, {FoldedKey("x"): torch.ones(2), "id": 1}]
+    got = check(batch)  # equal by FoldedKey.__eq__ only, as default_collate's lookup finds them
+    assert type(next(iter(got))) is FoldedKey
+    batch = [{NeverEqualKey("x"): torch.zeros(2), "id": 0}, {NeverEqualKey("x"): torch.ones(2), "id": 1}]
+    with pytest.raises(KeyError):
+        default_collate(batch)
+    with pytest.raises(KeyError) as caught:
+        assemble(batch)  # the same characters, but not equal: not matched by its characters
+    assert (caught.value.sample_id, caught.value.field) == (1, "x")
+
+
+def test_non_str_keys_made_anew_in_every_sample():
+    # Parsed from text in each sample: equal keys, new objects.
+    batch = [{int("100000000000000000000"): torch.full((2,), float(i)), ("pair", int("7")): i,
+              float("2.5"): float(i)} for i in range(3)]
+    assert all(a is not b for a, b in zip(batch[0], batch[1], strict=True))
+    check(batch)
+
+
 def test_sequences_of_different_lengths_raise_runtime_error():
     batch = [[torch.zeros(1), 1], [torch.zeros(1), 1, 2]]
     with pytest.raises(RuntimeError):
@@ -302,6 +389,63 @@ def test_sequences_of_different_lengths_raise_runtime_error():
     with pytest.raises(RuntimeError) as caught:
         assemble(batch)
     assert isinstance(caught.value, ContractError) and caught.value.position == 1
+
+
+PADDED_FIELD = re.compile(
+    r"assemble\.using\(fastcollate\.Contract\(\{'(?P<key>[^']+)': "
+    r"(?P<field>fastcollate\.Field\(.*\)), \.\.\.\}\)\)"
+)
+
+
+@pytest.mark.parametrize(
+    ("batch", "declared"),
+    [
+        ([{"x": [1, 2, 3]}, {"x": [1]}], 'fastcollate.Field(dtype=torch.int64, shape=("T",), pad=0)'),
+        ([{"x": [0.5]}, {"x": [0.5, 1.5]}], 'fastcollate.Field(dtype=torch.float64, shape=("T",), pad=0)'),
+        ([{"id": i, "x": torch.ones(3 - i)} for i in range(2)],
+         'fastcollate.Field(dtype=torch.float32, shape=("T",), pad=0)'),
+        ([{"x": torch.ones(2, 3, dtype=torch.int32)}, {"x": torch.ones(2, 1, dtype=torch.int32)}],
+         'fastcollate.Field(dtype=torch.int32, shape=(2, "T"), pad=0)'),
+        ([{"x": torch.ones(4, 3)}, {"x": torch.ones(2, 1)}],
+         'fastcollate.Field(dtype=torch.float32, shape=("T0", "T1"), pad=0)'),
+    ],
+    ids=["int-lists", "float-lists", "tensors-with-ids", "tensors-2d", "tensors-two-dims"],
+)
+def test_a_ragged_field_points_to_the_padded_field_that_takes_it(batch, declared):
+    with pytest.raises(Exception) as theirs:
+        default_collate(batch)
+    with pytest.raises(ContractError) as caught:
+        assemble(batch)
+    error = caught.value
+    # default_collate's class (RuntimeError): code that catches it around default_collate still works.
+    assert isinstance(error, RuntimeError) and isinstance(error, type(theirs.value))
+    assert (error.field, error.position) == ("x", 1)
+    assert error.sample_id == (1 if "id" in batch[0] else None)
+    if isinstance(batch[0]["x"], list):
+        assert "Each element in list of batch should be of equal size" in str(error)  # default_collate's
+    match = PADDED_FIELD.search(str(error))
+    assert match and match["field"] == declared, str(error)
+    # The declaration it gives pads this very batch.
+    field = eval(match["field"], {"fastcollate": fastcollate, "torch": torch})  # noqa: S307 - our own message
+    ids = {"id": Field(kind="number")} if "id" in batch[0] else {}
+    padded = assemble.using(Contract({match["key"]: field, **ids}, id="id" if ids else None))(batch)
+    assert padded["x_lengths"].shape[0] == 2 and not padded["x_mask"].all()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [torch.ones(2), torch.ones(3)],  # the sample itself: a padded field goes in a dict, beside its mask
+        [[1, 2, 3], [1]],
+        [{"x": torch.ones(2, 3)}, {"x": torch.ones(2)}],  # another rank: no padding makes it fit
+        [{"x": ["a", "b"]}, {"x": ["a"]}],  # strings: no padded field takes them
+    ],
+    ids=["tensor-samples", "list-samples", "other-rank", "strings"],
+)
+def test_a_misfit_no_padding_takes_suggests_none(batch):
+    with pytest.raises(RuntimeError) as caught:
+        assemble(batch)
+    assert isinstance(caught.value, ContractError) and "Field(" not in str(caught.value)
 
 
 def test_a_different_type_in_a_later_sample_is_named():

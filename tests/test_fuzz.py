@@ -167,6 +167,16 @@ def _tensor(dtype, shape, layout, generator, i):
     return value
 
 
+def made_anew(key: Any) -> Any:
+    """An equal key as a new object (as json.loads makes one per record): a one-character str and a small
+    int stay the one object Python keeps for them."""
+    if isinstance(key, str):
+        return key.encode().decode()
+    if isinstance(key, int):
+        return int(str(key))
+    return key
+
+
 def build(spec, i: int, seed: int) -> Any:
     """Sample ``i``'s value for ``spec``; deterministic in (spec, i, seed)."""
     kind = spec[0]
@@ -211,7 +221,9 @@ def build(spec, i: int, seed: int) -> Any:
     if kind == "object":
         return object()
     if kind in ("dict", "ordered", "plain", "frozen"):
-        items = [(key, build(child, i, seed + 7 * n)) for n, (key, child) in enumerate(spec[1])]
+        # Every second sample's keys are equal objects made anew, as parsed records' are.
+        items = [(made_anew(key) if i % 2 else key, build(child, i, seed + 7 * n))
+                 for n, (key, child) in enumerate(spec[1])]
         types = {"dict": dict, "ordered": collections.OrderedDict, "plain": Plain, "frozen": FrozenMap}
         mapping_type = types[kind]
         return mapping_type(items)

@@ -287,7 +287,7 @@ def test_an_image_or_audio_column_is_refused_as_encoded_media_with_how_to_decode
 
 def test_from_arrow_given_a_parquet_or_json_path_says_which_reader_opens_it(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "t.parquet")
-    with pytest.raises(ValueError, match=r"t.parquet is not an Arrow IPC file .*Parquet file: read it with "
+    with pytest.raises(ValueError, match=r"t.parquet is not an Arrow IPC file\. .*Parquet file: read it with "
                                          r"pyarrow.parquet.read_table\(path\)"):
         Arrays.from_arrow(str(tmp_path / "t.parquet"))
     for name, text in (("t.jsonl", '{"x": 1}\n'), ("t.csv", "x\n1\n")):

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Assembler, DeviceLoader, assemble
 from fastcollate._ext import _C
+from fastcollate.transfer.kept_fields import held_by_kept_fields
 from fastcollate.transfer.worker_slots import SlotPool
 from tests.conftest import CUDA
 from tests.helpers.fault_datasets import HangsAt, Numbered
@@ -167,6 +168,62 @@ def test_kept_batches_are_never_overwritten_and_a_full_pool_falls_back_with_one_
     warned = done.stderr.count("fastcollate: all 2 shared slots are held (")
     assert 1 <= warned <= 2, done.stderr  # once per worker that found them full
     assert "by batches the main process still holds" in done.stderr and "max_shared_slots" in done.stderr
+    assert "held only by fields" not in done.stderr  # whole batches hold the slots, not fields kept from them
+
+
+KEPT_IDS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from torch.utils.data import DataLoader
+    from fastcollate import assemble
+    from tests.helpers.fault_datasets import Numbered
+    collate = assemble.using(max_shared_slots=2)
+    loader = DataLoader(Numbered(80, shape=(64,)), batch_size=8, num_workers=2, collate_fn=collate,
+                        timeout=60)
+    ids = [batch["id"] for batch in loader]
+    assert [i for batch in ids for i in batch.tolist()] == list(range(80))
+""")
+
+
+def test_ids_kept_from_each_batch_are_named_as_what_holds_the_slots():
+    # The loop keeps each batch's ids and drops the rest: a batch of 2 KiB stays whole in its slot, so the
+    # ids alone hold it. The workers' warning says a kept field can; the main process names 'id'.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", KEPT_IDS.format(root=root)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "A field kept from a batch under 1 MiB (an id or a label kept for metrics) holds" in done.stderr
+    named = [line for line in done.stderr.splitlines() if "held only by fields" in line]
+    assert len(named) == 1, done.stderr  # once, from the main process
+    assert "dropped: 'id' (" in named[0] and "'x'" not in named[0], named[0]
+
+
+def test_a_slot_held_only_by_a_kept_field_is_counted_under_its_key():
+    pool = SlotPool.create(4)
+    native = pool.native
+    samples = [{"id": i, "x": torch.full((16,), float(i))} for i in range(4)]
+    plan = _C.Collator("id", [], False).plan(samples)
+    written = plan.execute(claimed(native, plan.nbytes, 4), small_fields_apart=False)
+    fields = native.written_fields()
+    ((slot, seq), laid_out), = fields.items()
+    assert [key for _, _, key in laid_out] == ["id", "x"]
+    places = [(t.storage_offset() * t.element_size(), t.nbytes) for t in (written["id"], written["x"])]
+    assert [(offset, nbytes) for offset, nbytes, _ in laid_out] == places
+    token, slot, seq, nbytes, _ = _C.deliver_slot_tensor(written["id"])  # the batch is sent
+    received = {key: native.receive(slot, seq, nbytes, t.dtype, t.storage_offset(), list(t.shape),
+                                    list(t.stride()), -1) for key, t in written.items()}
+    del written
+    assert _C.received_slot_of(received["x"]) == (native.token, slot, seq)
+    assert _C.received_slot_of(torch.zeros(2)) is None
+    assert not held_by_kept_fields(native.token, fields)  # the whole batch alive: the batch holds its slot
+    first_id = received["id"][:1]  # a view of a field is that field
+    del received
+    assert held_by_kept_fields(native.token, fields) == {"id": 1}
+    assert not held_by_kept_fields(native.token + 1, fields)  # another pool's slots
+    del first_id
+    gc.collect()
+    assert native.stats().free == 4
 
 
 def test_a_worker_killed_mid_write_leaves_no_slot_descriptor_or_name_behind():

@@ -15,6 +15,11 @@ namespace fastcollate {
 
 namespace {
 
+// A padded field's declaration (padded_field) among the others of the contract the hint suggests.
+std::string in_a_contract(const std::string& padded) {
+  return "assemble.using(fastcollate.Contract({" + padded + ", ...}))";
+}
+
 // Where in a sample a value is: its position, not the value (sample contents may be sensitive).
 std::string at_flat_position(int64_t flat) {
   return flat < 0 ? "" : " at flat position " + std::to_string(flat);
@@ -263,9 +268,15 @@ Violation not_a_sequence_like_first(const std::string& type) {
   return Violation{"type", "a sequence (like sample 0)", type, ""};
 }
 
-Violation sequence_length_misfit(int64_t first, int64_t got) {
+Violation sequence_length_misfit(int64_t first, int64_t got, const std::string& padded) {
+  // default_collate's words first: what code written for its RuntimeError may look for.
+  std::string hint = "each element in list of batch should be of equal size";
+  if (!padded.empty()) {
+    hint += "; to pad such lists to the batch's longest instead, declare the field padded in a contract: " +
+            in_a_contract(padded);
+  }
   return Violation{"size", std::to_string(first) + " elements (as sample 0)", std::to_string(got) + " elements",
-                   "each element in list of batch should be of equal size"};
+                   hint};
 }
 
 Violation padded_in_sequence(const std::string& container) {
@@ -326,11 +337,38 @@ Violation not_dense(const at::Tensor& value) {
                    ""};
 }
 
-Violation shape_unlike_first(at::IntArrayRef first, at::IntArrayRef got, bool has_contract) {
-  return Violation{"size", "shape " + shape_string(first) + " (as sample 0)", "shape " + shape_string(got),
-                   has_contract ? "declare the field's shape with named variable dims and a pad"
-                                : "Resize or crop it in the transform, or declare the conversion or padding in a "
-                                  "Contract"};
+Violation shape_unlike_first(at::IntArrayRef first, at::IntArrayRef got, bool has_contract,
+                             const std::string& padded) {
+  std::string hint;
+  if (has_contract) {
+    hint = "declare the field's shape with named variable dims and a pad" + (padded.empty() ? "" : ": " + padded);
+  } else if (padded.empty()) {
+    hint = "resize or crop it in the transform, or declare the conversion or padding in a Contract";
+  } else {
+    hint = "resize or crop it in the transform, or pad it to the batch's longest with a contract: " +
+           in_a_contract(padded);
+  }
+  return Violation{"size", "shape " + shape_string(first) + " (as sample 0)", "shape " + shape_string(got), hint};
+}
+
+std::string padded_field(const std::string& path, at::ScalarType dtype, at::IntArrayRef first, at::IntArrayRef got) {
+  if (path.empty() || first.size() != got.size()) {
+    return "";
+  }
+  const auto differ = [&](size_t d) { return first[d] != got[d]; };
+  size_t named = 0;
+  for (size_t d = 0; d < first.size(); ++d) {
+    named += differ(d) ? 1 : 0;
+  }
+  std::string shape = "(";
+  size_t name = 0;
+  for (size_t d = 0; d < first.size(); ++d) {
+    shape += d > 0 ? ", " : "";
+    shape += !differ(d) ? std::to_string(first[d]) : named == 1 ? "\"T\"" : "\"T" + std::to_string(name++) + "\"";
+  }
+  shape += first.size() == 1 ? ",)" : ")";
+  return py::repr(py::str(path)).cast<std::string>() + ": fastcollate.Field(dtype=" + dtype_string(dtype) +
+         ", shape=" + shape + ", pad=0)";
 }
 
 Violation named_dim_unlike_first(const std::string& name, int64_t first, int64_t size) {

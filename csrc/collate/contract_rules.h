@@ -84,7 +84,8 @@ Violation copied_key_in_sample(const std::string& copy_of);
 Violation unsupported_value(const std::string& type);
 Violation not_a_mapping_like_first(const std::string& type);
 Violation not_a_sequence_like_first(const std::string& type);
-Violation sequence_length_misfit(int64_t first, int64_t got);
+// `padded`: the declaration that pads such samples (padded_field below), or "" where none can.
+Violation sequence_length_misfit(int64_t first, int64_t got, const std::string& padded);
 Violation padded_in_sequence(const std::string& container);
 Violation packed_in_sequence(const std::string& container);
 Violation batch_past_memory(at::IntArrayRef shape, at::ScalarType dtype);
@@ -100,7 +101,13 @@ Violation numpy_of_kind(char kind);
 // torch.as_tensor refused the sample (`kind` follows the error's class, `message` is its first line).
 Violation as_tensor_refusal(const std::string& kind, const std::string& message, bool array);
 Violation not_dense(const at::Tensor& value);
-Violation shape_unlike_first(at::IntArrayRef first, at::IntArrayRef got, bool has_contract);
+Violation shape_unlike_first(at::IntArrayRef first, at::IntArrayRef got, bool has_contract,
+                             const std::string& padded);
+// The declaration that pads the field at `path` whose samples differ in size (`first` against `got`), as
+// hints write it: 'x': fastcollate.Field(dtype=..., shape=(...), pad=0), the dims that differ named ("T";
+// "T0", "T1", ... when several), the others fixed. "" where padding cannot take them: the sample itself
+// (a padded field goes in a dict, its mask and lengths beside it) or sizes of another rank.
+std::string padded_field(const std::string& path, at::ScalarType dtype, at::IntArrayRef first, at::IntArrayRef got);
 Violation named_dim_unlike_first(const std::string& name, int64_t first, int64_t size);
 
 // Number fields: Python numbers of the declared dtype's kind, or 0-d tensors (an Arrays column's element).

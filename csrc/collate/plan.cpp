@@ -13,6 +13,7 @@
 #include "collate/node.h"
 #include "fill/packed_rows.h"
 #include "fill/padded_rows.h"
+#include "memory/shared_slots.h"
 
 namespace fastcollate {
 
@@ -186,6 +187,42 @@ void collect_jobs(Node& node, CopyJobs& jobs) {
   }
 }
 
+// A field made as a view of `storage` (make_views), as the worker writing a shared slot remembers it.
+void add_view(const Node& node, const at::Storage& storage, const std::string& key, std::vector<WrittenField>& out) {
+  if (node.out.defined() && node.out.storage().unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) {
+    out.push_back({node.out.storage_offset() * static_cast<int64_t>(node.out.element_size()),
+                   static_cast<int64_t>(node.out.nbytes()), key});
+  }
+}
+
+// The batch's fields that are views of `storage`, with the keys build_output gives them.
+void view_fields(const Node& node, const at::Storage& storage, std::vector<WrittenField>& out) {
+  for (const auto& child : node.children) {
+    view_fields(*child, storage, out);
+  }
+  if (node.kind == Node::Kind::Tensor || node.kind == Node::Kind::Numbers) {
+    add_view(node, storage, node.path, out);
+  }
+  const std::string parent = parent_path(node.path);
+  if (node.padded) {
+    if (node.mask) {
+      add_view(*node.mask, storage, child_path(parent, node.mask_name), out);
+    }
+    if (!node.lengths_name.empty()) {
+      add_view(*node.lengths, storage, child_path(parent, node.lengths_name), out);
+    }
+  }
+  if (node.position_ids) {
+    add_view(*node.position_ids, storage, child_path(parent, node.position_ids_name), out);
+  }
+  if (node.seq_idx) {
+    add_view(*node.seq_idx, storage, child_path(parent, node.seq_idx_name), out);
+  }
+  if (node.cu_seq_lens && !node.cu_seq_lens_names.empty()) {
+    add_view(*node.cu_seq_lens, storage, child_path(parent, node.cu_seq_lens_names[0]), out);
+  }
+}
+
 py::object build_output(Node& node) {
   const PythonRefs& refs = python_refs();
   switch (node.kind) {
@@ -290,6 +327,11 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
     }
   } release{*this};
   views_ = make_views(*root, storage, offset, small_fields_apart ? static_cast<int64_t>(total_bytes_) : 0);
+  if (writes_a_slot(storage)) {
+    std::vector<WrittenField> fields;
+    view_fields(*root, storage, fields);
+    remember_written_fields(storage, std::move(fields));
+  }
   CopyJobs jobs;
   collect_jobs(*root, jobs);
   {

@@ -3,7 +3,9 @@
 #include "collate/walk.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
+#include <optional>
 
 #include "collate/messages.h"
 #include "collate/plan.h"
@@ -125,33 +127,96 @@ std::vector<py::object> keys_of(PyObject* elem, bool is_dict) {
   return keys;
 }
 
+// Whether a sample's dict key is sample 0's key at the same place, told without running Python code:
+// the same object, or two exact strs. Keys made anew in every sample (parsed JSON, f-strings) are equal
+// strings at other addresses, one comparison per key per sample: they are compared by their characters
+// here, as str.__eq__ compares them, since Python's generic == (its dispatch, a bool object) made such a
+// batch a third slower than one whose samples share their keys. Anything else (a str subclass, which
+// may define __eq__; an int, a tuple) is left to Python's ==.
+enum class KeyMatch { kSame, kDifferent, kAskPython };
+
+KeyMatch match_without_python(PyObject* key, PyObject* first) {
+  if (key == first) {
+    return KeyMatch::kSame;
+  }
+  bool plain_strs = PyUnicode_CheckExact(key) && PyUnicode_CheckExact(first);
+#if PY_VERSION_HEX < 0x030C0000
+  // Before 3.12 a str made through the old wchar_t API may not hold its characters in canonical form yet.
+  plain_strs = plain_strs && PyUnicode_IS_READY(key) && PyUnicode_IS_READY(first);
+#endif
+  if (!plain_strs) {
+    return KeyMatch::kAskPython;
+  }
+  const Py_ssize_t length = PyUnicode_GET_LENGTH(key);
+  const int kind = PyUnicode_KIND(key);
+  const bool same = length == PyUnicode_GET_LENGTH(first) && kind == PyUnicode_KIND(first) &&
+                    std::memcmp(PyUnicode_DATA(key), PyUnicode_DATA(first), static_cast<size_t>(length) * kind) == 0;
+  return same ? KeyMatch::kSame : KeyMatch::kDifferent;
+}
+
+// `value`, held, when `key` == `first` by Python's ==; null when not. Both are held across the comparison:
+// a key's __eq__ may remove the entry from its dict.
+py::object value_if_equal_by_python(PyObject* key, PyObject* value, PyObject* first) {
+  const py::object held_key = py::reinterpret_borrow<py::object>(key);
+  py::object held_value = py::reinterpret_borrow<py::object>(value);
+  const int equal = PyObject_RichCompareBool(key, first, Py_EQ);
+  if (equal < 0) {
+    throw py::error_already_set();
+  }
+  return equal == 1 ? held_value : py::object();
+}
+
 // Fast path: a dict whose keys come in sample 0's order (the usual case: one code path made every
 // sample) is read in one PyDict_Next pass with no hashing; what does not line up stays null. Value k of
 // sample i is at k * count + i.
 std::vector<py::object> values_in_key_order(const std::vector<PyObject*>& items, const std::vector<py::object>& keys) {
   const size_t count = items.size();
   std::vector<py::object> in_order(keys.size() * count);
+  // Locals, not the vectors' fields: those would be read again after every call into Python.
+  const size_t key_count = keys.size();
+  const py::object* first_keys = keys.data();
   for (size_t i = 0; i < count; ++i) {
     if (!PyDict_Check(items[i])) {
       continue;
     }
+    py::object* values = in_order.data() + i;  // value k at values[k * count]
     PyObject* key = nullptr;
     PyObject* value = nullptr;
     Py_ssize_t position = 0;
-    for (size_t k = 0; k < keys.size() && PyDict_Next(items[i], &position, &key, &value); ++k) {
-      if (key != keys[k].ptr()) {
-        const int equal = PyObject_RichCompareBool(key, keys[k].ptr(), Py_EQ);
-        if (equal < 0) {
-          throw py::error_already_set();
-        }
-        if (equal == 0) {
-          break;
-        }
+    for (size_t k = 0; k < key_count && PyDict_Next(items[i], &position, &key, &value); ++k) {
+      const KeyMatch match = match_without_python(key, first_keys[k].ptr());
+      if (match == KeyMatch::kSame) {
+        values[k * count] = py::reinterpret_borrow<py::object>(value);
+        continue;
       }
-      in_order[k * count + i] = py::reinterpret_borrow<py::object>(value);
+      py::object held = match == KeyMatch::kAskPython ? value_if_equal_by_python(key, value, first_keys[k].ptr())
+                                                      : py::object();
+      if (!held) {
+        break;
+      }
+      values[k * count] = std::move(held);
     }
   }
   return in_order;
+}
+
+// The dtype default_collate gives a list of Python numbers (bool, int64, float64), read from its first
+// element; none for a list of anything else.
+std::optional<at::ScalarType> numbers_dtype(PyObject* list) {
+  if (PySequence_Fast_GET_SIZE(list) == 0) {
+    return std::nullopt;
+  }
+  PyObject* first = PySequence_Fast_GET_ITEM(list, 0);
+  if (PyBool_Check(first)) {
+    return at::kBool;
+  }
+  if (PyLong_Check(first)) {
+    return at::kLong;
+  }
+  if (PyFloat_Check(first)) {
+    return at::kDouble;
+  }
+  return std::nullopt;
 }
 
 // The value of `key` in `item`, looked up; null when it has none.
@@ -293,8 +358,14 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
     if (!fast[i]) {
       throw py::error_already_set();
     }
-    if (PySequence_Fast_GET_SIZE(fast[i].ptr()) != length) {
-      fail(sequence_length_misfit(length, PySequence_Fast_GET_SIZE(fast[i].ptr())), i, path_or_sample(path));
+    const Py_ssize_t got = PySequence_Fast_GET_SIZE(fast[i].ptr());
+    if (got != length) {
+      // Lists of numbers of other lengths are what a padded field takes (token ids): say how to declare one.
+      const std::optional<at::ScalarType> numbers = numbers_dtype(fast[length > 0 ? 0 : i].ptr());
+      const std::string padding = numbers && !contract_.has_contract()
+                                      ? padded_field(path, *numbers, {int64_t{length}}, {int64_t{got}})
+                                      : "";
+      fail(sequence_length_misfit(length, got, padding), i, path_or_sample(path));
     }
   }
   std::vector<PyObject*> values(items.size());

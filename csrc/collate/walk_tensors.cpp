@@ -237,7 +237,9 @@ bool Walk::check_dropin_rows(const std::string& path, Node& node) {
       return false;
     }
     if (!same_sizes(value.sizes(), first_sizes)) {
-      fail(shape_unlike_first(first_sizes, value.sizes(), /*has_contract=*/false), i, path);
+      fail(shape_unlike_first(first_sizes, value.sizes(), /*has_contract=*/false,
+                              padded_field(path, dtype, first_sizes, value.sizes())),
+           i, path);
     }
     if (value.scalar_type() != dtype) {
       return false;  // type promotion: default_collate's rules
@@ -273,7 +275,9 @@ std::vector<int64_t> Walk::check_contract_rows(const std::string& path, const Fi
     if (spec.shape) {
       check_declared_shape(value, spec, i, count);
     } else if (value.sizes() != first.sizes()) {
-      fail(shape_unlike_first(first.sizes(), value.sizes(), /*has_contract=*/true), i, path);
+      fail(shape_unlike_first(first.sizes(), value.sizes(), /*has_contract=*/true,
+                              padded_field(path, dtype, first.sizes(), value.sizes())),
+           i, path);
     }
     check_range(value, spec, i);
     if (auto violation = cast_rule(value, dtype)) {

@@ -130,6 +130,7 @@ SharedSlots::SharedSlots(int fd, void* header, size_t header_bytes)
     : fd_(fd), header_(static_cast<Header*>(header)), header_bytes_(header_bytes) {
   const auto count = static_cast<size_t>(header_->capacity);
   writer_maps_.resize(count);
+  written_.resize(count);
   reader_maps_.resize(count);
   pinned_maps_.resize(count);
   received_.resize(count);
@@ -723,6 +724,22 @@ SharedSlotStats SharedSlots::stats() const {
   return out;
 }
 
+void SharedSlots::remember_written(int64_t slot, uint32_t seq, std::vector<WrittenField> fields) {
+  std::lock_guard<std::mutex> lock(writer_mutex_);
+  written_[static_cast<size_t>(slot)] = {seq, std::move(fields)};
+}
+
+std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<WrittenField>>> SharedSlots::written_fields() {
+  std::lock_guard<std::mutex> lock(writer_mutex_);
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<WrittenField>>> out;
+  for (size_t slot = 0; slot < written_.size(); ++slot) {
+    if (!written_[slot].second.empty()) {
+      out.push_back({{static_cast<int64_t>(slot), static_cast<int64_t>(written_[slot].first)}, written_[slot].second});
+    }
+  }
+  return out;
+}
+
 std::string SharedSlots::describe_slot(int64_t slot) const {
   TORCH_CHECK(slot >= 0 && slot < capacity(), "SharedSlots: no slot ", slot);
   return describe_word(header_->slot(slot).word.load(std::memory_order_acquire));
@@ -747,12 +764,16 @@ void reader_released(void* context) {
   delete batch;
 }
 
+const LentBatch* lent_batch(const at::Storage& storage, void (*deleter)(void*)) {
+  const auto& data = storage.data_ptr();
+  return data.get_deleter() == deleter ? static_cast<const LentBatch*>(data.get_context()) : nullptr;
+}
+
 const LentBatch* lent_batch(const at::Tensor& tensor, void (*deleter)(void*)) {
   if (!tensor.defined() || !tensor.has_storage() || !tensor.device().is_cpu()) {
     return nullptr;
   }
-  const auto& data = tensor.storage().data_ptr();
-  return data.get_deleter() == deleter ? static_cast<const LentBatch*>(data.get_context()) : nullptr;
+  return lent_batch(tensor.storage(), deleter);
 }
 
 }  // namespace
@@ -779,6 +800,34 @@ std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor) {
   }
   return {static_cast<int64_t>(batch->pool->token()), batch->slot, static_cast<int64_t>(batch->seq),
           static_cast<int64_t>(tensor.storage().nbytes()), marked};
+}
+
+namespace {
+
+// The write this process is making into a slot through `storage`; null for any other storage.
+const LentBatch* own_write(const at::Storage& storage) {
+  const LentBatch* batch = lent_batch(storage, &writer_released);
+  return batch != nullptr && batch->pid == ::getpid() ? batch : nullptr;
+}
+
+}  // namespace
+
+bool writes_a_slot(const at::Storage& storage) {
+  return own_write(storage) != nullptr;
+}
+
+void remember_written_fields(const at::Storage& storage, std::vector<WrittenField> fields) {
+  if (const LentBatch* batch = own_write(storage)) {
+    batch->pool->remember_written(batch->slot, batch->seq, std::move(fields));
+  }
+}
+
+std::vector<int64_t> received_slot_of(const at::Tensor& tensor) {
+  const LentBatch* batch = lent_batch(tensor, &reader_released);
+  if (batch == nullptr) {
+    return {};
+  }
+  return {static_cast<int64_t>(batch->pool->token()), batch->slot, static_cast<int64_t>(batch->seq)};
 }
 
 }  // namespace fastcollate

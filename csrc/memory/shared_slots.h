@@ -31,6 +31,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fastcollate {
@@ -66,6 +67,13 @@ struct ClaimRefusal {
   std::string detail;
 };
 
+// A field of a batch a worker wrote into a slot: where its bytes lie in the slot, and its key in the batch.
+struct WrittenField {
+  int64_t offset = 0;
+  int64_t nbytes = 0;
+  std::string key;
+};
+
 class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
  public:
   // A new pool owned by this process, with room for `capacity` slots.
@@ -90,6 +98,10 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   at::Tensor claim(int64_t nbytes, int64_t bound, uint64_t loader, int64_t loader_workers, ClaimRefusal& refusal);
   // Counts a batch that went to fresh shared memory because claim() found no slot.
   void count_fresh_fallback();
+  // The fields of the batch this process wrote last into each slot, by (slot, sequence number): what a
+  // worker that finds every slot held tells the main process, which alone knows which of them it kept.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<WrittenField>>> written_fields();
+  void remember_written(int64_t slot, uint32_t seq, std::vector<WrittenField> fields);
 
   // Reader side (the main process). A tensor of `dtype`, `sizes`, `strides` at element `offset` over
   // the slot's batch `seq` of `nbytes`; the first view of a batch moves the slot from delivered to lent
@@ -155,6 +167,7 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   mutable std::mutex reader_mutex_;  // mutable: stats() reads the pinned mappings under it
   std::mutex writer_mutex_;
   std::vector<std::shared_ptr<Mapping>> writer_maps_;
+  std::vector<std::pair<uint32_t, std::vector<WrittenField>>> written_;  // by slot, under writer_mutex_
   struct Registration {
     int64_t pid = 0;  // the process that registered: a forked child registers itself
     uint64_t loader = 0;
@@ -188,6 +201,12 @@ SlotKind shared_slot_kind(const at::Tensor& tensor);
 // already (a worker's collate sending a batch it kept a second time): the caller then sends the tensor the
 // ordinary way, as it must for a batch an earlier message delivered.
 std::vector<int64_t> deliver_slot_tensor(const at::Tensor& tensor);
+// For a worker's storage over the slot it writes: remembers `fields` as that write's (written_fields);
+// nothing for any other storage. `fields` is made only when this says the storage is such a slot.
+bool writes_a_slot(const at::Storage& storage);
+void remember_written_fields(const at::Storage& storage, std::vector<WrittenField> fields);
+// For a tensor received over a slot: (pool token, slot, sequence number); empty for any other tensor.
+std::vector<int64_t> received_slot_of(const at::Tensor& tensor);
 
 // Page-locks (and unlocks) host memory this process mapped, for CUDA copies. CUDA builds only.
 void register_host_memory(void* ptr, size_t bytes, int64_t device);

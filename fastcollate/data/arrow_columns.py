@@ -185,7 +185,9 @@ def _read_ipc(path: str, who: str) -> Any:
     try:
         return pa.ipc.open_stream(source).read_all()
     except pa.ArrowInvalid as error:
-        raise ValueError(f"{who}: {path} is not an Arrow IPC file ({error}). {_reader_of(path)}") from error
+        # pyarrow's own words ("Expected to read 827474256 metadata bytes ...") are the stream reader's
+        # view of bytes that are no stream: nothing to act on. They stay on the error as its cause.
+        raise ValueError(f"{who}: {path} is not an Arrow IPC file. {_reader_of(path)}") from error
 
 
 def _reader_of(path: str) -> str:
@@ -193,7 +195,10 @@ def _reader_of(path: str) -> str:
     with open(path, "rb") as file:
         head = file.read(4)
     name = path.lower()
-    if head == b"PAR1" or name.endswith((".parquet", ".pq")):
+    if head in (b"ARRO", b"\xff\xff\xff\xff"):  # the file format's magic, a stream's first message
+        kind = ("It begins as an Arrow IPC file does, so it may be cut short or damaged: pyarrow's error is "
+                "this one's cause")
+    elif head == b"PAR1" or name.endswith((".parquet", ".pq")):
         kind = "It is a Parquet file: read it with pyarrow.parquet.read_table(path) and pass the table"
     elif name.endswith((".json", ".jsonl", ".csv", ".tsv", ".txt")) or head[:1] in (b"{", b"["):
         kind = (

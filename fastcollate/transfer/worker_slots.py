@@ -30,7 +30,8 @@ A batch falls back to fresh shared memory, with correct data, when every slot is
 file cannot grow (a file-size limit), when a slot cannot be mapped (an address-space limit), when the
 pool could not be made, or when it is switched off (``Assembler(shared_slots=False)`` or
 ``FASTCOLLATE_SHARED_SLOTS=0``). Each cause but the switch is said once per process, with its numbers and
-what to change, as a RuntimeWarning (shown under Python's default filters, in the worker's stderr).
+what to change, as a RuntimeWarning (shown under Python's default filters, in the worker's stderr). When
+every slot is held, the main process also names the fields it kept that hold slots (kept_fields).
 
 What crosses the pipe: the first message that sends a batch names its slot, and the slot stays held
 until that message is received. A batch sent again (a collate that caches) goes the ordinary way, as a
@@ -53,7 +54,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .._ext import _C
-from .small_fields import needs_own_storage
+from . import kept_fields
+from .small_fields import LARGE_BATCH_BYTES, needs_own_storage
 from .staging import active_ring
 
 __all__ = ["SharedSlotStats", "SlotPool", "slots_switched_on"]
@@ -169,18 +171,22 @@ class SlotPool:
             warn_once(cause, f"a shared slot could not serve: {detail}; {where}. Raise the limit, or switch "
                       "the slots off (FASTCOLLATE_SHARED_SLOTS=0).", stacklevel=4)
             return
+        # Every slot is held: the main process alone knows by what, and names the fields it kept.
+        kept_fields.send_with_next_message(self.native)
         alive = self.native.stats().loaders
         loaders = f"{alive} loader{'s' if alive != 1 else ''}"
+        kept = (f"A field kept from a batch under {LARGE_BATCH_BYTES >> 20} MiB (an id or a label kept for "
+                "metrics) holds the batch's whole slot; the main process names the fields it keeps that do.")
         if cause == "room":
             warn_once(cause, f"{detail}; {where}. Drop batches sooner, or have fewer loaders' workers alive "
-                      f"at once ({loaders} now; persistent_workers=False on a loader used now and then).",
-                      stacklevel=4)
+                      f"at once ({loaders} now; persistent_workers=False on a loader used now and then). "
+                      f"{kept}", stacklevel=4)
             return
         warn_once(
             cause,
             f"{detail}; {where}. Drop batches sooner, or raise Assembler(max_shared_slots=...): the bound is "
             f"its value for each loader whose workers are alive ({loaders} now), by default "
-            "2 x num_workers + 4, which assumes prefetch_factor 2.",
+            f"2 x num_workers + 4, which assumes prefetch_factor 2. {kept}",
             stacklevel=4,
         )
 
@@ -284,7 +290,7 @@ def _track_messages(pickler: type) -> None:
     def dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
         outer, _message.delivered = _message.delivered, []
         try:
-            return original(cls, obj, protocol)
+            return original(cls, kept_fields.with_held_fields(obj), protocol)
         except BaseException:
             for token, slot, seq in _message.delivered:
                 pool = _pools.get(token)

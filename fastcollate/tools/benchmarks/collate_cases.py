@@ -10,6 +10,7 @@ assemble are ``collate_contenders``'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -132,16 +133,22 @@ class Case:
 # Sample builders (seeded, reusable on their own).
 
 
-def small_fields_samples(n: int = BATCH, fields: int = 16, values: int = 8, seed: int = SEED) -> list[dict]:
-    """``n`` dicts of ``fields`` float32 tensors of ``values`` elements, plus ``id`` and ``label`` ints."""
+def small_fields_samples(n: int = BATCH, fields: int = 16, values: int = 8, seed: int = SEED,
+                         fresh_keys: bool = False) -> list[dict]:
+    """``n`` dicts of ``fields`` float32 tensors of ``values`` elements, plus ``id`` and ``label`` ints.
+
+    By default every sample holds the same key objects, as a dataset's literal keys are (string constants
+    are shared). ``fresh_keys``: each sample's keys are equal strings made anew, as ``json.loads`` and
+    f-strings hand them out record by record."""
     g = torch.Generator().manual_seed(seed)
-    # The same key objects in every sample, as a dataset's literal keys are (string constants are shared).
     names = [f"f{k:02d}" for k in range(fields)]
     out = []
     for i in range(n):
         sample: dict[str, Any] = {name: torch.rand(values, generator=g) for name in names}
         sample["id"] = i
         sample["label"] = int(torch.randint(0, 10, (), generator=g))
+        if fresh_keys:
+            sample = {key.encode().decode(): value for key, value in sample.items()}  # a new str each
         out.append(sample)
     return out
 
@@ -260,7 +267,8 @@ def _tensor_bytes(batch: Any) -> int:
 # ---------------------------------------------------------------------------------------------------
 # The cases.
 
-CASES = ("small_fields", "fashion_mnist", "imagenet_uint8", "tokens_padded", "hf_padded", "packed")
+CASES = ("small_fields", "small_fields_fresh_keys", "fashion_mnist", "imagenet_uint8", "tokens_padded",
+         "hf_padded", "packed")
 # The plain copy of the batch's bytes into a buffer made once: the floor any collate is measured against.
 FLOOR = "copy_ into reused"
 
@@ -271,6 +279,13 @@ def build_case(key: str) -> Case:
         build = small_fields_samples
         samples = build()
         case = Case(key, "256 dicts x (16 float32[8] + id + label)", samples, {}, (), 0, repeat=400)
+        speedup = 5.0
+        label_range = (0, 10)
+    elif key == "small_fields_fresh_keys":
+        build = functools.partial(small_fields_samples, fresh_keys=True)
+        samples = build()
+        case = Case(key, "256 dicts x (16 float32[8] + id + label), keys made anew in every sample (as "
+                    "json.loads makes them)", samples, {}, (), 0, repeat=400)
         speedup = 5.0
         label_range = (0, 10)
     elif key == "fashion_mnist":

@@ -170,13 +170,19 @@ def test_samples_changed_in_the_batch_are_what_assemble_collates():
     assert assemble(batch)["x"].tolist() == [10.0, 20.0, 5.0]
 
 
-def test_c_code_that_reads_a_list_directly_meets_an_error_not_an_empty_batch():
-    """C code that indexes a list past its subclass's methods (none of torch's, numpy's or Python's
-    builtins do) reads a placeholder that raises, naming what to do, rather than no samples."""
+@pytest.mark.parametrize(
+    "use",
+    [lambda row: row.keys(), lambda row: row["x"], lambda row: "x" in row, lambda row: list(row), len],
+    ids=["keys()", "[key]", "in", "iterated", "len"],
+)
+def test_c_code_that_reads_a_list_directly_meets_an_error_not_an_empty_batch(use):
+    """C code that indexes a list past its subclass's methods (a pybind11 py::list, heapq, an explicit
+    list.__getitem__) reads a placeholder that raises, naming what to do, rather than no samples:
+    whatever a collate does with a sample."""
     batch = Arrays(x=torch.arange(3.0)).__getitems__([0, 1])
     placeholder = list.__getitem__(batch, 0)  # what such C code sees before the first read
     with pytest.raises(RuntimeError, match=r"list\(batch\)"):
-        placeholder.keys()
+        use(placeholder)
     assert list(batch)[1]["x"].item() == 1.0 and list.__getitem__(batch, 1)["x"].item() == 1.0
 
 

@@ -265,15 +265,19 @@ class Arrays(Dataset):
 
 class _Unread:
     """What an ArrayBatch's list holds until its samples are read through its methods. C code that reads a
-    list's items directly, bypassing a subclass's methods, meets this instead of an empty list."""
+    list's items directly, bypassing a subclass's methods, meets this instead of an empty list: whatever
+    is done with it, as with a sample, raises saying what to do."""
 
     __slots__ = ()
 
-    def __getattr__(self, name: str) -> Any:
+    def _refuse(self, *args: Any) -> Any:
         raise RuntimeError(
             "fastcollate.Arrays: a batch's samples were read past the list's own methods (by C code "
             "that indexes a list directly); call list(batch) first to get them"
         )
+
+    # Special methods are looked up on the type, never through __getattr__.
+    __getattr__ = __getitem__ = __iter__ = __len__ = __contains__ = _refuse
 
     def __repr__(self) -> str:
         return "<sample not read yet>"

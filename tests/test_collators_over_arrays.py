@@ -186,6 +186,21 @@ def test_c_code_that_reads_a_list_directly_meets_an_error_not_an_empty_batch(use
     assert list(batch)[1]["x"].item() == 1.0 and list.__getitem__(batch, 1)["x"].item() == 1.0
 
 
+def test_a_list_added_to_a_batch_gets_the_samples():
+    """``rows + batch``: Python's list concatenation reads the right operand's items past its methods.
+    ``rows += batch`` still extends ``rows`` itself."""
+    arrays = Arrays(x=torch.arange(5.0))
+    first = {"x": torch.tensor(-1.0)}
+    joined = [first] + arrays.__getitems__([3, 1])
+    assert type(joined) is list and [row["x"].item() for row in joined] == [-1.0, 3.0, 1.0]
+    rows = [first]
+    alias = rows
+    rows += arrays.__getitems__([2])
+    assert alias is rows and [row["x"].item() for row in alias] == [-1.0, 2.0]
+    with pytest.raises(TypeError):
+        (first,) + arrays.__getitems__([2])  # a tuple and a list do not add, as for any list
+
+
 def test_a_batch_pickles_as_its_samples():
     import pickle
 

@@ -349,6 +349,13 @@ class ArrayBatch(list):
             self.read = True
         return self
 
+    def __radd__(self, other: Any) -> Any:
+        # `rows + batch`: Python asks this first (a subclass of the left operand's type), then falls back
+        # to list concatenation, which reads the items past the list's methods: made here, before it.
+        # NotImplemented, not a new list: `rows += batch` then still extends `rows` in place.
+        self.rows()
+        return NotImplemented
+
     def __reduce__(self) -> tuple:
         return (list, (list(self.rows()),))  # the samples, not the dataset they came from
 

@@ -201,6 +201,20 @@ def test_a_list_added_to_a_batch_gets_the_samples():
         (first,) + arrays.__getitems__([2])  # a tuple and a list do not add, as for any list
 
 
+def test_code_that_rebuilds_a_batch_as_its_own_type_gets_a_list_of_what_it_gives():
+    """Lightning's and accelerate's device moves, and transformers' nested_detach, rebuild a list as
+    ``type(batch)(items)``: over a batch a collate returned as it got it (``collate_fn=lambda b: b``)."""
+    move_data_to_device = pytest.importorskip("lightning.fabric.utilities.apply_func").move_data_to_device
+    arrays = Arrays(x=torch.arange(5.0))
+    batch = arrays.__getitems__([4, 0])
+    rebuilt = type(batch)(row for row in batch)
+    assert rebuilt == batch and rebuilt.read and len(type(batch)()) == 0
+    moved = move_data_to_device(arrays.__getitems__([4, 0]), "cpu")
+    assert [row["x"].item() for row in moved] == [4.0, 0.0]
+    doubled = type(batch)({"x": row["x"] * 2} for row in batch)
+    assert assemble(doubled)["x"].tolist() == [8.0, 0.0], "walked: the items given, not the columns"
+
+
 def test_a_batch_pickles_as_its_samples():
     import pickle
 

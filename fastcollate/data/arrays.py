@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -209,7 +209,7 @@ class Arrays(Dataset):
         return sample
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
-        return ArrayBatch(self, indices)
+        return ArrayBatch.of(self, indices)
 
     def check_files(self, indices: int | np.ndarray | None = None) -> None:
         """Raises MappedFileError if a memory-mapped column's file shrank or, in a process that mapped
@@ -295,8 +295,23 @@ class ArrayBatch(list):
 
     __slots__ = ("dataset", "index_tensor", "indices", "read")
 
-    def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
-        self.read = False  # whether the list holds the samples (made by a read, maybe changed since)
+    def __init__(self, samples: Iterable[Any] = ()) -> None:
+        # A list of ``samples``, as list(samples) is: code that moves or detaches a batch rebuilds a list
+        # as its own type (Lightning's apply_to_collection, accelerate's send_to_device, transformers'
+        # nested_detach), over a batch a collate handed on as it got it. Arrays' batches are made by `of`.
+        list.__init__(self, samples)
+        self.read = True  # whether the list holds the samples (made by a read, maybe changed since)
+        self.dataset = self.indices = self.index_tensor = None
+
+    @classmethod
+    def of(cls, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
+        """The batch of samples ``indices`` of ``dataset``, none made yet."""
+        batch = list.__new__(cls)
+        batch.read = False
+        batch._take(dataset, indices)
+        return batch
+
+    def _take(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         if type(indices) is list:  # a DataLoader sampler's batch: read in one native pass, a copy of its own
             read = _C.indices_of_list(indices)
             if read is not None:

@@ -4,6 +4,8 @@ and with ``IndexBatches``, on rows stored as a tokenizer stores them (int32 list
 word-level tokenizer of tests/helpers/tokenizers.py."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -213,6 +215,44 @@ def test_code_that_rebuilds_a_batch_as_its_own_type_gets_a_list_of_what_it_gives
     assert [row["x"].item() for row in moved] == [4.0, 0.0]
     doubled = type(batch)({"x": row["x"] * 2} for row in batch)
     assert assemble(doubled)["x"].tolist() == [8.0, 0.0], "walked: the items given, not the columns"
+
+
+def test_threads_that_read_one_batch_at_once_get_the_same_samples(monkeypatch):
+    """Two first reads at once: each thread makes samples, the first to finish fills the batch, and both
+    get its samples (a change one thread makes to a sample is seen by the other and by assemble)."""
+    arrays = Arrays(x=torch.arange(5.0))
+    batch = arrays.__getitems__([1, 3])
+    second_made = threading.Event()
+    made = arrays._handed_out
+    calls = []
+
+    def slow_first(samples):
+        calls.append(samples)
+        if len(calls) == 1:
+            assert second_made.wait(10), "the second read never made its samples"
+        return made(samples)
+
+    monkeypatch.setattr(arrays, "_handed_out", slow_first)
+    got = {}
+
+    def read(name):
+        got[name] = batch[0]
+        if name == "second":
+            second_made.set()
+
+    first = threading.Thread(target=read, args=("first",))
+    first.start()
+    while not calls:
+        time.sleep(0.001)
+    read("second")
+    first.join(10)
+    assert len(calls) == 2, "both threads made samples: the race was run"
+    assert got["first"] is got["second"] is batch[0]
+    got["first"]["x"] = torch.tensor(7.0)
+    assert assemble(batch)["x"].tolist() == [7.0, 3.0]
+
+
+
 
 
 def test_a_batch_pickles_as_its_samples():

@@ -9,6 +9,7 @@ always got; ``fastcollate.assemble`` recognizes it and gathers each column by in
 
 from __future__ import annotations
 
+import threading
 import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -284,6 +285,7 @@ class _Unread:
 
 
 _UNREAD = _Unread()
+_FILLING = threading.Lock()  # held only to put the samples in a batch's list, never while making them
 
 
 class ArrayBatch(list):
@@ -360,8 +362,10 @@ class ArrayBatch(list):
         if not self.read:
             self.dataset.check_files(self.indices)
             samples = self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
-            list.__setitem__(self, slice(None), samples)
-            self.read = True
+            with _FILLING:  # threads that read at once all get the samples of the first to fill the list
+                if not self.read:
+                    list.__setitem__(self, slice(None), samples)
+                    self.read = True
         return self
 
     def __radd__(self, other: Any) -> Any:

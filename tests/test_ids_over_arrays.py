@@ -110,6 +110,13 @@ def test_with_ids_under_another_key_keeps_the_index_the_arrays_already_carries()
     assert arrays.index_as == "id", "the dataset wrapped is left as it was"
 
 
+def test_an_index_under_a_column_s_key_is_refused_when_added_later():
+    arrays = Arrays(x=np.arange(3) + 100)
+    with pytest.raises(ValueError, match=r"index_as='x'.*a column's key"):
+        arrays.indexed_as("x")
+    assert "id" not in arrays[0] and arrays.indexed_as("id")[2]["id"] == 2
+
+
 def test_index_as_is_the_one_default_and_id_key_still_works_with_a_warning(tmp_path):
     table = pa.table({"x": np.arange(4)})
     made_by = {

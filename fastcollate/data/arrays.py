@@ -60,6 +60,15 @@ def renamed_index_as(who: str, index_as: str | None, id_key: Any) -> str | None:
     return id_key
 
 
+def _refuse_index_over_a_column(index_as: str | None, columns: Mapping[str, Any]) -> None:
+    if index_as is not None and index_as in columns:
+        raise ValueError(
+            f"Arrays: index_as={index_as!r} puts each sample's index under a column's key: "
+            "leave index_as out to keep the column (assemble.using(id_key=...) takes it as the id), or "
+            "give the index another key"
+        )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -94,12 +103,7 @@ class Arrays(Dataset):
         given = {**(columns or {}), **named}
         if not given:
             raise ValueError("Arrays: give at least one column, e.g. Arrays(image=images, label=labels)")
-        if index_as is not None and index_as in given:
-            raise ValueError(
-                f"Arrays: index_as={index_as!r} puts each sample's index under a column's key: "
-                "leave index_as out to keep the column (assemble.using(id_key=...) takes it as the id), or "
-                "give the index another key"
-            )
+        _refuse_index_over_a_column(index_as, given)
         self.index_as = index_as
         # Read-only: assemble keeps each batch size's layout, which names these columns.
         columns = {name: column_over(name, value) for name, value in given.items()}
@@ -149,6 +153,7 @@ class Arrays(Dataset):
 
     def indexed_as(self, key: str) -> Arrays:
         """The same dataset over the same columns, each sample with its index under ``key``."""
+        _refuse_index_over_a_column(key, self.columns)
         indexed = object.__new__(type(self))  # not copy.copy: subclasses pickle as how they are made again
         indexed.__dict__.update(self.__dict__, index_as=key)
         return indexed

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Arrays, Ragged, TokenWindows, assemble, with_ids
+from fastcollate.data.arrays import ArrayBatch
 
 datasets = pytest.importorskip("datasets", reason="datasets is not installed")
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed")
@@ -97,10 +98,13 @@ def test_with_ids_keeps_the_batched_read_of_any_dataset_that_has_one():
     assert identified.__getitems__([5, 2]) == [{"x": 5, "id": 5}, {"x": 2, "id": 2}]
 
 
-def test_with_ids_leaves_a_dataset_s_own_id_column_as_it_is():
+def test_with_ids_leaves_a_dataset_s_own_id_column_as_it_is(monkeypatch):
     arrays = Arrays(id=np.array([10, 20, 30]), x=np.arange(3))
-    batch = assemble(with_ids(arrays).__getitems__([2, 0]))
-    assert batch["id"].tolist() == [30, 10], "the dataset's own ids win, as over any mapping sample"
+    batch = with_ids(arrays).__getitems__([2, 0])
+    assert default_collate(batch)["id"].tolist() == [30, 10], "the dataset's own ids win"
+    monkeypatch.setattr(ArrayBatch, "rows", lambda self: pytest.fail("a sample was made"))
+    batch = with_ids(arrays).__getitems__([2, 0])
+    assert assemble(batch)["id"].tolist() == [30, 10], "still gathered by column, as without with_ids"
 
 
 def test_with_ids_under_another_key_keeps_the_index_the_arrays_already_carries():

@@ -80,8 +80,11 @@ def with_ids(dataset: Dataset, key: str = "id") -> Dataset:
             "with_ids needs a map-style dataset: an IterableDataset's position in the stream is not a "
             "stable id (each worker has its own stream). Yield an id field from the iterable itself."
         )
-    if isinstance(dataset, Arrays) and (dataset.index_as in (None, key)) and key not in dataset.columns:
-        return dataset.indexed_as(key)  # its batches still gathered by column, with the ids
+    if isinstance(dataset, Arrays):  # its batches still gathered by column, with the ids
+        if key in dataset.columns:
+            return dataset  # each sample holds the key: the dataset's own ids win, as over any mapping
+        if dataset.index_as in (None, key):
+            return dataset.indexed_as(key)
     return _WithIds(dataset, key)
 
 

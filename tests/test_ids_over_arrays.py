@@ -114,6 +114,16 @@ def test_with_ids_under_another_key_keeps_the_index_the_arrays_already_carries()
     assert arrays.index_as == "id", "the dataset wrapped is left as it was"
 
 
+def test_an_index_counted_from_the_end_is_the_id_of_the_sample_it_reads():
+    """Both keys of a sample name it alike, whichever way it was asked for (Arrays count a negative
+    index from the end)."""
+    arrays = Arrays(x=np.arange(5), index_as="id")
+    identified = with_ids(arrays, "sample_id")
+    samples = [identified[-1], identified.__getitems__([-1])[0], identified.__getitems__(np.array([-1]))[0]]
+    for sample in samples:
+        assert sample["id"] == sample["sample_id"] == 4 and type(sample["sample_id"]) is int
+
+
 def test_an_index_under_a_column_s_key_is_refused_when_added_later():
     arrays = Arrays(x=np.arange(3) + 100)
     with pytest.raises(ValueError, match=r"index_as='x'.*a column's key"):

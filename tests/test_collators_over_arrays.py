@@ -252,9 +252,6 @@ def test_threads_that_read_one_batch_at_once_get_the_same_samples(monkeypatch):
     assert assemble(batch)["x"].tolist() == [7.0, 3.0]
 
 
-
-
-
 def test_a_batch_pickles_as_its_samples():
     import pickle
 

@@ -13,7 +13,6 @@ import threading
 import types
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -289,6 +288,25 @@ class _Unread:
         return "<sample not read yet>"
 
 
+def _index_array(indices: Any, length: int) -> np.ndarray:
+    """``indices`` of any other kind than a sampler's list or an int64 array, as an integer array, refused
+    if it is none (``length``: the dataset's, to name an index beyond int64)."""
+    array = np.asarray(indices)
+    if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
+        # Python ints beyond int64: numpy keeps them as objects
+        beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
+        if beyond is not None:
+            raise index_out_of_range(beyond, length)
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise index_out_of_range(int(array.max()), length)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise TypeError(
+            f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
+            f"shape {array.shape}"
+        )
+    return array
+
+
 _UNREAD = _Unread()
 _FILLING = threading.Lock()  # held only to put the samples in a batch's list, never while making them
 
@@ -315,51 +333,40 @@ class ArrayBatch(list):
         """The batch of samples ``indices`` of ``dataset``, none made yet."""
         batch = list.__new__(cls)
         batch.read = False
-        batch._take(dataset, indices)
-        return batch
-
-    def _take(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         if type(indices) is list:  # a DataLoader sampler's batch: read in one native pass, a copy of its own
             read = _C.indices_of_list(indices)
             if read is not None:
-                self._take_indices(dataset, read.numpy())
-                return
-        if isinstance(indices, torch.Tensor):
+                batch._take_indices(dataset, read.numpy(), read)
+                return batch
+        if type(indices) is torch.Tensor:
             indices = indices.numpy()
         if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
-            self._checked_indices(dataset, indices)  # IndexBatches' batches
-            return
-        array = np.asarray(indices)
-        if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
-            # Python ints beyond int64: numpy keeps them as objects
-            beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
-            if beyond is not None:
-                raise index_out_of_range(beyond, len(dataset))
-        if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-            raise index_out_of_range(int(array.max()), len(dataset))
-        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-            raise TypeError(
-                f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
-                f"shape {array.shape}"
-            )
-        self._checked_indices(dataset, array)
-
+            batch._take_indices(dataset, indices.copy())  # IndexBatches' batches: a copy of its own, as below
+            return batch
+        batch._checked_indices(dataset, _index_array(indices, len(dataset)))
+        return batch
     def _checked_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
         # The batch's own copy: the caller's array changed after this check must not move a read. One
         # native pass checks it, no numpy reductions: a batch costs microseconds, and numpy's machinery
         # run between two gathers costs more than its work.
         self._take_indices(dataset, np.array(indices, dtype=np.int64, order="C", copy=True))
 
-    def _take_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
-        """Takes ``indices`` (int64, contiguous, the batch's own) after checking them against ``dataset``."""
+    def _take_indices(
+        self, dataset: Arrays, indices: np.ndarray, index_tensor: torch.Tensor | None = None
+    ) -> None:
+        """Takes ``indices`` (int64, contiguous, the batch's own; ``index_tensor``: a tensor over them, if
+        made) after checking them against ``dataset``."""
         self.indices = indices
-        self.index_tensor = torch.from_numpy(indices)
+        self.index_tensor = torch.from_numpy(indices) if index_tensor is None else index_tensor
         # Negative indices count from the end, as in Python and Hugging Face's __getitems__.
         first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
             raise index_out_of_range(int(indices[first]), len(dataset))
         self.dataset = dataset
-        list.extend(self, repeat(_UNREAD, len(indices)))  # len() is the list's own, right before any read
+        # len() is the list's own, right before any read. One placeholder repeated in place: the cheapest
+        # way to fill a list of n (extending it from an iterator costs twice as much, at 256 samples).
+        list.append(self, _UNREAD)
+        list.__imul__(self, len(indices))
 
     def rows(self) -> ArrayBatch:
         """The batch with its samples made, as ``ds[i]`` hands them out, all at once: the files of their rows

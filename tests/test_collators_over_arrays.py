@@ -3,6 +3,7 @@ Hugging Face's collators, ``default_collate`` and a user's own, through DataLoad
 and with ``IndexBatches``, on rows stored as a tokenizer stores them (int32 lists). Offline: the
 word-level tokenizer of tests/helpers/tokenizers.py."""
 
+import multiprocessing
 import random
 import threading
 import time
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Arrays, IndexBatches, assemble
+from fastcollate.data import arrays as arrays_module
 from fastcollate.data.arrays import ArrayBatch
 
 from .helpers.tokenizers import word_level_tokenizer
@@ -250,6 +252,26 @@ def test_threads_that_read_one_batch_at_once_get_the_same_samples(monkeypatch):
     assert got["first"] is got["second"] is batch[0]
     got["first"]["x"] = torch.tensor(7.0)
     assert assemble(batch)["x"].tolist() == [7.0, 3.0]
+
+
+def test_a_process_forked_while_a_thread_fills_a_batch_reads_batches():
+    """Fork copies a lock as it is: a worker forked while another thread of the parent was putting samples
+    in a batch's list would wait forever on its own first read."""
+    arrays = Arrays(x=torch.arange(5.0))
+    context = multiprocessing.get_context("fork")
+    results = context.SimpleQueue()
+
+    def read_first_sample():
+        results.put(arrays.__getitems__([3])[0]["x"].item())
+
+    with arrays_module._FILLING:  # held, as by a thread filling a batch when the worker is forked
+        child = context.Process(target=read_first_sample)
+        child.start()
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0 and results.get() == 3.0, "the forked process read its batch"
 
 
 def test_a_batch_pickles_as_its_samples():

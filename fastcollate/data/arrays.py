@@ -9,6 +9,7 @@ always got; ``fastcollate.assemble`` recognizes it and gathers each column by in
 
 from __future__ import annotations
 
+import os
 import threading
 import types
 import warnings
@@ -309,6 +310,15 @@ def _index_array(indices: Any, length: int) -> np.ndarray:
 
 _UNREAD = _Unread()
 _FILLING = threading.Lock()  # held only to put the samples in a batch's list, never while making them
+
+
+def _unlocked_after_fork() -> None:
+    # A process forked while another thread held the lock would wait forever on its first read.
+    global _FILLING
+    _FILLING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlocked_after_fork)
 
 
 class ArrayBatch(list):

@@ -621,7 +621,7 @@ def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it
     values = torch.tensor([[1.0], [2.0], [9.0]])
     by_index = Arrays(x=values, index_as="id")  # its id key is the collate's: a sample's id is its index
     by_column = Arrays(id=np.array([10, 20, 30]), x=values)  # the ids are a column
-    unnamed = Arrays(x=values, id_key="idx")  # its ids are under a key the collate does not read
+    unnamed = Arrays(x=values, index_as="idx")  # its ids are under a key the collate does not read
     contract = {"x": Field(dtype=torch.float32, shape=(1,), range=(0, 5))}
     for dataset, id_field, named in [(by_index, "id", "sample id=2 (batch position 1)"),
                                      (by_column, "id", "sample id=30 (batch position 1)"),

@@ -3,13 +3,17 @@ Hugging Face's collators, ``default_collate`` and a user's own, through DataLoad
 and with ``IndexBatches``, on rows stored as a tokenizer stores them (int32 lists). Offline: the
 word-level tokenizer of tests/helpers/tokenizers.py."""
 
+import multiprocessing
 import random
+import threading
+import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Arrays, IndexBatches, assemble
+from fastcollate.data import arrays as arrays_module
 from fastcollate.data.arrays import ArrayBatch
 
 from .helpers.tokenizers import word_level_tokenizer
@@ -170,14 +174,104 @@ def test_samples_changed_in_the_batch_are_what_assemble_collates():
     assert assemble(batch)["x"].tolist() == [10.0, 20.0, 5.0]
 
 
-def test_c_code_that_reads_a_list_directly_meets_an_error_not_an_empty_batch():
-    """C code that indexes a list past its subclass's methods (none of torch's, numpy's or Python's
-    builtins do) reads a placeholder that raises, naming what to do, rather than no samples."""
+@pytest.mark.parametrize(
+    "use",
+    [lambda row: row.keys(), lambda row: row["x"], lambda row: "x" in row, lambda row: list(row), len],
+    ids=["keys()", "[key]", "in", "iterated", "len"],
+)
+def test_c_code_that_reads_a_list_directly_meets_an_error_not_an_empty_batch(use):
+    """C code that indexes a list past its subclass's methods (a pybind11 py::list, heapq, an explicit
+    list.__getitem__) reads a placeholder that raises, naming what to do, rather than no samples:
+    whatever a collate does with a sample."""
     batch = Arrays(x=torch.arange(3.0)).__getitems__([0, 1])
     placeholder = list.__getitem__(batch, 0)  # what such C code sees before the first read
     with pytest.raises(RuntimeError, match=r"list\(batch\)"):
-        placeholder.keys()
+        use(placeholder)
     assert list(batch)[1]["x"].item() == 1.0 and list.__getitem__(batch, 1)["x"].item() == 1.0
+
+
+def test_a_list_added_to_a_batch_gets_the_samples():
+    """``rows + batch``: Python's list concatenation reads the right operand's items past its methods.
+    ``rows += batch`` still extends ``rows`` itself."""
+    arrays = Arrays(x=torch.arange(5.0))
+    first = {"x": torch.tensor(-1.0)}
+    joined = [first] + arrays.__getitems__([3, 1])
+    assert type(joined) is list and [row["x"].item() for row in joined] == [-1.0, 3.0, 1.0]
+    rows = [first]
+    alias = rows
+    rows += arrays.__getitems__([2])
+    assert alias is rows and [row["x"].item() for row in alias] == [-1.0, 2.0]
+    with pytest.raises(TypeError):
+        (first,) + arrays.__getitems__([2])  # a tuple and a list do not add, as for any list
+
+
+def test_code_that_rebuilds_a_batch_as_its_own_type_gets_a_list_of_what_it_gives():
+    """Lightning's and accelerate's device moves, and transformers' nested_detach, rebuild a list as
+    ``type(batch)(items)``: over a batch a collate returned as it got it (``collate_fn=lambda b: b``)."""
+    move_data_to_device = pytest.importorskip("lightning.fabric.utilities.apply_func").move_data_to_device
+    arrays = Arrays(x=torch.arange(5.0))
+    batch = arrays.__getitems__([4, 0])
+    rebuilt = type(batch)(row for row in batch)
+    assert rebuilt == batch and rebuilt.read and len(type(batch)()) == 0
+    moved = move_data_to_device(arrays.__getitems__([4, 0]), "cpu")
+    assert [row["x"].item() for row in moved] == [4.0, 0.0]
+    doubled = type(batch)({"x": row["x"] * 2} for row in batch)
+    assert assemble(doubled)["x"].tolist() == [8.0, 0.0], "walked: the items given, not the columns"
+
+
+def test_threads_that_read_one_batch_at_once_get_the_same_samples(monkeypatch):
+    """Two first reads at once: each thread makes samples, the first to finish fills the batch, and both
+    get its samples (a change one thread makes to a sample is seen by the other and by assemble)."""
+    arrays = Arrays(x=torch.arange(5.0))
+    batch = arrays.__getitems__([1, 3])
+    second_made = threading.Event()
+    made = arrays._handed_out
+    calls = []
+
+    def slow_first(samples):
+        calls.append(samples)
+        if len(calls) == 1:
+            assert second_made.wait(10), "the second read never made its samples"
+        return made(samples)
+
+    monkeypatch.setattr(arrays, "_handed_out", slow_first)
+    got = {}
+
+    def read(name):
+        got[name] = batch[0]
+        if name == "second":
+            second_made.set()
+
+    first = threading.Thread(target=read, args=("first",))
+    first.start()
+    while not calls:
+        time.sleep(0.001)
+    read("second")
+    first.join(10)
+    assert len(calls) == 2, "both threads made samples: the race was run"
+    assert got["first"] is got["second"] is batch[0]
+    got["first"]["x"] = torch.tensor(7.0)
+    assert assemble(batch)["x"].tolist() == [7.0, 3.0]
+
+
+def test_a_process_forked_while_a_thread_fills_a_batch_reads_batches():
+    """Fork copies a lock as it is: a worker forked while another thread of the parent was putting samples
+    in a batch's list would wait forever on its own first read."""
+    arrays = Arrays(x=torch.arange(5.0))
+    context = multiprocessing.get_context("fork")
+    results = context.SimpleQueue()
+
+    def read_first_sample():
+        results.put(arrays.__getitems__([3])[0]["x"].item())
+
+    with arrays_module._FILLING:  # held, as by a thread filling a batch when the worker is forked
+        child = context.Process(target=read_first_sample)
+        child.start()
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0 and results.get() == 3.0, "the forked process read its batch"
 
 
 def test_a_batch_pickles_as_its_samples():

@@ -127,6 +127,26 @@ def test_no_format_hands_out_the_dtypes_hugging_face_s_collators_make_of_its_row
     assert pickle.loads(pickle.dumps(stored))[0]["ids"].dtype == torch.int32, "kept by a worker's copy"
 
 
+def test_columns_a_format_leaves_out_come_in_the_dtypes_of_no_format():
+    """``with_format(..., columns=[...], output_all_columns=True)`` hands out the other columns as Python
+    objects, as with no format: Hugging Face's collators make their numbers int64 and float32."""
+    features = Features({"ids": Sequence(Value("int32")), "label": Value("int32"), "score": Value("float64")})
+    rows = {"ids": [[1, 2], [3, 4]], "label": [0, 1], "score": [0.25, 1 / 3]}
+    dataset = Dataset.from_dict(rows, features=features)
+    for kind in ("torch", "numpy"):
+        formatted = dataset.with_format(kind, columns=["ids"], output_all_columns=True)
+        assert type(formatted[0]["label"]) is int and type(formatted[0]["score"]) is float
+        hidden = dataset.with_format(kind, columns=["ids"])  # the others chosen by name
+        for arrays in (Arrays.from_hf(formatted), Arrays.from_hf(hidden, ["ids", "label", "score"])):
+            for collate in (assemble, default_collate):
+                batch = collate(arrays.__getitems__([0, 1]))
+                assert batch["label"].dtype == torch.int64 and batch["label"].tolist() == [0, 1], kind
+                assert batch["score"].dtype == torch.float32, kind
+                assert torch.equal(batch["score"], torch.tensor(rows["score"], dtype=torch.float32)), kind
+        stored = Arrays.from_hf(formatted, stored_dtypes=True)
+        assert stored[0]["label"].dtype == torch.int32 and stored[0]["score"].dtype == torch.float64
+
+
 def test_a_contract_over_a_formatted_dataset_checks_the_dtype_samples_hold(saved):
     # The torch format hands out int64 labels: a contract declaring int64 (no cast from the stored int32)
     # takes them, gathered or not, and equals Hugging Face's rows.

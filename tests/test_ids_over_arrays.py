@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
 from fastcollate import Arrays, Ragged, TokenWindows, assemble, with_ids
+from fastcollate.data.arrays import ArrayBatch
 
 datasets = pytest.importorskip("datasets", reason="datasets is not installed")
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed")
@@ -97,10 +98,13 @@ def test_with_ids_keeps_the_batched_read_of_any_dataset_that_has_one():
     assert identified.__getitems__([5, 2]) == [{"x": 5, "id": 5}, {"x": 2, "id": 2}]
 
 
-def test_with_ids_leaves_a_dataset_s_own_id_column_as_it_is():
+def test_with_ids_leaves_a_dataset_s_own_id_column_as_it_is(monkeypatch):
     arrays = Arrays(id=np.array([10, 20, 30]), x=np.arange(3))
-    batch = assemble(with_ids(arrays).__getitems__([2, 0]))
-    assert batch["id"].tolist() == [30, 10], "the dataset's own ids win, as over any mapping sample"
+    batch = with_ids(arrays).__getitems__([2, 0])
+    assert default_collate(batch)["id"].tolist() == [30, 10], "the dataset's own ids win"
+    monkeypatch.setattr(ArrayBatch, "rows", lambda self: pytest.fail("a sample was made"))
+    batch = with_ids(arrays).__getitems__([2, 0])
+    assert assemble(batch)["id"].tolist() == [30, 10], "still gathered by column, as without with_ids"
 
 
 def test_with_ids_under_another_key_keeps_the_index_the_arrays_already_carries():
@@ -108,6 +112,23 @@ def test_with_ids_under_another_key_keeps_the_index_the_arrays_already_carries()
     batch = default_collate(with_ids(arrays, "sample_id").__getitems__([3, 1]))
     assert batch["id"].tolist() == [3, 1] and batch["sample_id"].tolist() == [3, 1]
     assert arrays.index_as == "id", "the dataset wrapped is left as it was"
+
+
+def test_an_index_counted_from_the_end_is_the_id_of_the_sample_it_reads():
+    """Both keys of a sample name it alike, whichever way it was asked for (Arrays count a negative
+    index from the end)."""
+    arrays = Arrays(x=np.arange(5), index_as="id")
+    identified = with_ids(arrays, "sample_id")
+    samples = [identified[-1], identified.__getitems__([-1])[0], identified.__getitems__(np.array([-1]))[0]]
+    for sample in samples:
+        assert sample["id"] == sample["sample_id"] == 4 and type(sample["sample_id"]) is int
+
+
+def test_an_index_under_a_column_s_key_is_refused_when_added_later():
+    arrays = Arrays(x=np.arange(3) + 100)
+    with pytest.raises(ValueError, match=r"index_as='x'.*a column's key"):
+        arrays.indexed_as("x")
+    assert "id" not in arrays[0] and arrays.indexed_as("id")[2]["id"] == 2
 
 
 def test_index_as_is_the_one_default_and_id_key_still_works_with_a_warning(tmp_path):

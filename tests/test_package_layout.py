@@ -111,7 +111,7 @@ def test_benchmarks_import_their_shared_parts_as_a_package_with_no_path_edits():
 
 @pytest.mark.parametrize(
     "script", ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios",
-               "peer_ratios", "ring_contention", "resume_cost", "ray_ratios"]
+               "peer_ratios", "ring_contention", "resume_cost", "ray_ratios", "batch_cost"]
 )
 def test_a_benchmark_script_runs_as_a_file_from_another_folder(script, tmp_path):
     # As `python benchmarks/NAME.py` runs: its shared parts come from the package, not from its folder.

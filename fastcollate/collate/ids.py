@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ class _WithIds(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
-        return self._tagged(self.dataset[index], index)
+        return self._tagged(self.dataset[index], self._id(index))
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         # Defined, not found through __getattr__: the wrapped dataset's own would hand out its samples
@@ -45,7 +46,16 @@ class _WithIds(Dataset):
         if read_batch is None:
             return [self[index] for index in indices]
         samples = read_batch(indices)
-        return [self._tagged(sample, index) for sample, index in zip(samples, indices, strict=True)]
+        ids = map(self._id, indices)
+        return [self._tagged(sample, index) for sample, index in zip(samples, ids, strict=True)]
+
+    def _id(self, index: Any) -> Any:
+        """The id of the sample read at ``index``: counted from the start, as a sampler's indices are (an
+        index from the end reads the same sample), and a Python int."""
+        if isinstance(index, numbers.Integral) and not isinstance(index, bool):
+            index = int(index)
+            return index + len(self) if index < 0 else index
+        return index
 
     def _tagged(self, sample: Any, index: int) -> Any:
         if isinstance(sample, Mapping):
@@ -80,8 +90,11 @@ def with_ids(dataset: Dataset, key: str = "id") -> Dataset:
             "with_ids needs a map-style dataset: an IterableDataset's position in the stream is not a "
             "stable id (each worker has its own stream). Yield an id field from the iterable itself."
         )
-    if isinstance(dataset, Arrays) and (dataset.index_as in (None, key)) and key not in dataset.columns:
-        return dataset.indexed_as(key)  # its batches still gathered by column, with the ids
+    if isinstance(dataset, Arrays):  # its batches still gathered by column, with the ids
+        if key in dataset.columns:
+            return dataset  # each sample holds the key: the dataset's own ids win, as over any mapping
+        if dataset.index_as in (None, key):
+            return dataset.indexed_as(key)
     return _WithIds(dataset, key)
 
 

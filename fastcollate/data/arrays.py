@@ -9,10 +9,11 @@ always got; ``fastcollate.assemble`` recognizes it and gathers each column by in
 
 from __future__ import annotations
 
+import os
+import threading
 import types
 import warnings
-from collections.abc import Mapping, Sequence
-from itertools import repeat
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,15 @@ def renamed_index_as(who: str, index_as: str | None, id_key: Any) -> str | None:
     return id_key
 
 
+def _refuse_index_over_a_column(index_as: str | None, columns: Mapping[str, Any]) -> None:
+    if index_as is not None and index_as in columns:
+        raise ValueError(
+            f"Arrays: index_as={index_as!r} puts each sample's index under a column's key: "
+            "leave index_as out to keep the column (assemble.using(id_key=...) takes it as the id), or "
+            "give the index another key"
+        )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -93,12 +103,7 @@ class Arrays(Dataset):
         given = {**(columns or {}), **named}
         if not given:
             raise ValueError("Arrays: give at least one column, e.g. Arrays(image=images, label=labels)")
-        if index_as is not None and index_as in given:
-            raise ValueError(
-                f"Arrays: index_as={index_as!r} puts each sample's index under a column's key: "
-                "leave index_as out to keep the column (assemble.using(id_key=...) takes it as the id), or "
-                "give the index another key"
-            )
+        _refuse_index_over_a_column(index_as, given)
         self.index_as = index_as
         # Read-only: assemble keeps each batch size's layout, which names these columns.
         columns = {name: column_over(name, value) for name, value in given.items()}
@@ -148,6 +153,7 @@ class Arrays(Dataset):
 
     def indexed_as(self, key: str) -> Arrays:
         """The same dataset over the same columns, each sample with its index under ``key``."""
+        _refuse_index_over_a_column(key, self.columns)
         indexed = object.__new__(type(self))  # not copy.copy: subclasses pickle as how they are made again
         indexed.__dict__.update(self.__dict__, index_as=key)
         return indexed
@@ -209,7 +215,7 @@ class Arrays(Dataset):
         return sample
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
-        return ArrayBatch(self, indices)
+        return ArrayBatch.of(self, indices)
 
     def check_files(self, indices: int | np.ndarray | None = None) -> None:
         """Raises MappedFileError if a memory-mapped column's file shrank or, in a process that mapped
@@ -265,21 +271,54 @@ class Arrays(Dataset):
 
 class _Unread:
     """What an ArrayBatch's list holds until its samples are read through its methods. C code that reads a
-    list's items directly, bypassing a subclass's methods, meets this instead of an empty list."""
+    list's items directly, bypassing a subclass's methods, meets this instead of an empty list: whatever
+    is done with it, as with a sample, raises saying what to do."""
 
     __slots__ = ()
 
-    def __getattr__(self, name: str) -> Any:
+    def _refuse(self, *args: Any) -> Any:
         raise RuntimeError(
             "fastcollate.Arrays: a batch's samples were read past the list's own methods (by C code "
             "that indexes a list directly); call list(batch) first to get them"
         )
 
+    # Special methods are looked up on the type, never through __getattr__.
+    __getattr__ = __getitem__ = __iter__ = __len__ = __contains__ = _refuse
+
     def __repr__(self) -> str:
         return "<sample not read yet>"
 
 
+def _index_array(indices: Any, length: int) -> np.ndarray:
+    """``indices`` of any other kind than a sampler's list or an int64 array, as an integer array, refused
+    if it is none (``length``: the dataset's, to name an index beyond int64)."""
+    array = np.asarray(indices)
+    if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
+        # Python ints beyond int64: numpy keeps them as objects
+        beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
+        if beyond is not None:
+            raise index_out_of_range(beyond, length)
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise index_out_of_range(int(array.max()), length)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise TypeError(
+            f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
+            f"shape {array.shape}"
+        )
+    return array
+
+
 _UNREAD = _Unread()
+_FILLING = threading.Lock()  # held only to put the samples in a batch's list, never while making them
+
+
+def _unlocked_after_fork() -> None:
+    # A process forked while another thread held the lock would wait forever on its first read.
+    global _FILLING
+    _FILLING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlocked_after_fork)
 
 
 class ArrayBatch(list):
@@ -291,49 +330,53 @@ class ArrayBatch(list):
 
     __slots__ = ("dataset", "index_tensor", "indices", "read")
 
-    def __init__(self, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> None:
-        self.read = False  # whether the list holds the samples (made by a read, maybe changed since)
+    def __init__(self, samples: Iterable[Any] = ()) -> None:
+        # A list of ``samples``, as list(samples) is: code that moves or detaches a batch rebuilds a list
+        # as its own type (Lightning's apply_to_collection, accelerate's send_to_device, transformers'
+        # nested_detach), over a batch a collate handed on as it got it. Arrays' batches are made by `of`.
+        list.__init__(self, samples)
+        self.read = True  # whether the list holds the samples (made by a read, maybe changed since)
+        self.dataset = self.indices = self.index_tensor = None
+
+    @classmethod
+    def of(cls, dataset: Arrays, indices: Sequence[int] | np.ndarray | torch.Tensor) -> ArrayBatch:
+        """The batch of samples ``indices`` of ``dataset``, none made yet."""
+        batch = list.__new__(cls)
+        batch.read = False
         if type(indices) is list:  # a DataLoader sampler's batch: read in one native pass, a copy of its own
             read = _C.indices_of_list(indices)
             if read is not None:
-                self._take_indices(dataset, read.numpy())
-                return
-        if isinstance(indices, torch.Tensor):
+                batch._take_indices(dataset, read.numpy(), read)
+                return batch
+        if type(indices) is torch.Tensor:
             indices = indices.numpy()
         if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
-            self._checked_indices(dataset, indices)  # IndexBatches' batches
-            return
-        array = np.asarray(indices)
-        if array.dtype == object and array.ndim == 1 and all(_is_int(i) for i in array):
-            # Python ints beyond int64: numpy keeps them as objects
-            beyond = next((int(i) for i in array if not -(2**63) <= i < 2**63), None)
-            if beyond is not None:
-                raise index_out_of_range(beyond, len(dataset))
-        if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-            raise index_out_of_range(int(array.max()), len(dataset))
-        if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-            raise TypeError(
-                f"Arrays: a batch of indices must be a 1-D sequence of ints, got {array.dtype} of "
-                f"shape {array.shape}"
-            )
-        self._checked_indices(dataset, array)
-
+            batch._take_indices(dataset, indices.copy())  # IndexBatches' batches: a copy of its own, as below
+            return batch
+        batch._checked_indices(dataset, _index_array(indices, len(dataset)))
+        return batch
     def _checked_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
         # The batch's own copy: the caller's array changed after this check must not move a read. One
         # native pass checks it, no numpy reductions: a batch costs microseconds, and numpy's machinery
         # run between two gathers costs more than its work.
         self._take_indices(dataset, np.array(indices, dtype=np.int64, order="C", copy=True))
 
-    def _take_indices(self, dataset: Arrays, indices: np.ndarray) -> None:
-        """Takes ``indices`` (int64, contiguous, the batch's own) after checking them against ``dataset``."""
+    def _take_indices(
+        self, dataset: Arrays, indices: np.ndarray, index_tensor: torch.Tensor | None = None
+    ) -> None:
+        """Takes ``indices`` (int64, contiguous, the batch's own; ``index_tensor``: a tensor over them, if
+        made) after checking them against ``dataset``."""
         self.indices = indices
-        self.index_tensor = torch.from_numpy(indices)
+        self.index_tensor = torch.from_numpy(indices) if index_tensor is None else index_tensor
         # Negative indices count from the end, as in Python and Hugging Face's __getitems__.
         first = _C.wrap_negative_indices(self.index_tensor, len(dataset))
         if first >= 0:
             raise index_out_of_range(int(indices[first]), len(dataset))
         self.dataset = dataset
-        list.extend(self, repeat(_UNREAD, len(indices)))  # len() is the list's own, right before any read
+        # len() is the list's own, right before any read. One placeholder repeated in place: the cheapest
+        # way to fill a list of n (extending it from an iterator costs twice as much, at 256 samples).
+        list.append(self, _UNREAD)
+        list.__imul__(self, len(indices))
 
     def rows(self) -> ArrayBatch:
         """The batch with its samples made, as ``ds[i]`` hands them out, all at once: the files of their rows
@@ -341,9 +384,18 @@ class ArrayBatch(list):
         if not self.read:
             self.dataset.check_files(self.indices)
             samples = self.dataset._handed_out([self.dataset._sample(int(i)) for i in self.indices])
-            list.__setitem__(self, slice(None), samples)
-            self.read = True
+            with _FILLING:  # threads that read at once all get the samples of the first to fill the list
+                if not self.read:
+                    list.__setitem__(self, slice(None), samples)
+                    self.read = True
         return self
+
+    def __radd__(self, other: Any) -> Any:
+        # `rows + batch`: Python asks this first (a subclass of the left operand's type), then falls back
+        # to list concatenation, which reads the items past the list's methods: made here, before it.
+        # NotImplemented, not a new list: `rows += batch` then still extends `rows` in place.
+        self.rows()
+        return NotImplemented
 
     def __reduce__(self) -> tuple:
         return (list, (list(self.rows()),))  # the samples, not the dataset they came from

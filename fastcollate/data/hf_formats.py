@@ -7,7 +7,7 @@ which its collators make int64 and float32 tensors, as the torch format does; ``
 stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
 ``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
 applies to every column it formats (``dtype=None`` hands out the stored dtypes, the torch format's uint16
-and uint32 as int64). Columns outside ``with_format(columns=...)`` come as stored.
+and uint32 as int64). Columns outside ``with_format(columns=...)`` are Python objects, as with no format.
 """
 
 from __future__ import annotations
@@ -88,22 +88,16 @@ def dtypes_handed_out(
     dataset: Any, chosen: dict[str, str], arrays: Any, stored_dtypes: bool = False
 ) -> dict[str, torch.dtype]:
     """{key: dtype} for the chosen keys whose rows go out in another dtype than the stored one: the
-    format's, or with no format the dtypes Hugging Face's collators make of its rows (Python numbers:
-    integers as int64, floats as float32, as the torch format's); none with ``stored_dtypes``."""
-    form = dataset.format
-    kind = form.get("type")
+    format's, or for a column no format covers the dtypes Hugging Face's collators make of its rows
+    (Python numbers: integers as int64, floats as float32, as the torch format's); none with
+    ``stored_dtypes``."""
     if stored_dtypes:
         return {}
-    if kind in _AS_STORED:
-        out = {}
-        for key in chosen:
-            stored = arrays.columns[key].first.dtype
-            if _widened(stored) != stored:
-                out[key] = _widened(stored)
-        return out
-    formatted = set(form.get("columns") or dataset.column_names)
+    form = dataset.format
+    kind = form.get("type")
+    formatted = set() if kind in _AS_STORED else set(form.get("columns") or dataset.column_names)
     options = form.get("format_kwargs") or {}
-    forced = _forced(kind, options.get("dtype"))
+    forced = _forced(kind, options.get("dtype")) if formatted else None
     if "dtype" not in options:
         widen = _widened
     elif kind == "torch":  # dtype=None given replaces Hugging Face's default dtypes: the stored ones go out
@@ -112,14 +106,15 @@ def dtypes_handed_out(
         widen = _as_stored
     out = {}
     for key, name in chosen.items():
-        if name not in formatted:
-            continue  # outside with_format(columns=...): handed out as stored
         column = arrays.columns[key]
         stored = column.first.dtype
         is_array = column.ragged or column.first.dim() > 1
-        if kind == "numpy" and not is_array:
+        if name not in formatted:
+            held = _widened(stored)  # Python objects, as with no format (or outside with_format(columns=))
+        elif kind == "numpy" and not is_array:
             continue  # numpy scalars are handed out as they are stored
-        held = forced or widen(stored)
+        else:
+            held = forced or widen(stored)
         if held != stored:
             out[key] = held
     return out

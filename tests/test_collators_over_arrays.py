@@ -16,7 +16,7 @@ from fastcollate import Arrays, IndexBatches, assemble
 from fastcollate.data import arrays as arrays_module
 from fastcollate.data.arrays import ArrayBatch
 
-from .helpers.tokenizers import word_level_tokenizer
+from .helpers.word_tokenizer import word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 datasets = pytest.importorskip("datasets", reason="datasets is not installed")

@@ -9,7 +9,7 @@ import torch
 
 from fastcollate import Contract, Field, assemble
 
-from .helpers.tokenizers import WORDS, token_rows, word_level_tokenizer
+from .helpers.word_tokenizer import WORDS, token_rows, word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")

@@ -19,7 +19,7 @@ import fastcollate
 from fastcollate import Arrays, Contract, ContractError, Field, Ragged
 from fastcollate.collate import gather
 
-from .helpers.tokenizers import token_rows, word_level_tokenizer
+from .helpers.word_tokenizer import token_rows, word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("tokenizers", reason="tokenizers is not installed")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-# The checkout in place of this script's folder, whose tokenizers.py would hide the tokenizers package.
+# The checkout in place of this script's folder: the package and tests.helpers are imported from there.
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastcollate import IndexBatches, TokenBudgetBatches, sampler_state  # noqa: E402

@@ -3,11 +3,11 @@ dtypes are followed, and what Arrays cannot give (a transform, a format that han
 encoded media) is refused, naming it and saying what to do, rather than read as the stored columns.
 
 Hugging Face's formats (``datasets/formatting``): ``None`` (Python objects) hands out Python numbers,
-which its collators make int64 and float32 tensors, as the torch format does; ``"numpy"`` hands out the
-stored values, ``"numpy"`` widening lists and arrays to int64 or float32 and keeping scalars as stored;
-``"torch"`` widens every integer to int64 and every float to float32; either takes a ``dtype=`` that
-applies to every column it formats (``dtype=None`` hands out the stored dtypes, the torch format's uint16
-and uint32 as int64). Columns outside ``with_format(columns=...)`` are Python objects, as with no format.
+which its collators make int64 and float32 tensors, as the torch format does; ``"numpy"`` widens lists
+and arrays to int64 or float32 and keeps scalars as stored; ``"torch"`` widens every integer to int64
+and every float to float32; either takes a ``dtype=`` that applies to every column it formats
+(``dtype=None`` hands out the stored dtypes, the torch format's uint16 and uint32 as int64). Columns
+outside ``with_format(columns=...)`` are Python objects, as with no format.
 """
 
 from __future__ import annotations

@@ -91,6 +91,19 @@ bool value_fits(double value, at::ScalarType dtype) {
   return holds && (!c10::isIntegralType(dtype, /*includeBool=*/false) || std::trunc(value) == value);
 }
 
+std::optional<at::ScalarType> python_number_dtype(PyObject* item) {
+  if (PyBool_Check(item)) {  // before PyLong_Check: a bool is an int
+    return at::kBool;
+  }
+  if (PyLong_Check(item)) {
+    return at::kLong;
+  }
+  if (PyFloat_Check(item)) {
+    return at::kDouble;
+  }
+  return std::nullopt;
+}
+
 bool takes_python_number(PyObject* item, at::ScalarType dtype) {
   const bool is_bool = PyBool_Check(item);
   const bool is_int = PyLong_Check(item) && !is_bool;

@@ -44,6 +44,8 @@ bool value_fits(double value, at::ScalarType dtype);
 // declared dtype: a bool only as bool, an int (not a bool) as an integer or floating-point dtype, a float
 // only as a floating-point one. No silent bool-to-int or float-to-int conversion.
 bool takes_python_number(PyObject* item, at::ScalarType dtype);
+// The dtype default_collate gives Python numbers like `item` (bool, int64, float64); none for anything else.
+std::optional<at::ScalarType> python_number_dtype(PyObject* item);
 // What takes_python_number accepts for `dtype`, in words: "a Python int (declared torch.int8)".
 std::string python_number_for(at::ScalarType dtype);
 // Whether lists of Python numbers are read into `dtype`: bool, integer and floating-point dtypes of at

@@ -200,25 +200,6 @@ std::vector<py::object> values_in_key_order(const std::vector<PyObject*>& items,
   return in_order;
 }
 
-// The dtype default_collate gives a list of Python numbers (bool, int64, float64), read from its first
-// element; none for a list of anything else.
-std::optional<at::ScalarType> numbers_dtype(PyObject* list) {
-  if (PySequence_Fast_GET_SIZE(list) == 0) {
-    return std::nullopt;
-  }
-  PyObject* first = PySequence_Fast_GET_ITEM(list, 0);
-  if (PyBool_Check(first)) {
-    return at::kBool;
-  }
-  if (PyLong_Check(first)) {
-    return at::kLong;
-  }
-  if (PyFloat_Check(first)) {
-    return at::kDouble;
-  }
-  return std::nullopt;
-}
-
 // The value of `key` in `item`, looked up; null when it has none.
 py::object look_up(PyObject* item, const py::object& key) {
   if (PyDict_Check(item)) {
@@ -361,7 +342,9 @@ std::unique_ptr<Node> Walk::sequence(const Items& items, const std::string& path
     const Py_ssize_t got = PySequence_Fast_GET_SIZE(fast[i].ptr());
     if (got != length) {
       // Lists of numbers of other lengths are what a padded field takes (token ids): say how to declare one.
-      const std::optional<at::ScalarType> numbers = numbers_dtype(fast[length > 0 ? 0 : i].ptr());
+      PyObject* list = fast[length > 0 ? 0 : i].ptr();
+      const std::optional<at::ScalarType> numbers =
+          PySequence_Fast_GET_SIZE(list) > 0 ? python_number_dtype(PySequence_Fast_GET_ITEM(list, 0)) : std::nullopt;
       const std::string padding = numbers && !contract_.has_contract()
                                       ? padded_field(path, *numbers, {int64_t{length}}, {int64_t{got}})
                                       : "";

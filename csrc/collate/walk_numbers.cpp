@@ -31,12 +31,9 @@ std::unique_ptr<Node> Walk::numbers(const Items& items, const std::string& path,
   PyObject* elem = items[0];
   if (spec != nullptr && spec->dtype) {
     node->dtype = *spec->dtype;
-  } else if (PyFloat_Check(elem)) {
-    node->dtype = at::kDouble;
-  } else if (PyBool_Check(elem)) {
-    node->dtype = at::kBool;
   } else {
-    node->dtype = at::kLong;
+    // Not a Python number (a numpy scalar, a tensor): the loop below leaves it to torch.tensor's inference.
+    node->dtype = python_number_dtype(elem).value_or(at::kLong);
   }
   if (auto violation = number_dtype_rule(node->dtype)) {
     fail(*violation, 0, path);

@@ -350,7 +350,7 @@ void bind_column_gather(py::module_& m) {
                     std::string>(),
            py::arg("columns"), py::arg("sources"), py::arg("tensor_dims"), py::arg("schema"), py::arg("id_key"),
            py::arg("who"))
-      .def("plan", &ArrowGather::plan, py::arg("stream"));
+      .def("plan", &ArrowGather::plan, py::arg("stream"), py::arg("in_place") = false);
 }
 
 }  // namespace

@@ -117,17 +117,22 @@ class ArrowCollate(_ArrowBatchCollateFn):
     def _collate(self, table: Any) -> Any:
         plan = self._native_plan(table)
         if self.device is None:
-            return self._assemble.deliver(plan) if plan is not None else self.expression(table)
+            if plan is None:
+                return self.expression(table)
+            return plan if type(plan) is dict else self._assemble.deliver(plan)  # dict: the batch as it lies
         ring = self._staging_ring()
         batch = self._assemble.deliver(plan, into=ring) if plan is not None else self.expression(table)
         return _in_one_copy(batch, ring, self.device)
 
     def _native_plan(self, table: Any) -> Any:
-        """The plan of ``table`` gathered in one native call, or None where it goes the long way."""
+        """The plan of ``table`` gathered in one native call (on the host, possibly the batch itself, as it
+        lies in the table: _C.ArrowGather.plan), or None where it goes the long way."""
         layout = self._layout_for(table)
         if layout.gather is None:
             return None
-        return layout.gather.plan(table.__arrow_c_stream__())
+        # Kept on the host, a column that needs no copy is handed out where it lies, as Ray's own collate
+        # does; moved to a device, every column goes through the staging slot its one copy reads.
+        return layout.gather.plan(table.__arrow_c_stream__(), in_place=self.device is None)
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``

@@ -121,9 +121,11 @@ def test_a_batch_past_the_address_space_limit_is_refused_and_the_next_small_one_
         """
         collate = ArrowCollate(max_slots=2)
         assert torch.equal(collate(small)["x"], torch.arange(1000, dtype=torch.float32))
+        in_two_chunks = pa.concat_tables([big.slice(0, 1 << 26), big.slice(1 << 26)])  # gathered, not viewed
         limit("RLIMIT_AS", address_space() + (128 << 20))  # room for a small batch, not for big's 512 MiB
+        assert collate(big)["x"].shape == (1 << 27,)  # in one chunk: handed out as it lies, no memory taken
         try:
-            collate(big)
+            collate(in_two_chunks)
             print("DELIVERED")
         except (MemoryError, RuntimeError) as error:
             print("REFUSED", type(error).__name__, str(error).splitlines()[0][:300])

@@ -191,3 +191,63 @@ def test_a_tensor_column_whose_dtype_changed_between_blocks_is_refused_naming_bo
     collate(pa.table({"input_ids": ragged_tensors(ragged_rows([3, 5], dtype=np.int32))}))
     with pytest.raises(TypeError, match="column 'input_ids' was .*int32.* in the first batch and is .*int64"):
         collate(pa.table({"input_ids": ragged_tensors(ragged_rows([3, 5], dtype=np.int64))}))
+
+
+def test_a_large_column_in_one_chunk_is_handed_out_where_it_lies_and_keeps_its_table_alive():
+    import gc
+    import weakref
+
+    rows = np.random.default_rng(0).standard_normal((1024, 100), dtype=np.float32)  # 400 KB a table
+    stored = weakref.ref(rows)
+    table = pa.table({"x": ArrowTensorArray.from_numpy(rows), "label": pa.array(np.arange(1024))})
+    expected = expression(table.slice(24, 1000))
+    batch = ArrowCollate()(table.slice(24, 1000))
+    assert_same_batch(batch, expected)
+    assert batch["x"].data_ptr() == rows[24:].ctypes.data  # a view of the table's buffer, not a copy
+    label_buffer = table.column("label").chunk(0).buffers()[1]
+    label_at = batch["label"].data_ptr()
+    # The label is small: a copy, so that a loop keeping labels keeps none of the tables.
+    assert not label_buffer.address <= label_at < label_buffer.address + label_buffer.size
+    del table, rows, label_buffer
+    gc.collect()
+    assert stored() is not None  # the view holds the table's memory
+    assert_same_batch(batch, expected)
+    del batch
+    gc.collect()
+    assert stored() is None
+
+
+@pytest.mark.parametrize("why", ["in two chunks", "cast by the contract"])
+def test_a_large_column_is_copied_where_it_cannot_be_handed_out_as_it_lies(why):
+    rows = np.random.default_rng(1).standard_normal((1024, 100), dtype=np.float32)
+    columns = {"x": ArrowTensorArray.from_numpy(rows)}
+    if why == "in two chunks":
+        table, collate = sliced_in_chunks(columns, cuts=((0, 600), (600, 424))), ArrowCollate()
+    else:
+        table = pa.table(columns)
+        widened = Field(dtype=torch.float64, shape=(100,), cast_from=(torch.float32,))
+        collate = ArrowCollate(Contract({"x": widened}))
+    batch = collate(table)
+    assert_same_batch(batch, expression(table, collate.contract))
+    buffer = table.column("x").chunk(0).storage.buffers()[-1]
+    assert not buffer.address <= batch["x"].data_ptr() < buffer.address + buffer.size
+
+
+def test_tables_handed_out_as_they_lie_keep_the_contract_of_the_first():
+    from fastcollate import ContractError
+
+    rows = np.random.default_rng(2).standard_normal((1024, 100), dtype=np.float32)
+    table = pa.table({"x": ArrowTensorArray.from_numpy(rows), "label": pa.array(np.arange(1024))})
+    kept = Contract(
+        {"x": Field(dtype=torch.float32, shape=(100,)), "label": Field(dtype=torch.int64, shape=())}
+    )
+    collate = ArrowCollate(kept)
+    for start in (0, 300, 600):  # the first table is planned; the later ones come out as they lie
+        part = table.slice(start, 400)
+        batch = collate(part)
+        assert_same_batch(batch, expression(part, kept))
+        assert batch["x"].data_ptr() == rows[start:].ctypes.data
+    broken = ArrowCollate(Contract({"x": Field(dtype=torch.float32, shape=(99,))}))
+    for _ in range(2):  # refused each time: a table that broke a rule never lets the next one skip them
+        with pytest.raises(ContractError, match="'x'"):
+            broken(table.slice(0, 400))

@@ -7,6 +7,7 @@
 
 #include "collate/arrow_arrays.h"
 #include "collate/arrow_c_data.h"
+#include "collate/python_refs.h"
 #include "collate/arrow_tensors.h"
 
 namespace fastcollate {
@@ -101,7 +102,7 @@ ArrowGather::ArrowGather(std::vector<GatheredColumn> columns, std::vector<std::s
   }
 }
 
-py::object ArrowGather::plan(const py::capsule& capsule) const {
+py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
   auto* stream = static_cast<ArrowArrayStream*>(PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream"));
   if (stream == nullptr) {
     throw py::error_already_set();
@@ -193,9 +194,44 @@ py::object ArrowGather::plan(const py::capsule& capsule) const {
       start += array->length;
     }
   }
+  std::shared_ptr<const void> owner = std::static_pointer_cast<const void>(arrays);
+  if (in_place && checked_.load(std::memory_order_acquire)) {
+    if (auto batch = batch_as_it_lies(columns, owner)) {
+      return *batch;
+    }
+  }
   const ColumnGather gather(std::move(columns), total, id_key_, /*ids_are_indices=*/false, std::nullopt,
-                            std::static_pointer_cast<const void>(arrays));
-  return gather.plan_in_order();
+                            std::move(owner));
+  py::object plan = gather.plan_in_order(in_place);
+  if (!plan.is_none()) {
+    checked_.store(true, std::memory_order_release);
+  }
+  return plan;
+}
+
+std::optional<py::dict> ArrowGather::batch_as_it_lies(const std::vector<GatheredColumn>& columns,
+                                                       const std::shared_ptr<const void>& owner) const {
+  std::vector<at::Tensor> tensors;
+  bool any_view = false;
+  for (const GatheredColumn& column : columns) {
+    if (column.field && column.field->range) {
+      return std::nullopt;  // its values are checked as they are gathered
+    }
+    auto rows = rows_as_they_lie(column, owner, /*copy_small=*/true);
+    if (!rows) {
+      return std::nullopt;
+    }
+    any_view = any_view || rows->data_ptr() == column.rows.front().data_ptr();
+    tensors.push_back(std::move(*rows));
+  }
+  if (!any_view) {
+    return std::nullopt;  // only small columns: one buffer for all of them beats one allocation each
+  }
+  py::dict batch;
+  for (size_t k = 0; k < columns.size(); ++k) {
+    batch[py::str(columns[k].key)] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensors[k])));
+  }
+  return batch;
 }
 
 }  // namespace fastcollate

@@ -8,6 +8,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,8 +32,12 @@ class ArrowGather {
 
   // The plan of every row of the stream's table (a capsule "arrow_array_stream", consumed), or None when
   // the table holds no row or a column is not laid out as the first table's was (the caller collates it
-  // the per-sample way). Raises ValueError naming the column and row of a null.
-  py::object plan(const py::capsule& stream) const;
+  // the per-sample way). Raises ValueError naming the column and row of a null. `in_place`: a large column
+  // of rows that needs no gather is handed out where it lies (ColumnGather::plan_in_order); and when the
+  // table has such a column and every other one is a small column of rows, the result is the batch
+  // itself (a dict), its small columns copied: the first table's plan has checked the contract's rules,
+  // which hold for every table laid out as it was.
+  py::object plan(const py::capsule& stream, bool in_place) const;
 
  private:
   std::vector<GatheredColumn> columns_;
@@ -42,6 +48,10 @@ class ArrowGather {
   std::vector<at::ScalarType> stored_;       // each column's stored dtype, as the first table's
   std::string id_key_;
   std::string who_;
+  mutable std::atomic<bool> checked_{false};  // a table's plan has passed the contract's rules
+
+  std::optional<py::dict> batch_as_it_lies(const std::vector<GatheredColumn>& columns,
+                                           const std::shared_ptr<const void>& owner) const;
 };
 
 }  // namespace fastcollate

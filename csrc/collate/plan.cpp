@@ -334,7 +334,7 @@ py::object BatchPlan::execute_into(const at::Storage& storage, size_t offset, bo
   }
   CopyJobs jobs;
   collect_jobs(*root, jobs);
-  {
+  if (!jobs.empty()) {  // else releasing the GIL would only queue this thread behind the others for it
     py::gil_scoped_release no_gil;  // the copy touches no Python object; other threads run meanwhile
     jobs.run();
   }

@@ -79,6 +79,9 @@ struct CopyJobs {
   void add_rows(const void* const* sources, void* dst, size_t row_bytes, size_t count);
   // Runs every job. Call without the GIL: it touches no Python object.
   void run() const;
+  bool empty() const {
+    return fills.empty() && counts.empty() && memcpys.empty() && rows.empty() && tensor_copies.empty();
+  }
 };
 
 // The bytes of `value` converted to `dtype`, for FillJob::pattern.

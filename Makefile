@@ -63,7 +63,7 @@ help:
 build: .stamp-build
 
 test: .stamp-build $(EXTRAS)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=15
 
 # First where the data path matters: pre-decoded images with workers (bound by moving bytes: shared slots
 # on and off against default_collate), with a chart; then the FashionMNIST-like bench, bound by its PIL

@@ -42,13 +42,16 @@ class _Layout:
     fastcollate.collate.gather.HANDED_TO_THE_WALK); and its tensor extension columns, which the per-sample
     way reads as the plain columns of their storage."""
 
-    __slots__ = ("gather", "ragged", "schema", "tensors")
+    __slots__ = ("gather", "ragged", "read", "schema", "tensors")
 
     def __init__(self, schema: Any, gather_columns: Any, tensors: list[str], ragged: frozenset[str]) -> None:
         self.schema = schema
         self.gather = gather_columns
         self.tensors = tensors
         self.ragged = ragged  # tensor columns ragged in the first table: ragged in every one
+        # The columns gathered, where the table has others: a batch that views its table's buffers holds
+        # only these.
+        self.read: list[str] | None = None
 
     def plain(self, table: Any) -> Any:
         """``table`` with its tensor columns as the plain columns of their storage."""
@@ -133,9 +136,12 @@ class ArrowCollate(_ArrowBatchCollateFn):
         layout = self._layout_for(table)
         if layout.gather is None:
             return None
-        # Kept on the host, a column that needs no copy is handed out where it lies, as Ray's own collate
-        # does; moved to a device, every column goes through the staging slot its one copy reads.
-        return layout.gather.plan(table.__arrow_c_stream__(), in_place=self.device is None)
+        # Kept on the host, a large column that needs no copy is handed out where it lies, as Ray's own
+        # collate does; moved to a device, every column goes through the staging slot its one copy reads.
+        on_host = self.device is None
+        if on_host and layout.read is not None:
+            table = table.select(layout.read)
+        return layout.gather.plan(table.__arrow_c_stream__(), in_place=on_host)
 
     def expression(self, table: Any) -> Any:
         """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
@@ -207,6 +213,8 @@ class ArrowCollate(_ArrowBatchCollateFn):
                     id_key=self._assemble.id_key,
                     who=_WHO,
                 )
+                read = list(dict.fromkeys(sources))
+                layout.read = read if len(read) < table.num_columns else None
             self._layout = layout
             return layout
 

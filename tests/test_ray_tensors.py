@@ -193,7 +193,18 @@ def test_a_tensor_column_whose_dtype_changed_between_blocks_is_refused_naming_bo
         collate(pa.table({"input_ids": ragged_tensors(ragged_rows([3, 5], dtype=np.int64))}))
 
 
-def test_a_large_column_in_one_chunk_is_handed_out_where_it_lies_and_keeps_its_table_alive():
+def lent_by(collate, table) -> dict:
+    """``collate``'s batch of ``table`` after a first table of its schema was planned: only a later one is
+    handed out as it lies."""
+    collate(table.slice(0, 1))
+    return collate(table)
+
+
+def lies_in(tensor, buffer) -> bool:
+    return buffer.address <= tensor.data_ptr() < buffer.address + buffer.size
+
+
+def test_a_large_tensor_column_in_one_chunk_is_lent_and_keeps_its_table_alive_a_label_is_copied():
     import gc
     import weakref
 
@@ -201,14 +212,12 @@ def test_a_large_column_in_one_chunk_is_handed_out_where_it_lies_and_keeps_its_t
     stored = weakref.ref(rows)
     table = pa.table({"x": ArrowTensorArray.from_numpy(rows), "label": pa.array(np.arange(1024))})
     expected = expression(table.slice(24, 1000))
-    batch = ArrowCollate()(table.slice(24, 1000))
+    batch = lent_by(ArrowCollate(), table.slice(24, 1000))
     assert_same_batch(batch, expected)
     assert batch["x"].data_ptr() == rows[24:].ctypes.data  # a view of the table's buffer, not a copy
-    label_buffer = table.column("label").chunk(0).buffers()[1]
-    label_at = batch["label"].data_ptr()
     # The label is small: a copy, so that a loop keeping labels keeps none of the tables.
-    assert not label_buffer.address <= label_at < label_buffer.address + label_buffer.size
-    del table, rows, label_buffer
+    assert not lies_in(batch["label"], table.column("label").chunk(0).buffers()[1])
+    del table, rows
     gc.collect()
     assert stored() is not None  # the view holds the table's memory
     assert_same_batch(batch, expected)
@@ -217,23 +226,71 @@ def test_a_large_column_in_one_chunk_is_handed_out_where_it_lies_and_keeps_its_t
     assert stored() is None
 
 
-@pytest.mark.parametrize("why", ["in two chunks", "cast by the contract"])
-def test_a_large_column_is_copied_where_it_cannot_be_handed_out_as_it_lies(why):
+def test_columns_are_lent_where_rays_collate_lends_them_and_copied_elsewhere():
+    n = 1 << 15  # 128 KiB of float32 numbers: past the size a column is copied under
+    numbers = np.arange(n, dtype=np.float32)
+    lists = np.arange(n * 4, dtype=np.float32)
+    table = pa.table(
+        {
+            "numbers": pa.array(numbers),  # Ray lends a column of numbers
+            "lists": pa.FixedSizeListArray.from_arrays(pa.array(lists), 4),  # Ray copies fixed-size lists
+        }
+    )
+    read = {"a": "numbers", "again": "numbers", "lists": "lists"}
+    batch = lent_by(ArrowCollate(columns=read), table)
+    assert_same_batch(batch, expression(table, columns=read))
+    assert batch["a"].data_ptr() == numbers.ctypes.data
+    assert not lies_in(batch["again"], table.column("numbers").chunk(0).buffers()[1])  # one view a memory
+    assert not lies_in(batch["lists"], table.column("lists").chunk(0).values.buffers()[1])
+    batch["lists"].add_(1)  # a loop writing into its batch leaves the table as it was
+    assert table.column("lists").chunk(0).values.to_numpy()[:3].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_batch_lent_from_a_table_holds_none_of_the_columns_it_does_not_read():
+    import gc
+    import weakref
+
+    rows = np.random.default_rng(3).standard_normal((1024, 100), dtype=np.float32)
+    unread = np.arange(1 << 20, dtype=np.float64)[:1024].copy()
+    unread_ref = weakref.ref(unread)
+    table = pa.table({"x": ArrowTensorArray.from_numpy(rows), "other": pa.array(unread)})
+    batch = lent_by(ArrowCollate(columns=["x"]), table)
+    assert batch["x"].data_ptr() == rows.ctypes.data
+    del table, unread
+    gc.collect()
+    assert unread_ref() is None
+    assert list(batch) == ["x"]
+
+
+def test_a_column_at_an_address_its_dtype_does_not_align_is_copied():
+    n = 1 << 15
+    raw = np.zeros(n * 8 + 1, dtype=np.uint8)
+    raw[1:].view(np.float64)[:] = np.arange(n)  # float64 values starting one byte past an aligned address
+    column = pa.Array.from_buffers(pa.float64(), n, [None, pa.py_buffer(raw)[1:]])
+    table = pa.table({"v": column})
+    batch = lent_by(ArrowCollate(), table)
+    assert batch["v"].data_ptr() % 8 == 0
+    assert torch.equal(batch["v"], torch.arange(n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("why", ["in two chunks", "cast by the contract", "the first table of its schema"])
+def test_a_large_column_is_copied_where_it_cannot_be_lent(why):
     rows = np.random.default_rng(1).standard_normal((1024, 100), dtype=np.float32)
     columns = {"x": ArrowTensorArray.from_numpy(rows)}
+    table, collate = pa.table(columns), ArrowCollate()
     if why == "in two chunks":
-        table, collate = sliced_in_chunks(columns, cuts=((0, 600), (600, 424))), ArrowCollate()
-    else:
-        table = pa.table(columns)
+        table = sliced_in_chunks(columns, cuts=((0, 600), (600, 424)))
+        collate(pa.table(columns).slice(0, 1))
+    elif why == "cast by the contract":
         widened = Field(dtype=torch.float64, shape=(100,), cast_from=(torch.float32,))
         collate = ArrowCollate(Contract({"x": widened}))
+        collate(table.slice(0, 1))
     batch = collate(table)
     assert_same_batch(batch, expression(table, collate.contract))
-    buffer = table.column("x").chunk(0).storage.buffers()[-1]
-    assert not buffer.address <= batch["x"].data_ptr() < buffer.address + buffer.size
+    assert not lies_in(batch["x"], table.column("x").chunk(0).storage.buffers()[-1])
 
 
-def test_tables_handed_out_as_they_lie_keep_the_contract_of_the_first():
+def test_tables_lent_keep_the_contract_of_the_first():
     from fastcollate import ContractError
 
     rows = np.random.default_rng(2).standard_normal((1024, 100), dtype=np.float32)
@@ -246,7 +303,7 @@ def test_tables_handed_out_as_they_lie_keep_the_contract_of_the_first():
         part = table.slice(start, 400)
         batch = collate(part)
         assert_same_batch(batch, expression(part, kept))
-        assert batch["x"].data_ptr() == rows[start:].ctypes.data
+        assert (batch["x"].data_ptr() == rows[start:].ctypes.data) == (start > 0)
     broken = ArrowCollate(Contract({"x": Field(dtype=torch.float32, shape=(99,))}))
     for _ in range(2):  # refused each time: a table that broke a rule never lets the next one skip them
         with pytest.raises(ContractError, match="'x'"):

@@ -1,5 +1,10 @@
 #include "collate/arrow_gather.h"
 
+#include <ATen/EmptyTensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -95,6 +100,9 @@ ArrowGather::ArrowGather(std::vector<GatheredColumn> columns, std::vector<std::s
     }
     stored_.push_back(source.scalar_type());
     inner_.push_back(source.sizes().slice(1).vec());
+    // Lent where Ray's own collate lends: a tensor column's rows, or a column of plain numbers. Ray copies a
+    // column of fixed-size lists, and a loop that writes into its batch must not write into the dataset.
+    lendable_.push_back(column.kind == Kind::Rows && (tensor_dims[k].has_value() || inner_.back().empty()));
     // Only the layout is kept: the first table's buffers (in Ray's object store) are not held.
     column.rows.clear();
     column.values.clear();
@@ -202,7 +210,7 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
   }
   const ColumnGather gather(std::move(columns), total, id_key_, /*ids_are_indices=*/false, std::nullopt,
                             std::move(owner));
-  py::object plan = gather.plan_in_order(in_place);
+  py::object plan = gather.plan_in_order();
   if (!plan.is_none()) {
     checked_.store(true, std::memory_order_release);
   }
@@ -211,25 +219,42 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
 
 std::optional<py::dict> ArrowGather::batch_as_it_lies(const std::vector<GatheredColumn>& columns,
                                                        const std::shared_ptr<const void>& owner) const {
-  std::vector<at::Tensor> tensors;
-  bool any_view = false;
-  for (const GatheredColumn& column : columns) {
-    if (column.field && column.field->range) {
-      return std::nullopt;  // its values are checked as they are gathered
+  // First which columns are lent, so that no copy is made for a batch that goes the planned way after all.
+  std::vector<bool> lent(columns.size(), false);
+  std::vector<const void*> lent_memory;
+  for (size_t k = 0; k < columns.size(); ++k) {
+    const GatheredColumn& column = columns[k];
+    if (column.kind != Kind::Rows || column.rows.size() != 1 || (column.field && column.field->range)) {
+      return std::nullopt;  // gathered from chunks, laid out, or checked value by value as it is copied
     }
-    auto rows = rows_as_they_lie(column, owner, /*copy_small=*/true);
-    if (!rows) {
-      return std::nullopt;
+    const at::Tensor& rows = column.rows.front();
+    if (rows.scalar_type() != column.dtype || !rows.is_contiguous()) {
+      return std::nullopt;  // cast, or strided
     }
-    any_view = any_view || rows->data_ptr() == column.rows.front().data_ptr();
-    tensors.push_back(std::move(*rows));
+    const void* memory = rows.const_data_ptr();
+    const bool aligned = reinterpret_cast<uintptr_t>(memory) % rows.element_size() == 0;
+    const bool seen = std::find(lent_memory.begin(), lent_memory.end(), memory) != lent_memory.end();
+    lent[k] = lendable_[k] && aligned && !seen && static_cast<int64_t>(rows.nbytes()) > kSmallFieldBytes;
+    if (lent[k]) {
+      lent_memory.push_back(memory);
+    }
   }
-  if (!any_view) {
+  if (lent_memory.empty()) {
     return std::nullopt;  // only small columns: one buffer for all of them beats one allocation each
   }
   py::dict batch;
   for (size_t k = 0; k < columns.size(); ++k) {
-    batch[py::str(columns[k].key)] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensors[k])));
+    const at::Tensor& rows = columns[k].rows.front();
+    at::Tensor out;
+    if (lent[k]) {
+      out = at::from_blob(rows.data_ptr(), rows.sizes(), [owner](void*) {}, rows.options());
+    } else {
+      out = at::detail::empty_cpu(rows.sizes(), rows.scalar_type());
+      if (rows.nbytes() > 0) {
+        std::memcpy(out.mutable_data_ptr(), rows.const_data_ptr(), rows.nbytes());
+      }
+    }
+    batch[py::str(columns[k].key)] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
   return batch;
 }

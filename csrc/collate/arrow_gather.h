@@ -32,11 +32,14 @@ class ArrowGather {
 
   // The plan of every row of the stream's table (a capsule "arrow_array_stream", consumed), or None when
   // the table holds no row or a column is not laid out as the first table's was (the caller collates it
-  // the per-sample way). Raises ValueError naming the column and row of a null. `in_place`: a large column
-  // of rows that needs no gather is handed out where it lies (ColumnGather::plan_in_order); and when the
-  // table has such a column and every other one is a small column of rows, the result is the batch
-  // itself (a dict), its small columns copied: the first table's plan has checked the contract's rules,
-  // which hold for every table laid out as it was.
+  // the per-sample way). Raises ValueError naming the column and row of a null.
+  // `in_place` (a batch kept on the host): the batch itself instead (a dict), when every column is rows in
+  // one chunk, in its stored dtype, and at least one is lent: a column of numbers or tensor rows over
+  // kSmallFieldBytes (as Ray's own collate, which lends those and copies the others), handed out as a view
+  // of the table's buffer that keeps the stream's arrays alive. The other columns are copied, each to
+  // storage of its own (keeping a label keeps none of the table), as is a second key over the same
+  // memory. Only once a table's plan has passed the contract: its rules are the same for every table
+  // laid out as that one was, but for a range, checked value by value (such a column is never lent).
   py::object plan(const py::capsule& stream, bool in_place) const;
 
  private:
@@ -48,6 +51,7 @@ class ArrowGather {
   std::vector<at::ScalarType> stored_;       // each column's stored dtype, as the first table's
   std::string id_key_;
   std::string who_;
+  std::vector<bool> lendable_;                // each column may be lent (plan's in_place)
   mutable std::atomic<bool> checked_{false};  // a table's plan has passed the contract's rules
 
   std::optional<py::dict> batch_as_it_lies(const std::vector<GatheredColumn>& columns,

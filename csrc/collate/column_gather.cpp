@@ -4,7 +4,6 @@
 #include <ATen/EmptyTensor.h>
 
 #include <algorithm>
-#include <cstring>
 #include <functional>
 #include <optional>
 #include <type_traits>
@@ -503,36 +502,14 @@ void fill_columns(BatchPlan& plan, const std::vector<GatheredColumn>& columns, c
 
 }  // namespace
 
-std::optional<at::Tensor> rows_as_they_lie(const GatheredColumn& column, const std::shared_ptr<const void>& owner,
-                                           bool copy_small) {
-  if (column.kind != GatheredColumn::Kind::Rows || column.rows.size() != 1 || owner == nullptr) {
-    return std::nullopt;
-  }
-  const at::Tensor& rows = column.rows.front();
-  if (rows.scalar_type() != column.dtype || !rows.is_contiguous()) {
-    return std::nullopt;
-  }
-  if (static_cast<int64_t>(rows.nbytes()) > kSmallFieldBytes) {
-    return at::from_blob(rows.data_ptr(), rows.sizes(), [owner](void*) {}, rows.options());
-  }
-  if (!copy_small) {
-    return std::nullopt;
-  }
-  at::Tensor own = at::detail::empty_cpu(rows.sizes(), rows.scalar_type());
-  if (rows.nbytes() > 0) {
-    std::memcpy(own.mutable_data_ptr(), rows.const_data_ptr(), rows.nbytes());
-  }
-  return own;
-}
-
 py::object ColumnGather::plan(const at::Tensor& indices) const { return plan_rows(indices, /*in_order=*/false); }
 
-py::object ColumnGather::plan_in_order(bool in_place) const {
+py::object ColumnGather::plan_in_order() const {
   TORCH_CHECK(!shared_->rows_of.defined(), "ColumnGather.plan_in_order: the rows are read through rows_of");
-  return plan_rows(at::arange(shared_->length, at::kLong), /*in_order=*/true, in_place);
+  return plan_rows(at::arange(shared_->length, at::kLong), /*in_order=*/true);
 }
 
-py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order, bool in_place) const {
+py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) const {
   TORCH_CHECK(
       indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
       "ColumnGather.plan: indices must be a contiguous 1-D int64 CPU tensor");
@@ -585,16 +562,6 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order, boo
         layout.refuse(misfit->violation, misfit->position, column.key);
       }
       ranged_before = ranged_before || field->range.has_value();
-    }
-    if (in_place && column.kind == Kind::Rows && (field == nullptr || !field->range)) {
-      if (auto rows = rows_as_they_lie(column, shared.keepalive, /*copy_small=*/false)) {
-        auto node = std::make_unique<Node>();  // Ready: nothing to write
-        node->path = column.key;
-        node->ready = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*rows)));
-        root->keys.push_back(py::str(column.key));
-        root->children.push_back(std::move(node));
-        continue;
-      }
     }
     std::unique_ptr<Node> node;
     switch (column.kind) {

@@ -73,24 +73,14 @@ class ColumnGather {
 
   // The batch of every row in order (no rows_of): the same batch as plan(0..length), with each chunk of a
   // column of rows copied as one block instead of row by row (a whole Arrow table, as Ray hands one over).
-  // `in_place`: a large column of rows in one chunk comes out as it lies (rows_as_they_lie), keeping the
-  // keepalive (the table's buffers) alive, as Ray's own collate hands out views of its blocks; the small
-  // ones are gathered with the rest.
-  py::object plan_in_order(bool in_place = false) const;
+  py::object plan_in_order() const;
 
  private:
-  py::object plan_rows(const at::Tensor& indices, bool in_order, bool in_place = false) const;
+  py::object plan_rows(const at::Tensor& indices, bool in_order) const;
 
   struct Shared;
   std::shared_ptr<const Shared> shared_;
 };
-
-// A column of rows in one chunk as the batch's tensor with no gather, or none where it must be gathered (in
-// chunks, cast, or strided). One over kSmallFieldBytes views the chunk and keeps `owner` (whatever holds
-// the chunk's memory) alive; a smaller one gets storage of its own with `copy_small` (else none), so
-// that keeping a label keeps none of the table.
-std::optional<at::Tensor> rows_as_they_lie(const GatheredColumn& column, const std::shared_ptr<const void>& owner,
-                                           bool copy_small);
 
 // A list of Python ints as an int64 tensor of its own, or None when an element is anything else (a bool,
 // a numpy integer) or outside int64: the batches DataLoader's samplers hand out, read with no numpy call.

@@ -26,8 +26,6 @@ from . import gather, jagged
 from .contract import Contract
 from .errors import ContractEmptyError
 
-_NO_BYTES = torch.empty(0, dtype=torch.uint8)  # the buffer of a batch that writes nothing
-
 __all__ = ["Assembler", "assemble"]
 
 
@@ -161,8 +159,6 @@ class Assembler:
                     # Small fields stay in the slot: they cross the pipe by value (worker_slots).
                     return plan.execute(slot, small_fields_apart=False)
                 return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
-            if plan.nbytes == 0:  # nothing to write (every field lies where it was read): no slot
-                return plan.execute(_NO_BYTES, small_fields_apart=False)
             ring = self.ring or main_process_ring()
             # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
             return ring.execute(plan, small_fields_apart=ring is not active_ring())

@@ -1,7 +1,7 @@
 """fastcollate.ray: the collate of Ray Data's ``iter_torch_batches``. Ray hands the collate one
 ``pyarrow.Table`` per batch (often a slice of a larger block, often in chunks); ``ArrowCollate`` gathers its
 columns where they lie, in one native call a batch, into the buffer the batch goes out in, or, on the host,
-hands a large column that needs no gather out as a view of the block, as Ray's own collate does.
+hands a large column that needs no gather out as a view of the block, where Ray's own collate does.
 
 The only module of the package that imports Ray, and only for the class Ray's ``iter_torch_batches``
 recognises; without Ray, ``ArrowCollate`` is the same callable over any ``pyarrow.Table``.
@@ -72,8 +72,9 @@ class ArrowCollate(_ArrowBatchCollateFn):
         columns: the table's columns to read: None for every one, a list of names, or ``{key: column}``.
         device: a CUDA device to move each batch to here, in one copy from a page-locked staging buffer;
             None (the default) leaves it in host memory, for ``iter_torch_batches(device=...)`` to move.
-            In host memory a column over 64 KiB that lies in one chunk, in its stored dtype, is a view of
-            the table's buffer (Ray's block), as Ray's own collate hands it out: do not write into it.
+            In host memory a column of numbers or tensors over 64 KiB that lies in one chunk, in its stored
+            dtype, is a view of the table's buffer (Ray's block), as Ray's own collate hands it out (from
+            the second table of a schema on): do not write into it.
             A bare "cuda" is the device current where the collate is made, if CUDA is started there, else
             at its first batch (in one of Ray's threads, whose current device is not the loop's).
             Ray moves only a batch of tensors alone: a packed batch holds ``max_length_q``/``max_length_k``

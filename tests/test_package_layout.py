@@ -25,7 +25,7 @@ def test_import_fastcollate_loads_none_of_its_tools_until_one_is_named():
     before, after = run(
         "import sys, fastcollate; "
         "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
-        "or m in ('fastcollate.audit', 'fastcollate.lightning')); "
+        "or m in ('fastcollate.audit', 'fastcollate.lightning', 'fastcollate.ray')); "
         "print(tools()); ledger = fastcollate.Ledger; "
         "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
         "'fastcollate.tools.bench' in sys.modules)"
@@ -46,6 +46,7 @@ def test_an_unknown_attribute_of_the_package_is_still_an_attribute_error():
     [
         ("fastcollate.audit", "fastcollate.tools.audit"),
         ("fastcollate.lightning", "fastcollate.integrations.lightning"),
+        ("fastcollate.ray", "fastcollate.integrations.ray"),
         ("fastcollate.errors", "fastcollate.collate.errors"),
     ],
 )

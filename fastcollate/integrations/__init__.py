@@ -1,2 +1,2 @@
-"""fastcollate inside other frameworks: ``lightning`` (also importable as ``fastcollate.lightning``) and
-``thread_pipelines`` (``fetch_batches``)."""
+"""fastcollate inside other frameworks: ``lightning`` and ``ray`` (also importable as
+``fastcollate.lightning`` and ``fastcollate.ray``), and ``thread_pipelines`` (``fetch_batches``)."""

@@ -9,19 +9,17 @@ that are allowed. Anything undeclared is an error: nothing is converted or dropp
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from . import padding, tree
+from . import declaration_rules, native_contract, tree
 
 __all__ = ["Contract", "Field", "Packing"]
 
 Dim = int | str
-_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,95 +97,11 @@ class Field:
     copy_of: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tensor", "number", "text"):
-            raise ValueError(f"Field kind must be 'tensor', 'number' or 'text', got {self.kind!r}")
         if self.shape is not None:
             object.__setattr__(self, "shape", tuple(self.shape))
-            for dim in self.shape:
-                if not (isinstance(dim, str) and dim) and not (isinstance(dim, int) and dim >= 0):
-                    raise ValueError(f"shape dims are sizes >= 0 or dim names, got {dim!r} in {self.shape}")
         object.__setattr__(self, "expand_from", tuple(tuple(s) for s in self.expand_from))
         object.__setattr__(self, "cast_from", tuple(self.cast_from))
-        if self.range is not None:
-            low, high = self.range
-            if not low < high:
-                raise ValueError(f"range must be (low, high) with low < high, got {self.range}")
-        object.__setattr__(self, "pad_to_multiple_of", padding.check_padding(self))
-        if self.kind != "tensor" and (self.shape or self.pad is not None or self.expand_from):
-            raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {self.kind!r} ones")
-        if self.kind == "text" and (self.dtype is not None or self.range is not None):
-            raise ValueError("text fields have no dtype or range")
-        if self.dtype is not None and (self.dtype.is_complex or self.dtype in _QUANTIZED):
-            if self.kind == "number":
-                raise ValueError(f"number fields are bool, integer or floating point, not {self.dtype}")
-            if self.range is not None:
-                raise ValueError(f"a range bounds real values: {self.dtype} has no order")
-        for accepted in self.expand_from:
-            self._check_expand_from(accepted)
-        if self.pack:
-            self._check_pack()
-            self._check_separator()
-        elif self.separator is not None:
-            raise ValueError("separator only applies to packed fields: set pack=True")
-        elif self.copy_of is not None:
-            raise ValueError("copy_of only applies to packed fields: set pack=True")
-        if self.copy_of is not None and (not isinstance(self.copy_of, str) or not self.copy_of
-                                         or "." in self.copy_of):
-            raise ValueError(f"copy_of is the key of a packed field of the same mapping (no dots), "
-                             f"got {self.copy_of!r}")
-
-    def _check_separator(self) -> None:
-        """At declaration, not at the first batch: the declared dtype must hold the separator (the walk's
-        rule, _C.value_fits, as for pad values), and an integer one must be exact as the double it crosses
-        to C++ as (|s| <= 2**53)."""
-        separator, dtype = self.separator, self.dtype
-        if separator is None:
-            return
-        if isinstance(separator, bool) or not isinstance(separator, numbers.Real):
-            raise ValueError(f"separator must be an int or a float, got {separator!r}")
-        if dtype is None:
-            return
-        if dtype == torch.bool:
-            raise ValueError("a packed bool field has no separator value: leave separator unset")
-        from .._ext import _C
-
-        exact = not isinstance(separator, numbers.Integral) or abs(separator) <= 2**53
-        if exact and _C.value_fits(float(separator), dtype):
-            return
-        if dtype.itemsize > 8:
-            why = "its elements are over 8 bytes: leave separator unset"
-        elif dtype.is_floating_point or dtype.is_complex:
-            why = "a value it cannot hold"
-        else:
-            info = torch.iinfo(dtype)
-            why = f"a separator is a whole number from {max(info.min, -(2**53))} to {min(info.max, 2**53)}"
-        raise ValueError(f"separator {separator!r} does not fit the field's dtype {dtype} ({why})")
-
-    def _check_pack(self) -> None:
-        shape = self.shape or ()
-        if not shape or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
-            raise ValueError(f"a packed field's shape names its first dim and only that one, e.g. ('T',), "
-                             f"got {self.shape}")
-        if self.pad is not None or self.expand_from:
-            raise ValueError("a packed field is not padded and does not expand: drop pad and expand_from")
-
-    def _check_expand_from(self, accepted: tuple[int, ...]) -> None:
-        """Each shape in expand_from must broadcast to ``shape`` (checked here, not on the first batch)."""
-        if self.shape is None:
-            raise ValueError("expand_from needs a declared shape to expand to")
-        if not all(isinstance(d, int) and d >= 0 for d in accepted):
-            raise ValueError(f"expand_from shapes are sizes >= 0, got {accepted}")
-        named = any(isinstance(d, str) for d in self.shape)
-        if named and len(accepted) != len(self.shape):
-            raise ValueError(f"expand_from {accepted} must have as many dims as shape {self.shape} "
-                             "(it has named dims)")
-        offset = len(self.shape) - len(accepted)
-        if offset < 0:
-            raise ValueError(f"expand_from {accepted} has more dims than shape {self.shape}")
-        for index, size in enumerate(accepted):
-            target = self.shape[offset + index]
-            if isinstance(target, int) and size not in (1, target):
-                raise ValueError(f"expand_from {accepted} does not broadcast to shape {self.shape}")
+        object.__setattr__(self, "pad_to_multiple_of", declaration_rules.check_field(self))
 
     def describe(self) -> str:
         """One line: ``tensor torch.float32 [3, 16, 16] in [0, 1)``."""
@@ -258,29 +172,12 @@ class Packing:
     drop: tuple[str, ...] = ("attention_mask",)
 
     def __post_init__(self) -> None:
-        if self.nested and self.cu_seq_lens is None:
-            raise ValueError("Packing(nested=True) needs cu_seq_lens: they are the nested tensors' offsets")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"Packing.max_tokens must be a positive int or None, got {self.max_tokens!r}")
         for name in ("cu_seq_lens", "max_length"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
-                if len(value) != 2 or not all(isinstance(k, str) and k for k in value):
-                    raise ValueError(f"Packing.{name} is two keys (q, k) or None, got {value!r}")
-        if isinstance(self.drop, str):
-            raise ValueError(f"Packing.drop is a tuple of keys, got the string {self.drop!r}")
-        object.__setattr__(self, "drop", tuple(self.drop))
-        if not all(isinstance(k, str) and k and "." not in k for k in self.drop):
-            raise ValueError(f"Packing.drop holds keys of the packed fields' mapping (no dots), "
-                             f"got {self.drop!r}")
-        if not isinstance(self.position_ids_start, int) or isinstance(self.position_ids_start, bool):
-            raise ValueError(f"Packing.position_ids_start must be an int, got {self.position_ids_start!r}")
-        # int64 positions, up to 2**31 tokens a sample: a start beyond this would wrap.
-        if not -(2**62) <= self.position_ids_start <= 2**62:
-            raise ValueError(
-                f"Packing.position_ids_start must be within +-2**62, got {self.position_ids_start}"
-            )
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not isinstance(self.drop, str):  # a string is refused, not split into keys
+            object.__setattr__(self, "drop", tuple(self.drop))
+        declaration_rules.check_packing(self)
 
     def keys(self) -> list[str]:
         """The keys this packing adds, in the order the batch holds them."""
@@ -304,68 +201,13 @@ class Contract:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", dict(self.fields))
-        for path, field in self.fields.items():
-            if not isinstance(field, Field):
-                raise TypeError(f"Contract field {path!r} must be a fastcollate.Field, "
-                                f"got {type(field).__name__}")
-        keys = set(self.fields)
-        added: dict[str, tuple[str, str]] = {}  # key a padded field adds -> (its path, "mask" or "lengths")
-        for path, field in self.fields.items():
-            if field.pad is None:
-                continue
-            parent = path.rpartition(".")[0]
-            for role, extra in (("mask", self.mask_key(path)), ("lengths", self.lengths_key(path))):
-                if extra is None:
-                    continue
-                full = _in_mapping(parent, extra)
-                if full in keys:
-                    raise ValueError(f"padded field {path!r} would add {full!r}, which is already a field")
-                first, first_role = added.setdefault(full, (path, role))
-                # Two masks under one key are check_contract's to judge; a key that is also lengths is not.
-                if (first, first_role) != (path, role) and "lengths" in (first_role, role):
-                    raise ValueError(f"padded fields {first!r} ({first_role}) and {path!r} ({role}) would "
-                                     f"both add {full!r}: give one of them another key")
-        self._check_packed(keys, added)
-        from .._ext import _C
-
-        # The rules between fields (a shared mask, copies, dropped keys) are the walk's, stated once there.
-        _C.check_contract(self.native_specs())
-
-    def _check_packed(self, keys: set[str], added: dict[str, tuple[str, str]]) -> None:
-        """Packed fields are one row in one mapping: the same parent and the same named dim, whose
-        lengths then agree within each sample; the keys their Packing adds must be free."""
-        packed = [path for path, field in self.fields.items() if field.pack]
-        if not packed:
-            if self.packing is not None:
-                raise ValueError("Contract: packing is given but no field is packed: "
-                                 "declare Field(pack=True)")
-            return
-        if self.packing is None:
-            object.__setattr__(self, "packing", Packing())
-        first = packed[0]
-        parent, dim = first.rpartition(".")[0], self.fields[first].shape[0]
-        for path in packed[1:]:
-            if path.rpartition(".")[0] != parent or self.fields[path].shape[0] != dim:
-                raise ValueError(f"packed fields {first!r} and {path!r} must sit in the same mapping and "
-                                 f"name the same first dim ({dim!r}): they are packed into one row")
-        object.__setattr__(self, "_packed", (parent, [p.rpartition(".")[2] for p in packed]))
-        self._check_attention_mask(packed)
-        for key in self.packing.keys():
-            full = _in_mapping(parent, key)
-            if full in keys or full in added:
-                raise ValueError(f"the packed fields would add {full!r}, which is already a field: give "
-                                 "Packing another key for it, or None")
-
-    def _check_attention_mask(self, packed: list[str]) -> None:
-        """An attention_mask is never packed, whatever Packing.drop says."""
-        for path in packed:
-            if path.rpartition(".")[2] == "attention_mask":
-                raise ValueError(
-                    f"{path!r} cannot be a packed field: a packed batch has no padding, and an "
-                    "attention_mask passed to a model with the batch (model(**batch)) switches off "
-                    "transformers' detection of packed sequences, so that samples attend across their "
-                    "boundaries. Leave it out of the contract: Packing.drop leaves it out of the batch"
-                )
+        packed = declaration_rules.check_contract(self)
+        if packed:
+            if self.packing is None:
+                object.__setattr__(self, "packing", Packing())
+            parent = packed[0].rpartition(".")[0]  # every packed field's: one row in one mapping
+            object.__setattr__(self, "_packed", (parent, [path.rpartition(".")[2] for path in packed]))
+        declaration_rules.check_with_the_walk(self.native_specs())
 
     def mask_key(self, path: str) -> str | None:
         field = self.fields[path]
@@ -415,64 +257,12 @@ class Contract:
         return sorted(out)
 
     def native_specs(self) -> list:
-        """The fields as the C++ walk reads them."""
-        from .._ext import _C
-
-        specs = []
-        for path, field in self.fields.items():
-            spec = _C.FieldSpec()
-            spec.path = path
-            spec.kind = field.kind
-            if field.dtype is not None:
-                spec.has_dtype = True
-                spec.dtype = field.dtype
-            spec.cast_from = list(field.cast_from)
-            if field.shape is not None:
-                spec.has_shape = True
-                spec.shape = [d if isinstance(d, int) else -1 for d in field.shape]
-                spec.dim_names = [d if isinstance(d, str) else "" for d in field.shape]
-            spec.expand_from = [list(s) for s in field.expand_from]
-            if field.range is not None:
-                spec.has_range = True
-                spec.low, spec.high = float(field.range[0]), float(field.range[1])
-            if field.pad is not None:
-                spec.padded = True
-                spec.pad_value = float(field.pad)
-                spec.mask_name = self.mask_key(path)
-                spec.mask_dtype = field.mask_dtype
-                spec.lengths_name = self.lengths_key(path) or ""
-                spec.pad_to_multiple_of = field.pad_to_multiple_of or 1
-                spec.pad_left = field.padding_side == "left"
-            if field.pack:
-                self._packing_spec(spec, field)
-            specs.append(spec)
-        return specs
+        """The fields as the C++ walk reads them (fastcollate.collate.native_contract)."""
+        return native_contract.field_specs(self)
 
     def packed_fields(self) -> tuple[str, list[str]] | None:
         """The packed fields' parent path and their keys in it; None when nothing is packed."""
         return getattr(self, "_packed", None)
-
-    def _packing_spec(self, spec, field: Field) -> None:
-        packing = self.packing
-        spec.packed = True
-        if field.separator is not None:
-            spec.has_separator = True
-            spec.separator = float(field.separator)
-        spec.position_ids_name = packing.position_ids or ""
-        spec.position_ids_start = packing.position_ids_start
-        spec.cu_seq_lens_names = list(packing.cu_seq_lens or ())
-        spec.max_length_names = list(packing.max_length or ())
-        spec.seq_idx_name = packing.seq_idx or ""
-        spec.max_tokens = packing.max_tokens or 0
-        spec.drop_names = list(packing.drop)
-        if field.copy_of is not None:
-            parent = spec.path.rpartition(".")[0]
-            spec.copy_of = _in_mapping(parent, field.copy_of)
-
-
-def _in_mapping(parent: str, key: str) -> str:
-    """The path of ``key`` in the mapping at ``parent`` ("" for the sample itself)."""
-    return f"{parent}.{key}" if parent else key
 
 
 def _infer_field(value: Any, path: str) -> Field:

@@ -16,6 +16,7 @@
 #include "collate/field_spec.h"
 #include "collate/node.h"
 #include "collate/plan.h"
+#include "fill/gather_kernels.h"
 #include "memory/copy_kernels.h"
 #include "memory/mapped_reads.h"
 #include "memory/shared_slots.h"
@@ -277,6 +278,10 @@ void bind_field_spec(py::module_& m) {
 }
 
 void bind_contract_rules(py::module_& m) {
+  m.def(
+      "orders", [](at::ScalarType dtype) { return !range_dtype_rule(dtype).has_value(); }, py::arg("dtype"),
+      "Whether dtype's values have an order, as a range needs.");
+  m.attr("POSITION_IDS_START_BOUND") = kPositionStartBound;
   m.def(
       "value_fits", [](double value, at::ScalarType dtype) { return value_fits(value, dtype); }, py::arg("value"),
       py::arg("dtype"), "Whether value is one of dtype's (the rule for pad values and separators).");

@@ -67,7 +67,7 @@ void ContractFields::check_copy(const FieldSpec& field) const {
   // row's starts are the source's) whose samples hold it, not a copy itself.
   const std::string& path = field.path;
   const std::string& source_path = field.copy_of;
-  TORCH_CHECK_VALUE(field.packed, "copy_of only applies to packed fields: set pack=True");
+  TORCH_INTERNAL_ASSERT(field.packed, "a copy is a packed field (declaration_rules.check_field)");
   TORCH_CHECK_VALUE(source_path != path, "field ", quoted(path),
                     " is declared a copy of itself: copy_of names another packed field");
   TORCH_CHECK_VALUE(parent_path(source_path) == parent_path(path), "field ", quoted(path), " is a copy of ",

@@ -139,11 +139,12 @@ std::optional<Violation> fill_value_rule(double value, at::ScalarType dtype, con
 }
 
 std::optional<Violation> range_dtype_rule(at::ScalarType dtype) {
-  if (!at::isComplexType(dtype)) {
+  if (!at::isComplexType(dtype) && !at::isQIntType(dtype)) {
     return std::nullopt;
   }
   return Violation{"type", "a real dtype (the field declares a range)", dtype_string(dtype),
-                   "complex values have no order: drop the range or convert the field"};
+                   std::string(at::isComplexType(dtype) ? "complex" : "quantized") +
+                       " values have no order: drop the range or convert the field"};
 }
 
 int64_t first_out_of_range(const void* data, at::ScalarType dtype, int64_t numel, const ValueRange& range,

@@ -352,10 +352,7 @@ void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
   const int64_t batch = cu_seq_lens.numel() - 1;
   TORCH_CHECK(batch >= 0, "packed_positions_into: cu_seq_lens needs at least one entry");
   check_packed_offsets(cu_seq_lens, batch, "packed_positions_into");
-  // As Packing.position_ids_start: positions count up from start, up to 2**31 tokens a sample, so a start
-  // beyond this would pass int64 (signed overflow, undefined) rather than give a position.
-  constexpr int64_t kStartBound = int64_t{1} << 62;
-  TORCH_CHECK(-kStartBound <= start && start <= kStartBound,
+  TORCH_CHECK(-kPositionStartBound <= start && start <= kPositionStartBound,
               "packed_positions_into: start must be within +-2**62 (as Packing.position_ids_start), got ", start);
   const int32_t* cu = cu_seq_lens.const_data_ptr<int32_t>();
   auto check_out = [&](const at::Tensor& out, at::ScalarType dtype, const char* name) {

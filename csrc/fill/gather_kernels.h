@@ -65,6 +65,10 @@ void gather_packed_spans_into_cpu(const RowSpans& spans, at::ScalarType source, 
 
 // The keys beside a packed row, from its cu_seq_lens: position_ids (int64, counting from `start` in each
 // sample) and seq_idx (int32, each token's batch position), each [total] or [1, total]; either may be None.
+// Positions count up from a start, up to 2**31 tokens a sample: a start beyond this bound would pass int64
+// (signed overflow, undefined) rather than give a position. Packing.position_ids_start is held to it too.
+constexpr int64_t kPositionStartBound = int64_t{1} << 62;
+
 void packed_positions_into_cpu(const at::Tensor& cu_seq_lens, int64_t start,
                                const std::optional<at::Tensor>& position_ids, const std::optional<at::Tensor>& seq_idx);
 

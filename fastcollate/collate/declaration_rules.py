@@ -44,10 +44,13 @@ def check_field(field: Field) -> int | None:
         raise ValueError(f"shape, pad and expand_from apply to tensor fields, not {field.kind!r} ones")
     if field.kind == "text" and (field.dtype is not None or field.range is not None):
         raise ValueError("text fields have no dtype or range")
-    if field.dtype is not None and (field.dtype.is_complex or field.dtype in _QUANTIZED):
-        if field.kind == "number":
-            raise ValueError(f"number fields are bool, integer or floating point, not {field.dtype}")
-        if field.range is not None:
+    unordered = field.dtype is not None and (field.dtype.is_complex or field.dtype in _QUANTIZED)
+    if unordered and field.kind == "number":
+        raise ValueError(f"number fields are bool, integer or floating point, not {field.dtype}")
+    if field.dtype is not None and field.range is not None:
+        from .._ext import _C
+
+        if not _C.orders(field.dtype):  # the walk's rule for a sample's dtype under a range
             raise ValueError(f"a range bounds real values: {field.dtype} has no order")
     for accepted in field.expand_from:
         _check_expand_from(field, accepted)
@@ -192,8 +195,10 @@ def check_packing(packing: Packing) -> None:
     start = packing.position_ids_start
     if not isinstance(start, int) or isinstance(start, bool):
         raise ValueError(f"Packing.position_ids_start must be an int, got {start!r}")
-    # int64 positions, up to 2**31 tokens a sample: a start beyond this would wrap.
-    if not -(2**62) <= start <= 2**62:
+    from .._ext import _C
+
+    # The bound of the kernel that writes the positions: a start beyond it would wrap.
+    if not -_C.POSITION_IDS_START_BOUND <= start <= _C.POSITION_IDS_START_BOUND:
         raise ValueError(f"Packing.position_ids_start must be within +-2**62, got {start}")
 
 

@@ -9,9 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastcollate import Arrays, Contract, Field, Packing, Ragged, assemble
+from fastcollate import Arrays, Contract, Field, Packing, Ragged, assemble, ops
 from fastcollate.collate import gather
-from fastcollate.transfer import ops
 
 from .helpers.batches import assert_same_batch
 

@@ -27,8 +27,7 @@ from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from torch.utils.data import default_collate
 
-from fastcollate import Contract, ContractError, Field, StagingRing, assemble
-from fastcollate.transfer import ops
+from fastcollate import Contract, ContractError, Field, StagingRing, assemble, ops
 
 # the module; fastcollate.assemble is the function
 assemble_module = sys.modules["fastcollate.collate.assemble"]

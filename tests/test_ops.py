@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastcollate.transfer import ops
+from fastcollate import ops
 from tests.conftest import cpu_and_cuda
 
 

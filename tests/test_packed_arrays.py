@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble
+from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble, ops
 from fastcollate._torch_compat import jagged_max_seqlen
 from fastcollate.collate import gather
 from fastcollate.collate.errors import ContractSizeError, ContractTypeError, ContractValueError
-from fastcollate.transfer import ops
 
 from .helpers.batches import assert_same_batch
 from .helpers.broken_columns import assert_same_outcome, broken_columns

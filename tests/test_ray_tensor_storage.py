@@ -91,7 +91,9 @@ def test_zero_size_dims_give_rays_default_shape_and_dtype(kind, shape):
     batch = collate(table)
     assert_rays_default(batch, table)
     assert batch["image"].shape == (16, *shape) and batch["image"].dtype == torch.float64
-    assert_rays_default(collate.expression(table), table)  # the per-sample way: the same batch
+    assert_rays_default(collate.through_arrays(table), table)  # the per-sample way: the same batch
+    with pytest.warns(FutureWarning, match="ArrowCollate.through_arrays"):
+        assert_rays_default(collate.expression(table), table)  # its old name
     assert Arrays.from_arrow(table)[15]["image"].shape == shape
 
 

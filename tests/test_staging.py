@@ -58,7 +58,7 @@ def test_past_the_bound_fresh_buffers_are_used_with_a_warning():
         collate(images())  # warns once per ring, not per batch
 
 
-@pytest.mark.parametrize("path", ["walked", "gathered", "ring.assemble", "refused after the overflow"])
+@pytest.mark.parametrize("path", ["walked", "gathered", "ring.collate_into", "refused after the overflow"])
 def test_the_overflow_warning_points_at_the_line_that_collated(path):
     ring = StagingRing(max_slots=1)
     fields = {"id": fastcollate.Field(kind="number"), "x": fastcollate.Field(range=(0, 9))}
@@ -69,7 +69,7 @@ def test_the_overflow_warning_points_at_the_line_that_collated(path):
     calls = {
         "walked": lambda: collate([{"id": 0, "x": 1}, {"id": 1, "x": 2}]),
         "gathered": lambda: collate(dataset.__getitems__([2, 3])),
-        "ring.assemble": lambda: ring.assemble(_C.Collator("id", [], False), [{"x": 1}, {"x": 2}]),
+        "ring.collate_into": lambda: ring.collate_into(_C.Collator("id", [], False), [{"x": 1}, {"x": 2}]),
         "refused after the overflow": lambda: collate(dataset.__getitems__([2, 9])),
     }
     line = calls[path].__code__.co_firstlineno
@@ -107,13 +107,20 @@ def test_ring_stats_carry_every_counter_the_native_ring_lists():
         stats.slots = 1
 
 
-def test_staging_ring_assemble_writes_a_batch_into_one_of_its_slots():
+def test_staging_ring_collate_into_writes_a_batch_into_one_of_its_slots():
     ring = StagingRing(max_slots=1)
     collator = _C.Collator("id", [], False)
-    batch = ring.assemble(collator, images(4, value=3))
+    batch = ring.collate_into(collator, images(4, value=3))
     assert ring.owns(batch["x"]) and batch["x"].shape == (4, 3, 32, 32)
     assert batch["x"][2, 0, 0, 0].item() == 5 and torch.equal(batch["id"], torch.arange(4))
     assert ring.stats().slot_allocations == 1
+
+
+def test_the_old_name_staging_ring_assemble_still_collates_and_says_the_new_one():
+    ring = StagingRing(max_slots=1)
+    with pytest.warns(FutureWarning, match="StagingRing.collate_into"):
+        batch = ring.assemble(_C.Collator("id", [], False), images(2, value=3))
+    assert ring.owns(batch["x"]) and torch.equal(batch["id"], torch.arange(2))
 
 
 def test_staging_in_makes_assemble_write_into_the_ring():

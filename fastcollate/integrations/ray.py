@@ -10,6 +10,7 @@ recognises; without Ray, ``ArrowCollate`` is the same callable over any ``pyarro
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,10 +126,10 @@ class ArrowCollate(_ArrowBatchCollateFn):
         plan = self._native_plan(table)
         if self.device is None:
             if plan is None:
-                return self.expression(table)
+                return self.through_arrays(table)
             return plan if type(plan) is dict else self._assemble.deliver(plan)  # dict: the batch as it lies
         ring = self._staging_ring()
-        batch = self._assemble.deliver(plan, into=ring) if plan is not None else self.expression(table)
+        batch = self._assemble.deliver(plan, into=ring) if plan is not None else self.through_arrays(table)
         return _in_one_copy(batch, ring, self.device)
 
     def _native_plan(self, table: Any) -> Any:
@@ -144,15 +145,24 @@ class ArrowCollate(_ArrowBatchCollateFn):
             table = table.select(layout.read)
         return layout.gather.plan(table.__arrow_c_stream__(), in_place=on_host)
 
-    def expression(self, table: Any) -> Any:
-        """The batch of ``table`` the long way, through Arrays and the per-batch gather: what ``__call__``
-        returns, and what it falls back on for a table it does not gather itself. Its Arrays watch no file:
-        Ray's blocks lie in its object store, a shared-memory file Ray writes to all the time, and those
-        writes do not move a block's rows."""
+    def through_arrays(self, table: Any) -> Any:
+        """The batch of ``table`` the slow way, through ``Arrays.from_arrow`` and the per-batch gather: what
+        ``__call__`` returns, and what it falls back on for a table it does not gather in one native call.
+        Its Arrays watch no file: Ray's blocks lie in its object store, a shared-memory file Ray writes to
+        all the time, and those writes do not move a block's rows."""
         table = _as_table(table)
         plain = self._layout_for(table).plain(table)
         arrays = arrow_columns.from_arrow(plain, self.columns, watch=False, who=_WHO)
         return self._assemble(arrays.__getitems__(list(range(table.num_rows))))
+
+    def expression(self, table: Any) -> Any:
+        """The old name of :meth:`through_arrays`."""
+        warnings.warn(
+            "ArrowCollate.expression is now ArrowCollate.through_arrays (the same batch, the slow way)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.through_arrays(table)
 
     def _staging_ring(self) -> StagingRing:
         """The page-locked ring the batches moved to ``device`` are staged in, made at the first one (in the

@@ -77,12 +77,17 @@ class StagingRing:
             self.warn_overflow()
         return buffer
 
-    def assemble(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
+    def collate_into(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
         """Collates ``batch`` with ``collator`` (an Assembler's compiled one) into a slot of this ring: the
         walk and checks, a slot, then the copy with the GIL released. With ``small_fields_apart`` a small
         field of a large batch gets storage of its own (fastcollate.transfer.small_fields), so that keeping
         it does not keep the slot."""
         return self.execute(collator.plan(batch), small_fields_apart, stacklevel=4)  # this method's caller
+
+    def assemble(self, collator: _C.Collator, batch: Sequence, small_fields_apart: bool = True) -> Any:
+        """The old name of :meth:`collate_into` (``assemble`` is the collate function's name)."""
+        warnings.warn("StagingRing.assemble is now StagingRing.collate_into", FutureWarning, stacklevel=2)
+        return self.execute(collator.plan(batch), small_fields_apart, stacklevel=4)
 
     def execute(self, plan: _C.BatchPlan, small_fields_apart: bool = True, stacklevel: int = 5) -> Any:
         """Runs ``plan`` (a walked or gathered batch's) into a slot of this ring, the copy with the GIL

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from ..collate import tree
-from . import ops
 
 __all__ = ["Normalize", "apply_to_fields"]
 

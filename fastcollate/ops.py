@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._ext import _C  # noqa: F401  (registers the ops)
+from ._ext import _C  # noqa: F401  (registers the ops)
 
 __all__ = [
     "gather_into",

@@ -198,6 +198,13 @@ struct BatchLayout {
   std::vector<int64_t> packed_lengths;  // the first packed field's rows' lengths, which every other must have
   std::vector<int64_t> starts;          // each packed row's first token, then the total
   bool packing_keys_laid_out = false;
+  const char* handed_over = nullptr;  // why a column's node was refused: the case plan_rows returns
+
+  // No node: the batch goes to the per-sample walk, for `reason` (a key of HANDED_TO_THE_WALK).
+  std::unique_ptr<Node> handed_to_the_walk(const char* reason) {
+    handed_over = reason;
+    return nullptr;
+  }
 
   [[noreturn]] void refuse(const Violation& violation, size_t position, const std::string& key) const {
     raise_violation(violation, sample_at(columns, ids_are_indices, id_key, index, read, position), position, key,
@@ -275,7 +282,7 @@ std::unique_ptr<Node> rows_node(BatchLayout& layout, const GatheredColumn& colum
 // row whole), else none: the per-sample path names the first misfit.
 std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& column, std::vector<int64_t>& lengths) {
   if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<>()) != lengths.end()) {
-    return nullptr;
+    return layout.handed_to_the_walk("ragged rows of unequal length without a pad");
   }
   auto node = laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype,
                        with_rows(layout.size, lengths[0], column.source().sizes().slice(1)));
@@ -287,7 +294,7 @@ std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& col
 std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
                                   const std::vector<int64_t>& lengths) {
   if (!value_fits(*field.pad_value, column.dtype)) {
-    return nullptr;  // the walk names the pad after the samples' own rules, in its order of fields
+    return layout.handed_to_the_walk("a pad or separator the dtype cannot hold");
   }
   const int64_t longest = padded_length(*std::max_element(lengths.begin(), lengths.end()), field.pad_to_multiple_of);
   TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
@@ -313,14 +320,17 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
       layout.starts[b + 1] = layout.starts[b] + lengths[b];
     }
     const int64_t total = layout.starts.back();
-    if (total == 0 || total > kMaxPackedTokens || (field.max_tokens > 0 && total > field.max_tokens)) {
-      return nullptr;  // the walk names the sample that crosses the limit
+    if (total == 0) {
+      return layout.handed_to_the_walk("a packed batch with no token");
+    }
+    if (total > kMaxPackedTokens || (field.max_tokens > 0 && total > field.max_tokens)) {
+      return layout.handed_to_the_walk("a packed batch past cu_seq_lens' int32 or Packing.max_tokens");
     }
   } else if (lengths != layout.packed_lengths) {
-    return nullptr;  // the walk names the sample whose packed fields differ in length
+    return layout.handed_to_the_walk("packed fields whose rows differ in length");
   }
   if (field.separator && !value_fits(*field.separator, column.dtype)) {
-    return nullptr;  // the walk names the separator after the samples' own rules, in its order of fields
+    return layout.handed_to_the_walk("a pad or separator the dtype cannot hold");
   }
   const int64_t total = layout.starts.back();
   const at::IntArrayRef inner = column.source().sizes().slice(1);
@@ -407,7 +417,7 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) con
         if (ranged_before) {
           // The walk checks field by field, each one's values before the next field's dtype: an earlier
           // column's range, checked here only once filled, may name a sample first.
-          return py::none();
+          return handed_to_the_walk("a broken dtype, shape or named dim after a column with a range");
         }
         layout.refuse(misfit->violation, misfit->position, column.key);
       }
@@ -429,7 +439,7 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) con
         break;
     }
     if (node == nullptr) {
-      return py::none();  // the per-sample path collates this batch (gather.py: HANDED_TO_THE_WALK)
+      return handed_to_the_walk(layout.handed_over);  // the case its node's builder named
     }
     node->gathered = true;
     fills.push_back({&column, node.get(), std::move(rows), std::move(lengths)});

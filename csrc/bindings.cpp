@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collate/arrow_gather.h"
+#include "collate/batch_indices.h"
 #include "collate/collator.h"
 #include "collate/column_gather.h"
 #include "collate/contract_fields.h"

@@ -1,6 +1,6 @@
 """The package's shape: its parts by concern, the tools loaded only when named, the old module names kept
-as the moved modules themselves, each module under 500 lines, no module reaching into another's privates,
-and benchmarks/ importing its shared parts as a package."""
+as the moved modules themselves, each module and C++ source under 500 lines, no module reaching into
+another's privates, and benchmarks/ importing its shared parts as a package."""
 
 from __future__ import annotations
 
@@ -74,6 +74,16 @@ def test_no_module_of_the_package_nor_benchmark_is_over_500_lines():
         str(path.relative_to(ROOT)): n
         for path in python_files("fastcollate", "benchmarks")
         if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert long == {}
+
+
+def test_no_source_file_of_the_core_is_over_500_lines():
+    suffixes = (".cpp", ".h", ".cu", ".cuh")
+    sources = sorted(path for path in (ROOT / "csrc").rglob("*") if path.suffix in suffixes)
+    assert len(sources) > 20, "the C++ sources moved: this check reads none of them"
+    long = {
+        str(path.relative_to(ROOT)): n for path in sources if (n := len(path.read_text().splitlines())) > 500
     }
     assert long == {}
 

@@ -139,7 +139,7 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
   }
   stream->release(stream);  // its batches hold their own buffers
   if (arrays->batches.empty()) {
-    return py::none();
+    return handed_to_the_walk("an empty table");
   }
   std::unordered_map<std::string, int64_t> by_name;
   for (int64_t c = 0; c < schema.schema.n_children; ++c) {
@@ -155,7 +155,7 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
     GatheredColumn& column = columns[k];
     const auto found = by_name.find(sources_[k]);
     if (found == by_name.end()) {
-      return py::none();  // the per-sample way names the missing column
+      return handed_to_the_walk("a column the table lacks");
     }
     const ArrowSchema* field = schema.schema.children[found->second];
     const bool ragged = column.kind != Kind::Rows;
@@ -164,10 +164,10 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
       layout = layout_of(field);
       if (!layout || (layout->offsets_width != 0) != ragged || layout->dtype != stored_[k] ||
           layout->fixed != inner_[k]) {
-        return py::none();
+        return handed_to_the_walk("a column laid out unlike the first table's");
       }
-    } else if (metadata_bytes(field->metadata) != metadata_[k]) {
-      return py::none();  // another tensor type than the first table's
+    } else if (metadata_bytes(field->metadata) != metadata_[k]) {  // another tensor type
+      return handed_to_the_walk("a column laid out unlike the first table's");
     }
     int64_t start = 0;  // the chunk's first row in the table
     for (const auto& batch : arrays->batches) {
@@ -190,8 +190,8 @@ py::object ArrowGather::plan(const py::capsule& capsule, bool in_place) const {
                               " of the batch: a tensor has no null. Fill or drop them first (pyarrow.compute."
                               "fill_null in Dataset.map_batches, or Dataset.filter)");
       }
-      if (!chunk) {
-        return py::none();  // the per-sample way reads it, or names what is wrong
+      if (!chunk) {  // tensor rows not laid out as the first table's: see read_tensor_rows
+        return handed_to_the_walk("a column laid out unlike the first table's");
       }
       if (!ragged) {
         column.rows.push_back(std::move(chunk->rows));

@@ -31,8 +31,9 @@ class ArrowGather {
               std::string id_key, std::string who);
 
   // The plan of every row of the stream's table (a capsule "arrow_array_stream", consumed), or None when
-  // the table holds no row or a column is not laid out as the first table's was (the caller collates it
-  // the per-sample way). Raises ValueError naming the column and row of a null.
+  // the caller collates it the per-sample way: the table holds no row, lacks a column or lays one out
+  // unlike the first table, or ColumnGather hands its batch over (HANDED_TO_THE_WALK lists every case).
+  // Raises ValueError naming the column and row of a null.
   // `in_place` (a batch kept on the host): the batch itself instead (a dict), when every column is rows in
   // one chunk, in its stored dtype, and at least one is lent: a column of numbers or tensor rows over
   // kSmallFieldBytes (as Ray's own collate, which lends those and copies the others), handed out as a view

@@ -1,7 +1,9 @@
+// The column gather's plan: a batch laid out column by column (each row's span found in its chunk, the
+// contract's rules checked per column, one node per column), or handed to the walk. Its fill, which copies
+// the rows in once the buffer exists, is column_fill.cpp.
 #include "collate/column_gather.h"
 
 #include <ATen/Dispatch_v2.h>
-#include <ATen/EmptyTensor.h>
 
 #include <algorithm>
 #include <functional>
@@ -10,12 +12,12 @@
 #include <unordered_map>
 #include <utility>
 
+#include "collate/batch_indices.h"
+#include "collate/column_fill.h"
 #include "collate/contract_rules.h"
 #include "collate/node.h"
 #include "fill/gather_kernels.h"
-#include "fill/packed_rows.h"
 #include "fill/padded_rows.h"
-#include "memory/copy_kernels.h"
 
 namespace fastcollate {
 
@@ -32,14 +34,6 @@ struct ColumnGather::Shared {
 namespace {
 
 using Kind = GatheredColumn::Kind;
-
-// One column's node and what its fill needs once the views exist.
-struct ColumnFill {
-  const GatheredColumn* column;
-  Node* node;
-  RowSpans rows;                 // where each row of the batch lies, in whichever chunk; empty: every row in order
-  std::vector<int64_t> lengths;  // Ragged, Packed: each row's; empty when every row is whole
-};
 
 std::unique_ptr<Node> laid_out(BatchPlan& plan, const std::string& path, Node::Kind kind, at::ScalarType dtype,
                                std::vector<int64_t> shape) {
@@ -92,6 +86,8 @@ std::vector<int64_t> with_rows(int64_t rows, int64_t row_length, at::IntArrayRef
   return shape;
 }
 
+}  // namespace
+
 // Who a sample is, for make_error, as the walk names it: its id under the collate's id key, which is its
 // index when the dataset's id key is that one, or the row of a column of integers under that key.
 py::object sample_at(const std::vector<GatheredColumn>& columns, bool ids_are_indices, const std::string& id_key,
@@ -126,123 +122,6 @@ py::object sample_at(const std::vector<GatheredColumn>& columns, bool ids_are_in
   batch[py::int_(position)] = sample;
   return std::move(batch);
 }
-
-// The first sample (by batch position) whose real values break the field's range, gathered into `node`,
-// and the flat position within that sample; {-1, ...} when none does.
-struct RangeMisfit {
-  int64_t position = -1;
-  int64_t flat = 0;
-  double value = 0;
-};
-
-RangeMisfit first_range_misfit(const ColumnFill& fill, const ValueRange& range) {
-  const Node& node = *fill.node;
-  const at::Tensor& out = node.out;
-  const at::ScalarType dtype = out.scalar_type();
-  const auto* base = static_cast<const unsigned char*>(out.const_data_ptr());
-  const size_t element_size = out.element_size();
-  const int64_t size = node.packed ? static_cast<int64_t>(node.starts.size()) - 1 : out.size(0);
-  RangeMisfit misfit;
-  if (size == 0 || out.numel() == 0) {
-    return misfit;
-  }
-  if (node.packed) {  // [1, total, *fixed]: sample b is tokens starts[b]..starts[b + 1]
-    const int64_t token = c10::multiply_integers(out.sizes().slice(2));
-    for (int64_t b = 0; b < size; ++b) {
-      const int64_t begin = node.starts[b] * token;
-      const int64_t flat = first_out_of_range(base + begin * element_size, dtype,
-                                              (node.starts[b + 1] - node.starts[b]) * token, range, misfit.value);
-      if (flat >= 0) {
-        return {b, flat, misfit.value};
-      }
-    }
-    return misfit;
-  }
-  const int64_t row = out.numel() / size;
-  if (fill.lengths.empty()) {  // every row whole
-    const int64_t flat = first_out_of_range(base, dtype, out.numel(), range, misfit.value);
-    return flat < 0 ? misfit : RangeMisfit{flat / row, flat % row, misfit.value};
-  }
-  const int64_t step = row / std::max<int64_t>(out.size(1), 1);  // elements per position of the padded dim
-  for (int64_t b = 0; b < size; ++b) {  // padding is not the sample's: only its own positions are checked
-    const int64_t start = padded_row(fill.lengths[b], out.size(1), node.pad_left).start;
-    const int64_t flat = first_out_of_range(base + (b * row + start * step) * element_size, dtype,
-                                            fill.lengths[b] * step, range, misfit.value);
-    if (flat >= 0) {
-      return {b, flat, misfit.value};
-    }
-  }
-  return misfit;
-}
-
-void write_separators(const Node& node, uint64_t pattern) {
-  const PackedRows rows(node.out.select(0, 0), node.starts.data());
-  CopyJobs jobs;
-  for (size_t b = 0; b + 1 < node.starts.size(); ++b) {
-    rows.add_separator(jobs, b, pattern);
-  }
-  jobs.run();
-}
-
-// Every row of a column of rows, in order: each chunk one block (a memcpy, or ATen's copy when casting).
-void copy_chunks_in_order(const GatheredColumn& column, const at::Tensor& out) {
-  if (out.numel() == 0) {
-    return;
-  }
-  const bool casting = column.source().scalar_type() != out.scalar_type();
-  const size_t row_bytes = static_cast<size_t>(out.numel() / out.size(0)) * out.element_size();
-  auto* dst = static_cast<unsigned char*>(out.data_ptr());
-  CopyJobs jobs;
-  for (size_t c = 0; c < column.rows.size(); ++c) {
-    const at::Tensor& chunk = column.rows[c];
-    const int64_t rows = column.starts[c + 1] - column.starts[c];
-    if (rows == 0) {
-      continue;
-    }
-    if (casting || !chunk.is_contiguous()) {
-      out.narrow(0, column.starts[c], rows).copy_(chunk);
-    } else {
-      jobs.add_memcpy(chunk.const_data_ptr(), dst + static_cast<size_t>(column.starts[c]) * row_bytes,
-                      static_cast<size_t>(rows) * row_bytes);
-    }
-  }
-  jobs.run();
-}
-
-// Gathers one column into its node's views.
-void gather_column(const ColumnFill& fill) {
-  const GatheredColumn& column = *fill.column;
-  Node& node = *fill.node;
-  switch (column.kind) {
-    case Kind::Rows:
-      if (fill.rows.data.empty()) {
-        copy_chunks_in_order(column, node.out);
-      } else {
-        gather_rows_into_cpu(fill.rows.data, column.source().scalar_type(), node.out);
-      }
-      return;
-    case Kind::Ragged: {
-      const double pad = node.padded ? *column.field->pad_value : 0;
-      if (node.padded) {
-        gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out, node.mask->out,
-                                     node.lengths->out, node.pad_left);
-      } else {  // rows of one length: the mask and lengths are the gather's scratch
-        const int64_t size = static_cast<int64_t>(fill.rows.data.size());
-        gather_ragged_spans_into_cpu(fill.rows, column.source().scalar_type(), pad, node.out,
-                                     at::detail::empty_cpu({size, node.out.size(1)}, at::kBool),
-                                     at::detail::empty_cpu({size}, at::kLong), /*left=*/false);
-      }
-      return;
-    }
-    case Kind::Packed:
-      gather_packed_spans_into_cpu(fill.rows, column.source().scalar_type(), node.starts.data(), node.out.select(0, 0));
-      return;
-    case Kind::Ids:
-      return;
-  }
-}
-
-}  // namespace
 
 ColumnGather::ColumnGather(std::vector<GatheredColumn> columns, int64_t length, std::string id_key,
                            bool ids_are_indices, std::optional<at::Tensor> rows_of,
@@ -319,6 +198,13 @@ struct BatchLayout {
   std::vector<int64_t> packed_lengths;  // the first packed field's rows' lengths, which every other must have
   std::vector<int64_t> starts;          // each packed row's first token, then the total
   bool packing_keys_laid_out = false;
+  const char* handed_over = nullptr;  // why a column's node was refused: the case plan_rows returns
+
+  // No node: the batch goes to the per-sample walk, for `reason` (a key of HANDED_TO_THE_WALK).
+  std::unique_ptr<Node> handed_to_the_walk(const char* reason) {
+    handed_over = reason;
+    return nullptr;
+  }
 
   [[noreturn]] void refuse(const Violation& violation, size_t position, const std::string& key) const {
     raise_violation(violation, sample_at(columns, ids_are_indices, id_key, index, read, position), position, key,
@@ -396,7 +282,7 @@ std::unique_ptr<Node> rows_node(BatchLayout& layout, const GatheredColumn& colum
 // row whole), else none: the per-sample path names the first misfit.
 std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& column, std::vector<int64_t>& lengths) {
   if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<>()) != lengths.end()) {
-    return nullptr;
+    return layout.handed_to_the_walk("ragged rows of unequal length without a pad");
   }
   auto node = laid_out(layout.plan, column.key, Node::Kind::Tensor, column.dtype,
                        with_rows(layout.size, lengths[0], column.source().sizes().slice(1)));
@@ -408,7 +294,7 @@ std::unique_ptr<Node> ragged_node(BatchLayout& layout, const GatheredColumn& col
 std::unique_ptr<Node> padded_node(BatchLayout& layout, const GatheredColumn& column, const FieldSpec& field,
                                   const std::vector<int64_t>& lengths) {
   if (!value_fits(*field.pad_value, column.dtype)) {
-    return nullptr;  // the walk names the pad after the samples' own rules, in its order of fields
+    return layout.handed_to_the_walk("a pad or separator the dtype cannot hold");
   }
   const int64_t longest = padded_length(*std::max_element(lengths.begin(), lengths.end()), field.pad_to_multiple_of);
   TORCH_INTERNAL_ASSERT(longest >= 0, "rows within their values cannot pass int64 when rounded up");
@@ -434,14 +320,17 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
       layout.starts[b + 1] = layout.starts[b] + lengths[b];
     }
     const int64_t total = layout.starts.back();
-    if (total == 0 || total > kMaxPackedTokens || (field.max_tokens > 0 && total > field.max_tokens)) {
-      return nullptr;  // the walk names the sample that crosses the limit
+    if (total == 0) {
+      return layout.handed_to_the_walk("a packed batch with no token");
+    }
+    if (total > kMaxPackedTokens || (field.max_tokens > 0 && total > field.max_tokens)) {
+      return layout.handed_to_the_walk("a packed batch past cu_seq_lens' int32 or Packing.max_tokens");
     }
   } else if (lengths != layout.packed_lengths) {
-    return nullptr;  // the walk names the sample whose packed fields differ in length
+    return layout.handed_to_the_walk("packed fields whose rows differ in length");
   }
   if (field.separator && !value_fits(*field.separator, column.dtype)) {
-    return nullptr;  // the walk names the separator after the samples' own rules, in its order of fields
+    return layout.handed_to_the_walk("a pad or separator the dtype cannot hold");
   }
   const int64_t total = layout.starts.back();
   const at::IntArrayRef inner = column.source().sizes().slice(1);
@@ -469,35 +358,6 @@ std::unique_ptr<Node> packed_node(BatchLayout& layout, const GatheredColumn& col
     }
   }
   return node;
-}
-
-// Fills every gathered column of a laid-out batch, then checks its range and writes its separators.
-void fill_columns(BatchPlan& plan, const std::vector<GatheredColumn>& columns, const std::string& id_key,
-                  bool ids_are_indices, const int64_t* index, const int64_t* read,
-                  const std::vector<ColumnFill>& fills) {
-  for (const ColumnFill& fill : fills) {
-    const GatheredColumn& column = *fill.column;
-    try {
-      py::gil_scoped_release no_gil;  // the copy touches no Python object
-      gather_column(fill);
-    } catch (...) {
-      plan.failed_key = column.key;  // the caller names the column, and its file when a read faulted
-      throw;
-    }
-    const FieldSpec* field = column.field ? &*column.field : nullptr;
-    if (field != nullptr && field->range) {
-      const RangeMisfit misfit = first_range_misfit(fill, *field->range);
-      if (misfit.position >= 0) {
-        const size_t position = static_cast<size_t>(misfit.position);
-        raise_violation(range_misfit(*field->range, misfit.flat, misfit.value),
-                        sample_at(columns, ids_are_indices, id_key, index, read, position), position, column.key,
-                        id_key);
-      }
-    }
-    if (column.kind == Kind::Packed && field->separator) {  // after the range: it checks the samples' own tokens
-      write_separators(*fill.node, element_pattern(*field->separator, column.dtype));
-    }
-  }
 }
 
 }  // namespace
@@ -557,7 +417,7 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) con
         if (ranged_before) {
           // The walk checks field by field, each one's values before the next field's dtype: an earlier
           // column's range, checked here only once filled, may name a sample first.
-          return py::none();
+          return handed_to_the_walk("a broken dtype, shape or named dim after a column with a range");
         }
         layout.refuse(misfit->violation, misfit->position, column.key);
       }
@@ -579,7 +439,7 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) con
         break;
     }
     if (node == nullptr) {
-      return py::none();  // the per-sample path collates this batch (gather.py: HANDED_TO_THE_WALK)
+      return handed_to_the_walk(layout.handed_over);  // the case its node's builder named
     }
     node->gathered = true;
     fills.push_back({&column, node.get(), std::move(rows), std::move(lengths)});
@@ -594,53 +454,6 @@ py::object ColumnGather::plan_rows(const at::Tensor& indices, bool in_order) con
                  mapped.empty() ? index : mapped.data(), fills);
   };
   return py::cast(std::static_pointer_cast<BatchPlan>(plan));
-}
-
-py::object indices_of_list(const py::list& list) {
-  const Py_ssize_t size = PyList_GET_SIZE(list.ptr());
-  at::Tensor indices = at::detail::empty_cpu({static_cast<int64_t>(size)}, at::kLong);
-  int64_t* out = indices.mutable_data_ptr<int64_t>();
-  for (Py_ssize_t i = 0; i < size; ++i) {
-    PyObject* item = PyList_GET_ITEM(list.ptr(), i);
-    if (!PyLong_CheckExact(item)) {
-      return py::none();  // a bool, a float, a numpy integer, anything else: the caller's checks name it
-    }
-    int overflow = 0;
-    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow != 0) {
-      return py::none();
-    }
-    out[i] = value;
-  }
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(indices)));
-}
-
-int64_t first_index_outside(const at::Tensor& indices, int64_t length) {
-  TORCH_CHECK(
-      indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
-      "first_index_outside: indices must be a contiguous 1-D int64 CPU tensor");
-  const int64_t* index = indices.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < indices.numel(); ++b) {
-    if (index[b] < 0 || index[b] >= length) {
-      return b;
-    }
-  }
-  return -1;
-}
-
-int64_t wrap_negative_indices(at::Tensor& indices, int64_t length) {
-  TORCH_CHECK(
-      indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(),
-      "wrap_negative_indices: indices must be a contiguous 1-D int64 CPU tensor");
-  int64_t* index = indices.mutable_data_ptr<int64_t>();
-  for (int64_t b = 0; b < indices.numel(); ++b) {
-    if (index[b] < 0 && index[b] >= -length) {
-      index[b] += length;
-    } else if (index[b] < 0 || index[b] >= length) {
-      return b;
-    }
-  }
-  return -1;
 }
 
 }  // namespace fastcollate

@@ -66,9 +66,9 @@ class ColumnGather {
 
   // The batch at `indices` (int64, at least one; ArrayBatch names a bad one), or None when the per-sample
   // path must collate it: rows of unequal length without a pad, packed rows the walk refuses or whose
-  // fields differ in length, a pad or separator the dtype cannot hold (fastcollate/gather.py lists every
-  // hand-over in HANDED_TO_THE_WALK). Raises
-  // the ContractError of the first sample that breaks a rule. The rows are written by csrc/fill/'s writers.
+  // fields differ in length, a pad or separator the dtype cannot hold (fastcollate/collate/gather.py lists
+  // every hand-over in HANDED_TO_THE_WALK). Raises the ContractError of the first sample that breaks a
+  // rule. The rows are written by csrc/fill/'s writers.
   py::object plan(const at::Tensor& indices) const;
 
   // The batch of every row in order (no rows_of): the same batch as plan(0..length), with each chunk of a
@@ -82,15 +82,11 @@ class ColumnGather {
   std::shared_ptr<const Shared> shared_;
 };
 
-// A list of Python ints as an int64 tensor of its own, or None when an element is anything else (a bool,
-// a numpy integer) or outside int64: the batches DataLoader's samplers hand out, read with no numpy call.
-py::object indices_of_list(const py::list& list);
-
-// The batch position of the first index outside [0, length), or -1 (an ArrayBatch's check, in one pass).
-int64_t first_index_outside(const at::Tensor& indices, int64_t length);
-
-// Python's and Hugging Face's negative indices: each index in [-length, 0) becomes index + length, in
-// place. Returns the batch position of the first index outside [-length, length), left as it was, or -1.
-int64_t wrap_negative_indices(at::Tensor& indices, int64_t length);
+// None: the batch goes to the per-sample walk instead, for `reason`, a key of HANDED_TO_THE_WALK in
+// fastcollate/collate/gather.py. Every hand-over returns through it, naming its case, so that
+// tests/test_gather_handovers.py can hold the cases here and the list there to each other.
+inline py::object handed_to_the_walk([[maybe_unused]] const char* reason) {
+  return py::none();
+}
 
 }  // namespace fastcollate

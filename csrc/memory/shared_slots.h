@@ -128,7 +128,7 @@ class SharedSlots : public std::enable_shared_from_this<SharedSlots> {
   int64_t registration_failures() const { return registration_failures_.load(); }  // cheap: read per batch
   std::string describe_slot(int64_t slot) const;
   // In a forked child: moves the batches this process received and still holds onto private memory
-  // (see the fork handler in shared_slots.cpp).
+  // (see the fork handler in shared_slot_pool.cpp).
   void privatize_received_batches();
 
   // State changes made by the storages lent over slots (see the state word above).

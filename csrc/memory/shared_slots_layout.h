@@ -1,7 +1,7 @@
 // The shared-slots file's layout, which every process that maps it agrees on: the header, the slot table,
 // the writer registry and the 64-bit state word that each slot's state machine lives in (its bits are
-// described in shared_slots.h; the transitions, each a compare-and-swap on it, are in shared_slots.cpp,
-// which alone includes this file).
+// described in shared_slots.h; the transitions, each a compare-and-swap on it, are in the pool's files,
+// shared_slot_pool.cpp and slot_*.cpp, which alone include this file).
 #pragma once
 
 #include <algorithm>

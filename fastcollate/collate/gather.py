@@ -23,10 +23,11 @@ from .contract import Contract, Field
 
 __all__ = ["gathered_columns", "gatherer", "layout"]
 
-#: Every case in which :func:`gatherer` (None: no batch of the dataset) or ``ColumnGather.plan`` (None:
-#: this batch) hands the batch to the per-sample walk, and why. The walk gives the same batch or error
-#: either way; these are the cases where its rules need each sample, or where it names the sample that
-#: broke one.
+#: Every case in which :func:`gatherer` (None: no batch of the dataset), ``ColumnGather.plan`` (None:
+#: this batch) or ``ArrowGather.plan`` (None: this table) hands the batch to the per-sample walk, and why.
+#: The walk gives the same batch or error either way; these are the cases where its rules need each
+#: sample, or where it names the sample that broke one. Each place that hands a batch over names its case
+#: (``_handed_over`` here, ``handed_to_the_walk`` in C++); tests/test_gather_handovers.py ties the two.
 HANDED_TO_THE_WALK: dict[str, str] = {
     # Per dataset and contract (gatherer, _column, _packs_by_column):
     "a missing or extra key": "the walk names the sample and the key (the id's included)",
@@ -57,9 +58,21 @@ HANDED_TO_THE_WALK: dict[str, str] = {
                                                 "order of fields",
     "a broken dtype, shape or named dim after a column with a range": "the walk checks each field's values "
                                                                       "before the next field's rules",
+    # Per table of fastcollate.ray.ArrowCollate (ArrowGather::plan in csrc/collate/arrow_gather.cpp), to
+    # ArrowCollate.expression, the per-sample way:
+    "an empty table": "the per-sample way raises the empty batch's error",
+    "a column the table lacks": "the per-sample way names the missing column",
+    "a column laid out unlike the first table's": "the per-sample way reads it as it lies (another "
+                                                  "storage, tensor type or ragged dims), or names what is "
+                                                  "wrong with it",
 }
 
 _Kind = _C.GatheredKind
+
+
+def _handed_over(reason: str) -> None:
+    """None: the batch goes to the per-sample walk, for ``reason`` (a key of :data:`HANDED_TO_THE_WALK`)."""
+    return None
 
 
 def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Any:
@@ -92,13 +105,17 @@ def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[A
     fields = contract.fields if contract is not None else {}
     dropped = _dropped(contract)
     copies = {key: field.copy_of for key, field in fields.items() if field.copy_of is not None}
-    if dataset.index_as in dropped or any(key in dataset.columns for key in copies):
-        return None  # a dropped id key; a copy_of field the samples also hold
+    if dataset.index_as in dropped:
+        return _handed_over("a dropped id key")
+    if any(key in dataset.columns for key in copies):
+        return _handed_over("a copy_of field the samples also hold")
     keys = [dataset.index_as] if dataset.index_as is not None else []
     keys += [key for key in dataset.columns if key not in dropped]
-    if contract is not None and (set(fields) != {*keys, *copies} or _shares_a_padded_dim(fields)):
-        return None  # a missing or extra key; a padded dim another field names
-    if not _packs_by_column(dataset, contract):
+    if contract is not None and set(fields) != {*keys, *copies}:
+        return _handed_over("a missing or extra key")
+    if contract is not None and _shares_a_padded_dim(fields):
+        return _handed_over("a padded dim another field names")
+    if _packs_by_column(dataset, contract) is None:
         return None
     specs = {spec.path: spec for spec in contract.native_specs()} if contract is not None else {}
     columns = []
@@ -109,7 +126,7 @@ def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[A
             if field is not None and (
                 field.kind != "number" or field.range is not None or field.dtype not in (None, torch.int64)
             ):
-                return None  # an id field other than an int64 number
+                return _handed_over("an id field other than an int64 number")
             columns.append((_C.GatheredColumn(kind=_Kind.IDS, key=key, dtype=torch.int64), None))
             continue
         # A copy is its source's column under its own field, as the walk reads its source's samples.
@@ -120,7 +137,7 @@ def gathered_columns(dataset: Arrays, contract: Contract | None) -> list[tuple[A
         if field is not None and field.pad is not None:
             mask = contract.mask_key(key)
             if mask in taken:
-                return None  # a shared mask
+                return _handed_over("a shared mask")
             taken.update((mask, contract.lengths_key(key)))
         taken.add(key)
         columns.append((column, source))
@@ -156,33 +173,33 @@ def _column(column: Any, key: str, field: Field | None, spec: Any, has_contract:
         # cast from; and the stored one's cast to it must keep every value.
         taken = held in (declared, *field.cast_from)
         if not taken or not (declared == held or _C.keeps_values(source.dtype, held)):
-            return None
+            return _handed_over("a stored dtype that is not the samples'")
         spec.cast_from = [*spec.cast_from, source.dtype]
     if field is not None:
         if field.kind == "text" or field.expand_from:
-            return None
-        if field.kind == "number" and (column.ragged or source.dim() != 1):
-            return None  # a number per sample is a 1-D column
+            return _handed_over("a text field, or one with expand_from")
+        if field.kind == "number" and (column.ragged or source.dim() != 1):  # a number per sample: 1-D
+            return _handed_over("a number field on a ragged or multi-dim column")
         if held.is_floating_point and not (declared.is_floating_point or declared.is_complex):
-            return None  # float to int: the walk refuses NaN, infinities and values the dtype cannot hold
+            return _handed_over("a cast from floating point to integers")
         if field.range is not None and not _C.keeps_values(source.dtype, declared):
-            return None  # a cast that can change values (narrowing): the range is the source's to check
+            return _handed_over("a range with a cast that can change values")
     made = {"key": key, "dtype": declared, "field": spec, **_sources(column)}
     if field is not None and field.pack:
         if tuple(field.shape[1:]) != tuple(source.shape[1:]):  # fixed dims only (Field refuses named ones)
-            return None  # the walk names the sample's whole shape against the declared one
+            return _handed_over("packed rows of other fixed dims")
         return _C.GatheredColumn(kind=_Kind.PACKED, **made)
     if not column.ragged:
         if field is not None and field.pad is not None:
-            return None
+            return _handed_over("a pad on a column of fixed-length rows")
         return _C.GatheredColumn(kind=_Kind.ROWS, **made)
     if field is None or field.pad is None:
         if has_contract:
-            return None  # rows of one length under a contract: the walk checks each sample's shape
+            return _handed_over("ragged rows under a contract without a pad")
         return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
     shape = field.shape
     if shape is None or not isinstance(shape[0], str) or any(isinstance(d, str) for d in shape[1:]):
-        return None  # padded along dim 0 alone
+        return _handed_over("a pad along a dim other than dim 0")
     return _C.GatheredColumn(kind=_Kind.RAGGED, **made)
 
 
@@ -194,22 +211,24 @@ def _sources(column: Any) -> dict[str, list[torch.Tensor]]:
     return {"values": [c.values for c in chunks], "offsets": [c.offsets for c in chunks]}
 
 
-def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool:
-    """Whether the contract's packed fields (if any) can be packed column by column: not when nested, when
-    a packed dim is named by a field that is not packed, or when a packed column has fixed-length rows.
-    Rows that differ in length between packed fields, and batches the walk refuses (no token, more than
-    cu_seq_lens' int32 holds, over Packing.max_tokens), are found per batch, in C++."""
+def _packs_by_column(dataset: Arrays, contract: Contract | None) -> bool | None:
+    """True when the contract's packed fields (if any) can be packed column by column; None (handed to the
+    walk) when nested, when a packed dim is named by a field that is not packed, or when a packed column
+    has fixed-length rows. Rows that differ in length between packed fields, and batches the walk refuses
+    (no token, more than cu_seq_lens' int32 holds, over Packing.max_tokens), are found per batch, in C++."""
     packed = contract.packed_fields() if contract is not None else None
     if packed is None:
         return True
     parent, keys = packed
     if parent:
-        return False
+        return _handed_over("packed fields in a nested mapping")
     fields = contract.fields
     dim = fields[keys[0]].shape[0]
     if any(not f.pack and dim in (f.shape or ()) for f in fields.values()):
-        return False
-    return all(dataset.columns[fields[key].copy_of or key].ragged for key in keys)
+        return _handed_over("a packed dim named by an unpacked field")
+    if not all(dataset.columns[fields[key].copy_of or key].ragged for key in keys):
+        return _handed_over("a packed column of fixed-length rows")
+    return True
 
 
 def _shares_a_padded_dim(fields: dict[str, Field]) -> bool:

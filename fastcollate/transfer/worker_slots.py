@@ -2,7 +2,7 @@
 
 Without them every batch a worker collates goes into fresh shared memory: a new segment, a new mapping
 in each process and a page fault per 4 KiB on both sides, then (under DeviceLoader) one more copy into
-pinned memory. With them (csrc/memory/shared_slots.cpp):
+pinned memory. With them (csrc/memory/shared_slots.h):
 
 - The main process makes a pool (one memfd: no name in /dev/shm, mode 0600) when its workers start: in
   a fork hook for forked workers, or when the Assembler is pickled for a spawned or forkserver worker,

@@ -82,18 +82,18 @@ ARRAY_ARGS := $(if $(findstring --quick,$(BENCH_ARGS)),--rounds 3 --rows 200000 
 # benchmarks/hf_ratios.py alone runs the full sizes, in up to 15.
 demo: .stamp-build $(EXTRAS)
 	@echo; echo "1/4  pre-decoded images through DataLoader workers: shared slots on and off, default_collate"
-	$(PY) benchmarks/worker_ratios.py --datasets predecoded --rounds $(WORKER_ROUNDS) \
+	$(PY) -m benchmarks.worker_ratios --datasets predecoded --rounds $(WORKER_ROUNDS) \
 		--json bench-out-workers/results.json --chart bench-out-workers/chart.png
 	@echo; echo "2/4  FashionMNIST-like images, bound by their PIL transforms (about 300 us a sample)"
 	$(PY) -m fastcollate bench $(BENCH_WORKERS) $(BENCH_ARGS) --out bench-out-loader
 	@echo; echo "3/4  data already in arrays: fastcollate.Arrays gathered by index, against the idiom and nanoGPT"
-	$(PY) benchmarks/array_ratios.py --cases tabular tokens $(ARRAY_ARGS) --no-targets \
+	$(PY) -m benchmarks.array_ratios --cases tabular tokens $(ARRAY_ARGS) --no-targets \
 		--json bench-out-arrays/results.json
 	@echo; echo "4/4  Hugging Face datasets from disk: HF's own collate and format, assemble, Arrays.from_hf;"
-	@echo "     --quick: a tenth of the rows of the README's table, whose run is python benchmarks/hf_ratios.py"
-	$(PY) benchmarks/hf_ratios.py --quick --json bench-out-hf/results.json
+	@echo "     --quick: a tenth of the rows of the README's table, whose run is python -m benchmarks.hf_ratios"
+	$(PY) -m benchmarks.hf_ratios --quick --json bench-out-hf/results.json
 	@echo
-	@$(PY) benchmarks/demo_summary.py bench-out-workers bench-out-loader bench-out-arrays bench-out-hf
+	@$(PY) -m benchmarks.demo_summary bench-out-workers bench-out-loader bench-out-arrays bench-out-hf
 
 bench: .stamp-build $(EXTRAS)
 	$(PY) -m pytest benchmarks -q --benchmark-group-by=group --benchmark-columns=min,median,iqr,ops \

@@ -2,7 +2,7 @@
 and with assemble, the batched-index idiom users know (a BatchSampler as the sampler, X[idx]),
 fastcollate.Arrays gathered by assemble, and a bare index_select into a reused buffer (the floor).
 
-    python benchmarks/array_ratios.py [--cases tabular images tokens workers packed] [--rounds 7]
+    python -m benchmarks.array_ratios [--cases tabular images tokens workers packed] [--rounds 7]
                                       [--json PATH]
 
 Method: every contender of a case makes the same batches (checked equal once, untimed), in rounds; a
@@ -29,9 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastcollate.tools.bench.malloc import samples_on_the_heap
-from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
-from fastcollate.tools.benchmarks.array_contenders import (
+from benchmarks.shared.array_contenders import (
     array_contenders,
     images,
     packed_contenders,
@@ -42,7 +40,9 @@ from fastcollate.tools.benchmarks.array_contenders import (
     with_threads,
     worker_contenders,
 )
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
+from benchmarks.shared.report_header import header_line, report_header
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
 from fastcollate.tools.terminal import fit_to_terminal
 
 

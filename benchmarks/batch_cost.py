@@ -2,7 +2,7 @@
 starts one child process per checkout, each importing its own fastcollate, and sends both every case in
 turn (before, after; the next round after, before), so that the machine's drift hits both alike.
 
-    python benchmarks/batch_cost.py --before /path/to/old/checkout [--after .] [--rounds 11]
+    python -m benchmarks.batch_cost --before /path/to/old/checkout [--after .] [--rounds 11]
                                     [--iterations 20000] [--json PATH]
 
 Each checkout needs its extension built in place (``make build`` there, or a copied ``fastcollate/_C*.so``
@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
+from benchmarks.shared.report_header import header_line, report_header
 
 # Run inside each checkout: it reads a case per line and answers its times per batch, in microseconds.
 CHILD = r"""

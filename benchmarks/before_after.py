@@ -2,7 +2,7 @@
 ``worker_ratios.py``) from two checkouts, alternating (before, after, before, after, ...), and sets each
 ratio before against after.
 
-    python benchmarks/before_after.py --before /path/to/old/checkout [--after .] [--runs 3]
+    python -m benchmarks.before_after --before /path/to/old/checkout [--after .] [--runs 3]
                                       [--bench collate_ratios|array_ratios|guard_cost|worker_ratios]
                                       [--json PATH] [-- the bench's options, e.g. --threads 1]
 

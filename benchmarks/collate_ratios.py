@@ -1,7 +1,7 @@
 """Times fastcollate.assemble against torch's default_collate (and the other baselines: plain copies,
-pad_sequence) on the cases of ``fastcollate.tools.benchmarks.collate_cases``, interleaved in one process.
+pad_sequence) on the cases of ``benchmarks.shared.collate_cases``, interleaved in one process.
 
-    python benchmarks/collate_ratios.py [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
+    python -m benchmarks.collate_ratios [--threads 1 2] [--json PATH] [--repeat N] [--cases ...]
                                         [--gc young|full] [--samples same|fresh] [--no-targets]
 
 Method: per thread count (``torch.set_num_threads``), per case: one equality check of every contender's
@@ -47,9 +47,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.shared.collate_cases import CASES, FLOOR, Case, build_case, outputs_equal
+from benchmarks.shared.collate_timing import machine, time_case
 from fastcollate.tools.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio
-from fastcollate.tools.benchmarks.collate_cases import CASES, FLOOR, Case, build_case, outputs_equal
-from fastcollate.tools.benchmarks.collate_timing import machine, time_case
 from fastcollate.transfer.staging import main_process_ring
 
 CONTROL = "exp(4M floats), compute-bound control"

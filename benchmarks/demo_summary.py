@@ -1,6 +1,6 @@
 """The last lines of ``make demo``: each part's verdict as that part's own run wrote it, and its files.
 
-    python benchmarks/demo_summary.py WORKERS_DIR LOADER_DIR ARRAYS_DIR HF_DIR
+    python -m benchmarks.demo_summary WORKERS_DIR LOADER_DIR ARRAYS_DIR HF_DIR
 
 Each folder holds the results.json its part wrote. Nothing is measured or judged here: the verdicts and
 ratios are read as written (``~``: not beyond the noise), so the summary claims only what this run
@@ -77,7 +77,7 @@ def hf_lines(report: dict) -> list[str]:
     lines.append("rows: " + ", ".join(f"{case} {result['rows']:,}" for case, result in cases.items()))
     if any(result["rows"] < result["full_rows"] for result in cases.values()):
         full = ", ".join(f"{case} {result['full_rows']:,}" for case, result in cases.items())
-        lines.append(f"the README's table ran {full}: python benchmarks/hf_ratios.py")
+        lines.append(f"the README's table ran {full}: python -m benchmarks.hf_ratios")
     return lines
 
 

@@ -1,6 +1,6 @@
 """The GPU benchmark behind docs/results' GPU figures: DeviceLoader against the default path, in one run.
 
-    python benchmarks/gpu_bench.py --out DIR [--quick]
+    python -m benchmarks.gpu_bench --out DIR [--quick]
 
 Measured side by side on one GPU, same batches (uint8 3x224x224 images, batch 256):
 - samples/s of a transfer-bound loop (light model) and a compute-bound loop (heavier model) for three

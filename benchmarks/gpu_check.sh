@@ -95,7 +95,7 @@ fi
 if want bench; then
   step "GPU benchmark (writes its JSON after every configuration)"
   bench_budget=$(budget $BENCH_S)
-  timeout "$bench_budget" "$PY" benchmarks/gpu_bench.py --out "$OUT" --time-budget $((bench_budget - 10))
+  timeout "$bench_budget" "$PY" -m benchmarks.gpu_bench --out "$OUT" --time-budget $((bench_budget - 10))
   code=$?
   rm -f "$OUT"/*.json.partial  # a write the timeout cut: the JSON before it is whole (replaced by rename)
   # What the bench's JSON holds; empty when there is none or it does not parse.

@@ -1,7 +1,7 @@
 """What the SIGBUS guard costs a gather: ``ops.gather_into`` (its copy runs inside the guard) against
 ``torch.index_select`` into a reused buffer (the same rows, no guard), side by side in one run.
 
-    python benchmarks/guard_cost.py [--rounds 15] [--json PATH]
+    python -m benchmarks.guard_cost [--rounds 15] [--json PATH]
 
 Method: one torch thread; for each batch shape, rounds of N calls of each op, interleaved; reported per
 call, the median over rounds, and the ratio gather_into / index_select. The smallest batch shows the fixed

@@ -2,7 +2,7 @@
 datasets as users have them (saved with ``save_to_disk``, loaded with ``load_from_disk``: memory-mapped
 Arrow files in several shards, 1000-row record batches, datasets' default writer batch size).
 
-    python benchmarks/hf_ratios.py [--quick] [--cases packed tabular many_files] [--files 1000]
+    python -m benchmarks.hf_ratios [--quick] [--cases packed tabular many_files] [--files 1000]
                                    [--workers 0 2] [--rounds 5] [--data-dir DIR] [--malloc fixed|default]
                                    [--json PATH]
 
@@ -66,9 +66,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import fastcollate
-from fastcollate.tools.bench.malloc import samples_on_the_heap
-from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
-from fastcollate.tools.benchmarks.hf_paths import (
+from benchmarks.shared.hf_paths import (
     SHARDS,
     Contender,
     check_paths,
@@ -79,8 +77,10 @@ from fastcollate.tools.benchmarks.hf_paths import (
     make_paths,
     saved_and_loaded,
 )
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
-from fastcollate.tools.benchmarks.rounds import loader_epoch
+from benchmarks.shared.report_header import header_line, report_header
+from benchmarks.shared.rounds import loader_epoch
+from fastcollate.tools.bench.malloc import samples_on_the_heap
+from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, too_small_to_time
 from fastcollate.tools.terminal import fit_to_terminal
 
 PATHS = ("HF", "swapped", "Arrays", "stored")

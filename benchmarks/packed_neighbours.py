@@ -1,7 +1,7 @@
 """What the contender before a call does to it: the packed case's assemble, torch.cat + arange and the
 copy floor, timed in rounds (collate_timing.time_case) beside one neighbour at a time.
 
-    python benchmarks/packed_neighbours.py [--rounds 40] [--threads 1] [--json PATH]
+    python -m benchmarks.packed_neighbours [--rounds 40] [--threads 1] [--json PATH]
 
 collate_ratios runs DataCollatorWithFlattening (about 85 ms of Python a call) in the same rounds, and
 every other contender's time moves with it. The neighbours here tell why: 84 ms of sleep, 84 ms of a busy
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from fastcollate.tools.benchmarks import collate_cases as cases
-from fastcollate.tools.benchmarks import collate_contenders as contenders
-from fastcollate.tools.benchmarks.collate_timing import machine, time_case
+from benchmarks.shared import collate_cases as cases
+from benchmarks.shared import collate_contenders as contenders
+from benchmarks.shared.collate_timing import machine, time_case
 
 NEIGHBOUR_SECONDS = 0.084  # about one DataCollatorWithFlattening call on the packed batch
 

@@ -3,7 +3,7 @@ side by side in one run: DataLoader in the main process and with 2 worker proces
 with 2 threads, and a torchdata.nodes thread ``ParallelMapper`` with 2 threads; the performance targets
 judged on the ratios.
 
-    python benchmarks/peer_ratios.py [--presets predecoded fashion fields] [--rounds 7] [--batches 15]
+    python -m benchmarks.peer_ratios [--presets predecoded fashion fields] [--rounds 7] [--batches 15]
                                      [--malloc both|default|fixed] [--json PATH]
 
 Method. Every contender gets the same batches (one shuffled permutation per round, seeded), the same
@@ -49,10 +49,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import fastcollate
+from benchmarks.shared.report_header import header_line, report_header
 from fastcollate.tools.bench.malloc import samples_on_the_heap
 from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.bench.ratios import NOT_DIFFERENT, PairedRatio, paired_ratio, too_small_to_time
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
 from fastcollate.tools.terminal import fit_to_terminal
 
 THREADS = 2
@@ -468,7 +468,8 @@ def main() -> int:
             out = Path(folder) / "setting.json"
             child = [
                 sys.executable,
-                __file__,
+                "-m",
+                "benchmarks.peer_ratios",
                 "--malloc",
                 malloc,
                 "--setting-out",
@@ -482,7 +483,7 @@ def main() -> int:
                 "--presets",
                 *args.presets,
             ] + (["--phases"] if args.phases else [])
-            subprocess.run(child, check=True, env=os.environ)
+            subprocess.run(child, check=True, env=os.environ, cwd=Path(__file__).resolve().parents[1])
             setting = json.loads(out.read_text())
         for result in setting["results"]:
             lines += summarize(result, malloc, judge=not args.no_targets and malloc == "default")

@@ -3,7 +3,7 @@ default collate, a lean hand-written ``ArrowBatchCollateFn``, a collate that doe
 per-batch cost, the ceiling), ``assemble(Arrays.from_arrow(table)...)`` and, where this build has it,
 ``fastcollate.ray.ArrowCollate``; each collate also alone, on the tables Ray hands it.
 
-    python benchmarks/ray_ratios.py [--cases tabular packed tensor] [--rows 65536] [--batch-size 4096]
+    python -m benchmarks.ray_ratios [--cases tabular packed tensor] [--rows 65536] [--batch-size 4096]
                                     [--tensor-rows 1048576] [--tensor-batch-sizes 256 4096] [--rounds 7]
                                     [--malloc fixed|default] [--json PATH]
 
@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 import fastcollate
+from benchmarks.shared.report_header import header_line, report_header
 from fastcollate.tools.bench.malloc import samples_on_the_heap
 from fastcollate.tools.bench.ratios import paired_ratio
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
 
 FEATURES = 100
 CASES = ("tabular", "packed", "tensor")

@@ -2,7 +2,7 @@
 epoch in hand, for a state taken after batch 1, at the middle and before the last batch of an epoch,
 for four ways to resume a shuffled epoch with torchdata's ``StatefulDataLoader``, side by side in one run.
 
-    python benchmarks/resume_cost.py [--n 4194304] [--batch-size 256] [--rounds 8] [--workers 0 2]
+    python -m benchmarks.resume_cost [--n 4194304] [--batch-size 256] [--rounds 8] [--workers 0 2]
                                      [--seed 0] [--json PATH]
 
 The contenders (``CONTENDERS``), each a ``StatefulDataLoader`` over a dataset whose sample i is i (one
@@ -54,8 +54,8 @@ from torch.utils.data import BatchSampler, Dataset, Sampler
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 import fastcollate
+from benchmarks.shared.report_header import header_line, report_header
 from fastcollate.tools.bench.ratios import PairedRatio, paired_ratio
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
 
 POSITIONS = ("first", "middle", "last")
 

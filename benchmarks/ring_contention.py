@@ -1,7 +1,7 @@
 """The staging ring's lock under threads: batches/s of T threads collating through one shared ring,
 against a ring per thread (no lock shared), side by side in one run, at T = 1, 2 and 4.
 
-    python benchmarks/ring_contention.py [--threads 1 2 4] [--rounds 7] [--batches 400] [--json PATH]
+    python -m benchmarks.ring_contention [--threads 1 2 4] [--rounds 7] [--batches 400] [--json PATH]
 
 Two batch shapes: ``small`` (256 samples of 19 small fields, the batch where per-batch costs weigh most
 against the bytes) and ``slot-only`` (``ring.acquire`` and drop in a loop, nothing else: the lock alone,
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import fastcollate
+from benchmarks.shared.report_header import header_line, report_header
+from benchmarks.shared.rounds import quartiles
 from fastcollate import StagingRing
 from fastcollate.tools.bench.presets import PRESETS
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
-from fastcollate.tools.benchmarks.rounds import quartiles
 
 
 def timed_threads(threads: int, work) -> float:

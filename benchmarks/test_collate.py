@@ -1,4 +1,4 @@
-"""pytest-benchmark suite: each case of ``fastcollate.tools.benchmarks.collate_cases`` collated by its
+"""pytest-benchmark suite: each case of ``benchmarks.shared.collate_cases`` collated by its
 reference (torch's default_collate, or pad_sequence + a Python mask) and by fastcollate.assemble, at one
 intra-op thread and at two.
 
@@ -17,8 +17,8 @@ import functools
 import pytest
 import torch
 
-from fastcollate.tools.benchmarks.collate_cases import CASES, build_case, outputs_equal
-from fastcollate.tools.benchmarks.collate_contenders import (
+from benchmarks.shared.collate_cases import CASES, build_case, outputs_equal
+from benchmarks.shared.collate_contenders import (
     HF_PAD_SEQUENCE,
     HF_REFERENCE,
     PACKED_CAT,

@@ -2,7 +2,7 @@
 ``assemble`` with shared slots off (fresh shared memory per batch, as ``default_collate`` in a worker
 has) and on, at 0, 1 and 2 workers; and the performance targets judged on the ratios.
 
-    python benchmarks/worker_ratios.py [--datasets predecoded fashion fields] [--workers 0 1 2]
+    python -m benchmarks.worker_ratios [--datasets predecoded fashion fields] [--workers 0 1 2]
                                        [--rounds 7] [--batches 12] [--json PATH]
 
 Method: one persistent DataLoader per (contender, workers), all made up front (fork, prefetch_factor 2,
@@ -34,12 +34,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import fastcollate
+from benchmarks.shared.report_header import header_line, report_header
+from benchmarks.shared.rounds import quartiles
 from fastcollate._ext import _C
 from fastcollate.tools.bench.malloc import samples_on_the_heap
 from fastcollate.tools.bench.presets import PRESETS
 from fastcollate.tools.bench.ratios import NOT_DIFFERENT, paired_ratio, runs_apart, too_small_to_time
-from fastcollate.tools.benchmarks.report_header import header_line, report_header
-from fastcollate.tools.benchmarks.rounds import quartiles
 from fastcollate.tools.terminal import fit_to_terminal
 
 CONTENDERS = ("default_collate", "assemble, slots off", "assemble, slots on")

@@ -58,7 +58,7 @@ def _folders(tmp_path: Path, monkeypatch, arrays_case: str = "tabular") -> list[
     ]
 
 
-HF_FULL_RUN = "    the README's table ran packed 200,000, tabular 500,000: python benchmarks/hf_ratios.py"
+HF_FULL_RUN = "    the README's table ran packed 200,000, tabular 500,000: python -m benchmarks.hf_ratios"
 
 
 def test_each_parts_result_as_written_with_its_marks_in_lines_of_100(tmp_path, monkeypatch):

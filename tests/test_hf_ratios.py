@@ -21,7 +21,7 @@ hf_ratios = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = hf_ratios  # its dataclasses look their module up there
 _spec.loader.exec_module(hf_ratios)
 
-from fastcollate.tools.benchmarks import hf_paths  # noqa: E402  (after datasets is known to be there)
+from benchmarks.shared import hf_paths  # noqa: E402  (after datasets is known to be there)
 
 
 def test_the_smallest_configuration_reports_every_path_of_both_cases(tmp_path):

@@ -17,7 +17,7 @@ _spec.loader.exec_module(peer_ratios)
 
 def test_peer_ratios_runs_every_loader_with_both_collates_under_both_malloc_settings(tmp_path):
     out = tmp_path / "peers.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer_ratios.py"), "--presets", "fields",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.peer_ratios", "--presets", "fields",
                            "--rounds", "1", "--batches", "2", "--phases", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -57,7 +57,7 @@ def test_the_targets_are_judged_on_the_medians_and_name_the_best_configurations(
 
 def test_ring_contention_runs_and_compares_a_shared_ring_with_one_per_thread(tmp_path):
     out = tmp_path / "ring.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ring_contention.py"), "--threads", "1",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ring_contention", "--threads", "1",
                            "2", "--rounds", "1", "--batches", "5", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,8 +13,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 import fastcollate
 from fastcollate import Arrays, Contract, Field, TokenWindows
+from fastcollate.tools.bench.malloc import samples_on_the_heap
 
-from ..bench.malloc import samples_on_the_heap
 from .collate_contenders import cat_arange_packed, flattening_collator, have_transformers, packed_contract
 from .rounds import Epoch, endless, loader_epoch
 

@@ -24,6 +24,7 @@ from fastcollate.data.arrays import ArrayBatch
 
 from .helpers.broken_columns import Broken, assert_same_outcome, broken_columns
 from .helpers.chunks import chunked, cuts
+from .helpers.gathered import gathered_plan
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
 
@@ -59,7 +60,7 @@ EXAMPLES = int(os.environ.get("FASTCOLLATE_FUZZ_EXAMPLES", "150"))
 def test_a_gathered_batch_equals_default_collate_of_the_samples(case):
     dataset, indices = case
     expected = default_collate([dataset[i] for i in indices])
-    assert gather.layout(dataset.__getitems__(indices), None, "id") is not None, "gathered, not walked"
+    assert gathered_plan(dataset.__getitems__(indices), None, "id") is not None, "gathered, not walked"
     _same(fastcollate.assemble(dataset.__getitems__(indices)), expected)
     _same(default_collate(dataset.__getitems__(indices)), expected)  # the lazy batch is a Sequence of samples
 
@@ -96,7 +97,7 @@ def ragged_datasets(draw):
 def test_a_ragged_column_is_padded_as_the_per_sample_path_pads_it(case):
     dataset, contract, indices = case
     collate = fastcollate.assemble.using(contract)
-    assert gather.layout(dataset.__getitems__(indices), contract, "id") is not None, "gathered, not walked"
+    assert gathered_plan(dataset.__getitems__(indices), contract, "id") is not None, "gathered, not walked"
     per_sample = [{**s, "label": int(s["label"])} for s in (dataset[i] for i in indices)]
     _same(collate(dataset.__getitems__(indices)), collate(per_sample))
 
@@ -627,7 +628,7 @@ def test_a_gathered_sample_is_named_by_the_collate_s_id_key_as_the_walk_names_it
                                      (by_column, "id", "sample id=30 (batch position 1)"),
                                      (unnamed, "idx", "sample at batch position 1 (samples carry no 'id'")]:
         collate = fastcollate.assemble.using(Contract({id_field: Field(kind="number"), **contract}))
-        assert gather.layout(dataset.__getitems__([0, 2]), collate.contract, "id") is not None
+        assert gathered_plan(dataset.__getitems__([0, 2]), collate.contract, "id") is not None
         for batch in (dataset.__getitems__([0, 2]), [dataset[0], dataset[2]]):
             with pytest.raises(ContractError) as caught:
                 collate(batch)

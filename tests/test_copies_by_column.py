@@ -14,6 +14,7 @@ from fastcollate.collate import gather
 from fastcollate.collate.errors import ContractError, ContractTypeError, ContractValueError
 
 from .helpers.batches import assert_same_batch
+from .helpers.gathered import gathered_plan
 
 
 def ragged(lengths, dtype=torch.int64, seed=0, high=100):
@@ -38,7 +39,7 @@ def labels_copied(labels=None, packing=None):
 def both_ways(dataset, indices, contract):
     """The batch gathered by column (checked to go that way) and walked sample by sample."""
     batch = dataset.__getitems__(indices)
-    assert gather.layout(batch, contract, "id") is not None, "gathered, not walked"
+    assert gathered_plan(batch, contract, "id") is not None, "gathered, not walked"
     return assemble.using(contract)(batch), assemble.using(contract)([dataset[i] for i in indices])
 
 
@@ -117,7 +118,7 @@ def test_a_copy_the_samples_also_hold_goes_to_the_walk_which_refuses_the_key():
     lengths = [2, 3]
     dataset = Arrays(input_ids=ragged(lengths), labels=ragged(lengths, seed=1), index_as="id")
     batch = dataset.__getitems__([0, 1])
-    assert gather.layout(batch, labels_copied(), "id") is None
+    assert gathered_plan(batch, labels_copied(), "id") is None
     gathered, walked = errors_both_ways(dataset, [0, 1], labels_copied())
     assert str(gathered) == str(walked) and "copy_of" in str(gathered)
 

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastcollate import Arrays, Contract, Field, Packing, Ragged, assemble, ops
-from fastcollate.collate import gather
 
 from .helpers.batches import assert_same_batch
+from .helpers.gathered import gathered_plan
 
 
 def ragged(lengths, dtype, seed):
@@ -23,7 +23,7 @@ def ragged(lengths, dtype, seed):
 
 def walked_and_gathered(dataset, indices, contract):
     batch = dataset.__getitems__(indices)
-    assert gather.layout(batch, contract, "id") is not None, "gathered, not walked"
+    assert gathered_plan(batch, contract, "id") is not None, "gathered, not walked"
     collate = assemble.using(contract)
     return collate([dataset[i] for i in indices]), collate(batch)
 

@@ -16,12 +16,12 @@ from torch.utils.data import DataLoader
 
 from fastcollate import Arrays, Contract, Field, IndexBatches, Packing, Ragged, assemble, ops
 from fastcollate._torch_compat import jagged_max_seqlen
-from fastcollate.collate import gather
 from fastcollate.collate.errors import ContractSizeError, ContractTypeError, ContractValueError
 
 from .helpers.batches import assert_same_batch
 from .helpers.broken_columns import assert_same_outcome, broken_columns
 from .helpers.chunks import chunked, cuts
+from .helpers.gathered import gathered_plan
 
 
 def ragged(lengths, dtype=torch.int64, inner=(), seed=0, high=100):
@@ -56,7 +56,7 @@ def walked(dataset, indices, contract):
 
 def gathered(dataset, indices, contract):
     batch = dataset.__getitems__(indices)
-    assert gather.layout(batch, contract, "id") is not None, "gathered, not walked"
+    assert gathered_plan(batch, contract, "id") is not None, "gathered, not walked"
     return assemble.using(contract)(batch)
 
 
@@ -175,7 +175,7 @@ def test_refused_batches_go_the_per_sample_way_and_get_its_errors(refusal):
         dataset = token_arrays([0, 0, 3])
         contract, error, sample = packed_contract(), ContractValueError, None
     batch = dataset.__getitems__([0, 1]) if refusal == "no token" else dataset.__getitems__([0, 1, 2])
-    assert gather.layout(batch, contract, "id") is None
+    assert gathered_plan(batch, contract, "id") is None
     with pytest.raises(error) as raised:
         assemble.using(contract)(batch)
     if sample is not None:
@@ -191,7 +191,7 @@ def test_a_padded_field_naming_the_packed_dim_or_fixed_length_rows_go_the_per_sa
         {"id": Field(kind="number"), "input_ids": Field(dtype=torch.int64, shape=("T",), pack=True)}
     )
     batch = rows.__getitems__([2, 0])
-    assert gather.layout(batch, contract, "id") is None
+    assert gathered_plan(batch, contract, "id") is None
     assert assemble.using(contract)(batch)["input_ids"].tolist() == [[6, 7, 8, 0, 1, 2]]
 
 
@@ -305,7 +305,7 @@ def test_a_float_column_cast_to_integers_goes_to_the_walk_which_refuses_nan_and_
     for field in (Field(dtype=torch.int64, shape=("T",), pack=True, cast_from=(torch.float64,)),
                   Field(dtype=torch.int64, shape=("T",), pad=0, cast_from=(torch.float64,))):
         contract = Contract({"id": Field(kind="number"), "input_ids": field})
-        assert gather.layout(dataset.__getitems__([0, 1]), contract, "id") is None
+        assert gathered_plan(dataset.__getitems__([0, 1]), contract, "id") is None
         with pytest.raises(ContractValueError, match="can hold") as raised:
             assemble.using(contract)(dataset.__getitems__([0, 1]))
         assert raised.value.sample_id == 1

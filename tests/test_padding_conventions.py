@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import fastcollate
 from fastcollate import Arrays, Contract, ContractError, Field, Ragged
-from fastcollate.collate import gather
 
+from .helpers.gathered import gathered_plan
 from .helpers.word_tokenizer import token_rows, word_level_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -83,7 +83,7 @@ def batch_from(source, rows, tmp_path):
 def collate(contract, batch):
     """The batch under ``contract``; an Arrays batch must be gathered, not handed to the walk."""
     if not isinstance(batch, list):
-        assert gather.layout(batch, contract, "id") is not None, "gathered, not walked"
+        assert gathered_plan(batch, contract, "id") is not None, "gathered, not walked"
     return fastcollate.assemble.using(contract)(batch)
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from .._ext import _C
-from ..data.arrays import ArrayBatch, Arrays
+from ..data.arrays import Arrays
 from .contract import Contract, Field
 
-__all__ = ["gathered_columns", "gatherer", "layout"]
+__all__ = ["gathered_columns", "gatherer"]
 
 #: Every case in which :func:`gatherer` (None: no batch of the dataset), ``ColumnGather.plan`` (None:
 #: this batch) or ``ArrowGather.plan`` (None: this table) hands the batch to the per-sample walk, and why.
@@ -73,14 +73,6 @@ _Kind = _C.GatheredKind
 def _handed_over(reason: str) -> None:
     """None: the batch goes to the per-sample walk, for ``reason`` (a key of :data:`HANDED_TO_THE_WALK`)."""
     return None
-
-
-def layout(batch: ArrayBatch, contract: Contract | None, id_key: str) -> Any:
-    """The plan of ``batch`` (a ``_C.BatchPlan``), or None when the per-sample path must collate it (its
-    rules and errors then apply unchanged). Raises the ContractError of the first sample (by batch
-    position) that breaks a per-column rule."""
-    gather = gatherer(batch.dataset, contract, id_key)
-    return None if gather is None else gather.plan(batch.index_tensor)
 
 
 def gatherer(dataset: Arrays, contract: Contract | None, id_key: str) -> Any:

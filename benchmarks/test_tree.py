@@ -1,5 +1,5 @@
 """pytest-benchmark: the per-batch cost of the nested-batch walk DeviceLoader does for every batch
-(flatten, then rebuild around the device tensors): ``fastcollate.collate.tree`` against
+(flatten, then rebuild around the device tensors): ``fastcollate.structure.tree`` against
 ``torch.utils._pytree``, which torch.compile and torchdata use.
 
     pytest benchmarks/test_tree.py --benchmark-group-by=group
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from fastcollate.collate import tree
+from fastcollate.structure import tree
 
 _T = torch.zeros(4)
 BATCHES = {
@@ -37,7 +37,7 @@ def _pytree_round_trip(batch):
     return pytree.tree_unflatten(leaves, spec)
 
 
-WALKS = {"fastcollate.collate.tree": _fastcollate_round_trip, "torch.utils._pytree": _pytree_round_trip}
+WALKS = {"fastcollate.structure.tree": _fastcollate_round_trip, "torch.utils._pytree": _pytree_round_trip}
 
 
 @pytest.mark.parametrize("walk", list(WALKS))

@@ -13,7 +13,7 @@ below load it when first used.
 import importlib
 
 from ._ext import _C  # noqa: F401  (first: a missing build says how to fix it)
-from .collate.assemble import Assembler, assemble
+from .assembler import Assembler, assemble
 from .collate.contract import Contract, Field, Packing
 from .collate.errors import ContractError
 from .collate.ids import IdentifiedSample, with_ids

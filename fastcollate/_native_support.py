@@ -2,7 +2,7 @@
 
 The walk (csrc/collate/walk*.cpp) calls it once per field per batch at most, never per sample. Its other
 callbacks are public elsewhere: ``fastcollate.collate.errors`` (make_error, kind_of) and
-``fastcollate.collate.tree`` (rebuild_mapping, rebuild_sequence).
+``fastcollate.structure.tree`` (rebuild_mapping, rebuild_sequence).
 """
 
 from __future__ import annotations

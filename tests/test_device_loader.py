@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, default_collate
 
 from fastcollate import _C, Assembler, ContractError, DeviceLoader, Normalize, StagingRing, assemble
-from fastcollate.collate import tree
+from fastcollate.structure import tree
 from fastcollate.transfer.device_loader import device_fields
 from fastcollate.transfer.hidden_tensors import copy_out_hidden, tensors_inside
 from fastcollate.transfer.small_fields import LARGE_BATCH_BYTES, SMALL_FIELD_BYTES

@@ -337,7 +337,7 @@ def test_the_command_runs_from_python_dash_m(tmp_path):
     assert json.loads(path.read_text())["failure"]["sample_id"] == 3
 
 
-# --- the transfer step and the batch signature walk the batch as fastcollate.collate.tree does -----
+# --- the transfer step and the batch signature walk the batch as fastcollate.structure.tree does -----
 
 
 class Batch(UserDict):

@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 from fastcollate import Contract, ContractError, Field, StagingRing, assemble, ops
 
 # the module; fastcollate.assemble is the function
-assemble_module = sys.modules["fastcollate.collate.assemble"]
+assemble_module = sys.modules["fastcollate.assembler"]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # default_collate's own, on odd inputs
 
 EXAMPLES = int(os.environ.get("FASTCOLLATE_FUZZ_EXAMPLES", "150"))

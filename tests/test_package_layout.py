@@ -129,3 +129,38 @@ def test_a_benchmark_script_runs_as_a_module_of_the_benchmarks_package(script):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage:")
+
+
+def fastcollate_imports(path: Path) -> set[str]:
+    """The fastcollate modules ``path`` imports, as absolute names (``fastcollate.transfer.staging``)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("fastcollate")}
+
+
+@pytest.mark.parametrize(
+    ("room", "below"),
+    [("collate", ("fastcollate.transfer", "fastcollate.assembler")),
+     ("structure", ("fastcollate.collate", "fastcollate.transfer", "fastcollate.assembler"))],
+)
+def test_each_room_imports_nothing_of_the_rooms_above_it(room, below):
+    # The batch's structure lies below the collate and the transfer; the collate plans and never decides
+    # where a batch goes (fastcollate.assembler joins the two).
+    reaching_up = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in python_files(f"fastcollate/{room}")
+        for name in fastcollate_imports(path)
+        if name.startswith(below)
+    )
+    assert python_files(f"fastcollate/{room}"), "the room exists"
+    assert reaching_up == []

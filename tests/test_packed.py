@@ -16,13 +16,14 @@ from torch.utils.data import DataLoader, Dataset
 from fastcollate import Arrays, Contract, DeviceLoader, Field, Packing, Ragged, assemble
 from fastcollate._ext import _C
 from fastcollate._torch_compat import jagged_max_seqlen
-from fastcollate.collate import gather, jagged
+from fastcollate.collate import gather
 from fastcollate.collate.errors import (
     ContractKeyError,
     ContractSizeError,
     ContractTypeError,
     ContractValueError,
 )
+from fastcollate.structure import jagged
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

@@ -1,4 +1,4 @@
-"""fastcollate.collate.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked
+"""fastcollate.structure.tree: the one nested-batch walk. Its rebuild rules are default_collate's, checked
 against torch's own function type for type; its paths are the ones errors, ledgers and the doctor print."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from fastcollate import DeviceLoader
-from fastcollate.collate import tree
+from fastcollate.structure import tree
 from tests.test_fuzz import FrozenMap
 
 

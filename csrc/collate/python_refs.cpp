@@ -13,7 +13,7 @@ const PythonRefs& python_refs() {
               .call_once_and_store_result([] {
                 auto* refs = new PythonRefs();
                 py::module_ errors = py::module_::import("fastcollate.collate.errors");
-                py::module_ tree = py::module_::import("fastcollate.collate.tree");
+                py::module_ tree = py::module_::import("fastcollate.structure.tree");
                 py::module_ torch = py::module_::import("torch");
                 py::module_ abc = py::module_::import("collections.abc");
                 py::module_ numpy = py::module_::import("numpy");

@@ -17,7 +17,7 @@ namespace py = pybind11;
 struct PythonRefs {
   py::object make_error;        // fastcollate.collate.errors.make_error
   py::object error_kind;        // fastcollate.collate.errors.kind_of: the kind of a Python exception
-  py::object rebuild_mapping;   // fastcollate.collate.tree's copy of default_collate's rules for Mapping subclasses
+  py::object rebuild_mapping;   // fastcollate.structure.tree's copy of default_collate's rules for Mapping subclasses
   py::object rebuild_sequence;  // and for Sequence subclasses
   py::object default_collate;   // fastcollate._native_support's, for leaves we deliberately leave to torch
   py::object as_tensor;         // torch.as_tensor

@@ -15,7 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import declaration_rules, native_contract, tree
+from ..structure import tree
+from . import declaration_rules, native_contract
 
 __all__ = ["Contract", "Field", "Packing"]
 

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from .._ext import _C
-from ..collate import gather, jagged, tree
-from ..collate.assemble import assemble
+from ..assembler import assemble
+from ..collate import gather
 from ..collate.contract import Contract
 from ..collate.errors import ContractError
 from ..data import arrow_columns, arrow_tensors
 from ..data.arrays import ColumnChoice
+from ..structure import jagged, tree
 from ..transfer.device_loader import device_fields
 from ..transfer.staging import DEFAULT_MAX_SLOTS, StagingRing, slot_holding
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..collate.assemble import assemble
+from ..assembler import assemble
 
 __all__ = ["fetch_batches"]
 

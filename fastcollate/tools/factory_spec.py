@@ -114,7 +114,7 @@ class Factory:
         """The collate the user's loader runs: theirs, else ``assemble`` under their contract."""
         if self.collate is not None:
             return self.collate
-        from ..collate.assemble import assemble  # late: the spec loads without the native extension
+        from ..assembler import assemble  # late: the spec loads without the native extension
 
         return assemble.using(self.contract) if self.contract is not None else assemble
 

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import record_function
 
 from .._ext import _C
-from ..collate import jagged, tree
+from ..structure import jagged, tree
 from . import worker_slots
 from .hidden_tensors import copy_out_hidden
 from .small_fields import SMALL_FIELD_BYTES, needs_own_storage

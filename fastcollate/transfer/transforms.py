@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..collate import tree
+from ..structure import tree
 
 __all__ = ["Normalize", "apply_to_fields"]
 

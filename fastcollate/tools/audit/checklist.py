@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
-from ...collate.assemble import assemble
+from ...assembler import assemble
 from ...collate.contract import Contract
 from ...collate.errors import sample_id
 from ...collate.ids import guess_target_path, with_ids

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...collate import tree
 from ...collate.ids import IdentifiedSample
+from ...structure import tree
 
 __all__ = ["digest_fields", "digest_rows", "pair_codes", "string_code", "top_level_fields"]
 
@@ -71,7 +71,7 @@ def digest_rows(value: Any, n: int) -> np.ndarray:
     Tensors and arrays are hashed by their bytes (dtype and per-sample shape mixed in); lists of
     strings or numbers element by element; mappings and sequences of fields by combining their leaves.
     """
-    # This walks mappings and sequences itself rather than through fastcollate.collate.tree: tree names a
+    # This walks mappings and sequences itself rather than through fastcollate.structure.tree: tree names a
     # namedtuple's children by field, this by index, and the names are mixed into the digest, so the
     # values (which other processes and saved ledgers compare) would change.
     if isinstance(value, np.ndarray) and value.dtype != object:

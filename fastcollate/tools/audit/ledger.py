@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ...collate import tree
+from ...structure import tree
 from .column import GrowingColumn
 from .digests import digest_fields, string_code
 from .epoch import Epoch

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..._torch_compat import loader_workers
-from ...collate import tree
+from ...structure import tree
 from .epoch import Epoch
 from .failures import Failure, StageFailed, error_text, raised_at
 from .ledger import Ledger

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from ...collate.assemble import assemble
+from ...assembler import assemble
 from ...collate.errors import ContractError, sample_id
 from .failures import Failure, error_text, raised_at
 from .workers import WorkerTagged, current_worker

@@ -39,7 +39,7 @@ class TagWorker:
     def __init__(self, collate_fn: Callable[[list], Any] | None = None) -> None:
         if collate_fn is None:
             # imported late: the rest of the audit needs no native extension
-            from ...collate.assemble import assemble
+            from ...assembler import assemble
 
             collate_fn = assemble
         self.collate_fn = collate_fn

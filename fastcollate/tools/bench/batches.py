@@ -1,6 +1,6 @@
 """Moving and reading the batches a configuration delivers: to the device, their bytes, their size, and
 the ids and targets the reference check compares. Every walk over a batch's nesting is
-``fastcollate.collate.tree``'s.
+``fastcollate.structure.tree``'s.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...collate import tree
+from ...structure import tree
 
 __all__ = ["CountingTransform", "batch_len", "crossed_bytes", "ids_and_targets", "tensor_bytes", "to_device"]
 

@@ -1,5 +1,6 @@
 """assemble: the collate function. A drop-in for ``default_collate`` with errors that name the sample
-and field, and, configured with a Contract, a checked one.
+and field, and, configured with a Contract, a checked one. It sits above the collate's planning
+(fastcollate.collate) and the places a batch goes (fastcollate.transfer), and joins the two.
 
 The batch is walked and checked once in C++ (no Python per sample), then copied into one buffer with
 the GIL released: in the main process a reusable staging-ring slot; inside a DataLoader worker a slot
@@ -16,15 +17,16 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
-from .._ext import _C
-from .._torch_compat import new_shared_storage
-from ..data.arrays import ArrayBatch, Arrays
-from ..data.mapped_files import is_read_fault, read_fault_error
-from ..transfer import worker_slots
-from ..transfer.staging import StagingRing, active_ring, main_process_ring
-from . import gather, jagged
-from .contract import Contract
-from .errors import ContractEmptyError
+from ._ext import _C
+from ._torch_compat import new_shared_storage
+from .collate import gather
+from .collate.contract import Contract
+from .collate.errors import ContractEmptyError
+from .data.arrays import ArrayBatch, Arrays
+from .data.mapped_files import is_read_fault, read_fault_error
+from .structure import jagged
+from .transfer import worker_slots
+from .transfer.staging import StagingRing, active_ring, main_process_ring
 
 __all__ = ["Assembler", "assemble"]
 

@@ -14,26 +14,19 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.utils.data import get_worker_info
 
 from ._ext import _C
-from ._torch_compat import new_shared_storage
 from .collate import gather
 from .collate.contract import Contract
 from .collate.errors import ContractEmptyError
 from .data.arrays import ArrayBatch, Arrays
 from .data.mapped_files import is_read_fault, read_fault_error
 from .structure import jagged
-from .transfer import worker_slots
-from .transfer.staging import StagingRing, active_ring, main_process_ring
+from .transfer import delivery, worker_slots
+from .transfer.staging import StagingRing
 
 __all__ = ["Assembler", "assemble"]
-
-
-def _shared_memory_buffer(nbytes: int) -> torch.Tensor:
-    storage = new_shared_storage(max(nbytes, 1))
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 class Assembler:
@@ -148,22 +141,13 @@ class Assembler:
         return gather_columns.plan(batch.index_tensor) if gather_columns else None
 
     def _execute(self, plan: Any, arrays: Arrays | None = None, into: StagingRing | None = None) -> Any:
-        """Where a planned batch (walked or gathered) goes, decided here alone: in a DataLoader worker a
-        slot shared with the main process, else fresh shared memory; in the main process a slot of the
-        staging ring. A read of ``arrays``' mapped files that faulted becomes a MappedFileError naming
-        them (the column, when the gather knows it)."""
+        """``plan`` run where fastcollate.transfer.delivery places this collate's batches. A read of
+        ``arrays``' mapped files that faulted becomes a MappedFileError naming them (the column, when the
+        gather knows it)."""
         try:
-            if into is not None:
-                return into.execute(plan, small_fields_apart=False)
-            if get_worker_info() is not None:
-                slot = self._claim_slot(plan.nbytes)
-                if slot is not None:
-                    # Small fields stay in the slot: they cross the pipe by value (worker_slots).
-                    return plan.execute(slot, small_fields_apart=False)
-                return plan.execute(_shared_memory_buffer(plan.nbytes), small_fields_apart=True)
-            ring = self.ring or main_process_ring()
-            # A batch DeviceLoader stages is dropped once copied: its small fields part on the device instead.
-            return ring.execute(plan, small_fields_apart=ring is not active_ring())
+            # stacklevel 3: the caller of __call__ or deliver, through them and this method.
+            return delivery.place(plan, ring=self.ring, slots=self._slots, shared_slots=self.shared_slots,
+                                  max_shared_slots=self.max_shared_slots, into=into, stacklevel=3)
         except (RuntimeError, IndexError) as error:
             key = plan.failed_key or None  # the column whose gather raised, if one did
             if is_read_fault(error):
@@ -181,17 +165,6 @@ class Assembler:
         max_length = contract.packing.max_length
         longest = max_length[0] if max_length else None
         return jagged.nest(out, parent, keys, contract.packing.cu_seq_lens[0], longest)
-
-    def _claim_slot(self, nbytes: int) -> torch.Tensor | None:
-        slots = self._slots
-        if (
-            slots is not None
-            and worker_slots.slots_switched_on(self.shared_slots)
-            and slots.serves_this_worker()
-            and worker_slots.install_reducer()
-        ):
-            return slots.claim(nbytes, self.max_shared_slots)
-        return None
 
     def __getstate__(self) -> dict:
         # The compiled collator is per process; a ring is bound to this process's memory. A worker being

@@ -92,7 +92,7 @@ class StagingRing:
     def execute(self, plan: _C.BatchPlan, small_fields_apart: bool = True, stacklevel: int = 5) -> Any:
         """Runs ``plan`` (a walked or gathered batch's) into a slot of this ring, the copy with the GIL
         released. ``stacklevel`` points the overflow warning at the collate function's caller (counted as
-        warn_overflow counts it; 5: through Assembler.__call__ and Assembler._execute)."""
+        warn_overflow counts it)."""
         try:
             out, overflowed, views = plan.execute_in_ring(self._native, small_fields_apart)
         except BaseException:

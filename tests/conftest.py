@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -11,25 +13,38 @@ def cuda_available() -> bool:
 
 CUDA = cuda_available()
 
+# The modules whose tests ask for local_ray: one Ray serves them while they run one after another.
+RAY_MODULES: set[str] = set()
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU: none is visible on this machine")
     for item in items:
         if "needs_cuda" in item.keywords and not CUDA:
             item.add_marker(skip)
+        if "local_ray" in item.fixturenames:
+            RAY_MODULES.add(item.module.__name__)
 
 
 def cpu_and_cuda():
     return ("cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def local_ray():
-    """A local Ray for one test module: 2 CPUs, no dashboard, its workers' logs kept off the output; always
-    shut down, so that the next module (and the shared-memory counts of the other tests) start clean."""
+    """A local Ray shared by the tests that ask for it: 2 CPUs, no dashboard, its workers' logs kept off
+    the output. ray.init takes seconds, so the first such test starts it and it stays up while the next
+    test to run is in a module that uses it; it is shut down before any other test, so that the
+    shared-memory counts and the CPUs of the other tests see no Ray."""
     ray = pytest.importorskip("ray", reason="ray is not installed")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return ray
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and getattr(nextitem.module, "__name__", None) in RAY_MODULES:
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()

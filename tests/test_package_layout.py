@@ -11,25 +11,46 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import run_side_by_side
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fastcollate"
 
+# Each in a fresh interpreter at the checkout's root, all side by side (fixture ``imports``).
+LOADS_NO_TOOLS = (
+    "import sys, fastcollate; "
+    "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
+    "or m in ('fastcollate.audit', 'fastcollate.lightning', 'fastcollate.ray')); "
+    "print(tools()); ledger = fastcollate.Ledger; "
+    "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
+    "'fastcollate.tools.bench' in sys.modules)"
+)
+MOVED = {
+    "fastcollate.audit": "fastcollate.tools.audit",
+    "fastcollate.lightning": "fastcollate.integrations.lightning",
+    "fastcollate.ray": "fastcollate.integrations.ray",
+    "fastcollate.errors": "fastcollate.collate.errors",
+}
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+
+def old_and_new(old: str, new: str) -> str:
+    return (f"import importlib; old = importlib.import_module({old!r}); "
+            f"new = importlib.import_module({new!r}); print(old is new, old.__name__, old.__spec__.name)")
 
 
-def test_import_fastcollate_loads_none_of_its_tools_until_one_is_named():
-    before, after = run(
-        "import sys, fastcollate; "
-        "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
-        "or m in ('fastcollate.audit', 'fastcollate.lightning', 'fastcollate.ray')); "
-        "print(tools()); ledger = fastcollate.Ledger; "
-        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
-        "'fastcollate.tools.bench' in sys.modules)"
-    ).splitlines()
+@pytest.fixture(scope="module")
+def imports() -> dict[str, str]:
+    """What each import check printed: {"tools": ..., old name: ...}."""
+    codes = {"tools": LOADS_NO_TOOLS, **{old: old_and_new(old, new) for old, new in MOVED.items()}}
+    commands = {name: [sys.executable, "-c", code] for name, code in codes.items()}
+    done = run_side_by_side(commands, timeout_s=120)
+    failed = {name: run.stderr for name, run in done.items() if run.returncode != 0}
+    assert not failed, failed
+    return {name: run.stdout.strip() for name, run in done.items()}
+
+
+def test_import_fastcollate_loads_none_of_its_tools_until_one_is_named(imports):
+    before, after = imports["tools"].splitlines()
     assert before == "[]"
     assert after == "fastcollate.tools.audit.ledger True False"
 
@@ -41,21 +62,9 @@ def test_an_unknown_attribute_of_the_package_is_still_an_attribute_error():
         fastcollate.nothing_here  # noqa: B018
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("fastcollate.audit", "fastcollate.tools.audit"),
-        ("fastcollate.lightning", "fastcollate.integrations.lightning"),
-        ("fastcollate.ray", "fastcollate.integrations.ray"),
-        ("fastcollate.errors", "fastcollate.collate.errors"),
-    ],
-)
-def test_an_old_module_name_users_import_is_the_moved_module_itself(old, new):
-    shown = run(
-        f"import importlib; old = importlib.import_module({old!r}); new = importlib.import_module({new!r}); "
-        "print(old is new, old.__name__, old.__spec__.name)"
-    )
-    assert shown == f"True {new} {new}"
+@pytest.mark.parametrize(("old", "new"), list(MOVED.items()))
+def test_an_old_module_name_users_import_is_the_moved_module_itself(old, new, imports):
+    assert imports[old] == f"True {new} {new}"
 
 
 def test_a_name_that_never_was_a_module_is_still_not_found():
@@ -110,13 +119,22 @@ def test_benchmarks_import_their_shared_parts_as_a_package_with_no_path_edits():
     assert edits == []
 
 
-@pytest.mark.parametrize(
-    "script", ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios",
-               "peer_ratios", "ring_contention", "resume_cost", "ray_ratios", "batch_cost"]
-)
-def test_a_benchmark_script_runs_as_a_file_from_another_folder(script, tmp_path):
+SCRIPTS = ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios", "peer_ratios",
+           "ring_contention", "resume_cost", "ray_ratios", "batch_cost"]
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each script's ``--help``, run as a file from a folder outside the checkout, all side by side."""
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    commands = {script: [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"]
+                for script in SCRIPTS}
+    return run_side_by_side(commands, cwd=elsewhere, timeout_s=120)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_benchmark_script_runs_as_a_file_from_another_folder(script, helps):
     # As `python benchmarks/NAME.py` runs: its shared parts come from the package, not from its folder.
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = helps[script]
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage:")

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -13,15 +14,21 @@ def cuda_available() -> bool:
 
 CUDA = cuda_available()
 
+# make fuzz sets it: the tests marked fuzz, heavier variants of checks make test runs lighter, run too.
+FUZZ = os.environ.get("FASTCOLLATE_FUZZ") == "1"
+
 # The modules whose tests ask for local_ray: one Ray serves them while they run one after another.
 RAY_MODULES: set[str] = set()
 
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU: none is visible on this machine")
+    fuzz_only = pytest.mark.skip(reason="a heavier variant of a check make test runs: make fuzz runs it")
     for item in items:
         if "needs_cuda" in item.keywords and not CUDA:
             item.add_marker(skip)
+        if "fuzz" in item.keywords and not FUZZ:
+            item.add_marker(fuzz_only)
         if "local_ray" in item.fixturenames:
             RAY_MODULES.add(item.module.__name__)
 

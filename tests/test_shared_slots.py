@@ -65,8 +65,13 @@ def settled_stats(collate: Assembler, timeout: float = 20.0):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+# Spawned and forkserver workers get the pool the same way, in the Assembler pickled for the process being
+# started, and fresh workers get it again each epoch: forkserver's fresh workers show that, spawn's
+# persistent ones spawn's start; spawn's fresh ones (4 interpreters) only add time, and make fuzz runs them.
+@pytest.mark.parametrize(("context", "persistent"), [
+    ("fork", False), ("fork", True), pytest.param("spawn", False, marks=pytest.mark.fuzz), ("spawn", True),
+    ("forkserver", False), ("forkserver", True),
+], ids=lambda value: {False: "fresh-workers", True: "persistent"}.get(value, value))
 def test_batches_arrive_over_slots_as_default_collate_makes_them(context, persistent):
     collate = assemble.using()
     loader = DataLoader(

@@ -122,6 +122,16 @@ def assert_one_line_usage_error(status: int, out: str, err: str, verb: str, argu
         assert word in lines[0], (word, lines[0])
 
 
+@pytest.fixture(autouse=True)
+def brief_busy_sample(monkeypatch):
+    """bench and profile sample how busy the machine is for 0.5 s before they check their options; no test
+    here reads that figure, so a 10 ms sample spares each in-process run the wait."""
+    from fastcollate.tools.bench import machine
+
+    sample = machine.cpus_busy_now
+    monkeypatch.setattr(machine, "cpus_busy_now", lambda seconds=0.01: sample(seconds))
+
+
 def in_process(capsys, *args: str) -> tuple[int, str, str]:
     status = dispatch(list(args))
     captured = capsys.readouterr()

@@ -38,6 +38,17 @@ def cpu_and_cuda():
 
 
 @pytest.fixture
+def brief_busy_sample(monkeypatch):
+    """bench and profile sample how busy the machine is (cpus_busy_now) for 0.5 s before anything else,
+    even bad input; for a module whose tests read no figure of it, a 10 ms sample spares each in-process
+    run the wait."""
+    from fastcollate.tools.bench import machine
+
+    sample = machine.cpus_busy_now
+    monkeypatch.setattr(machine, "cpus_busy_now", lambda seconds=0.01: sample(seconds))
+
+
+@pytest.fixture
 def local_ray():
     """A local Ray shared by the tests that ask for it: 2 CPUs, no dashboard, its workers' logs kept off
     the output. ray.init takes seconds, so the first such test starts it and it stays up while the next

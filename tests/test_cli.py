@@ -22,6 +22,8 @@ from fastcollate.tools.cli import UsageError, at_least, loading, output_folder
 from tests.conftest import CUDA
 from tests.helpers.processes import run_side_by_side
 
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_BENCH = ["--preset", "fields", "--size", "64", "--no-progress"]  # should validation let one through
 
@@ -120,16 +122,6 @@ def assert_one_line_usage_error(status: int, out: str, err: str, verb: str, argu
     assert lines[0].startswith(f"{verb}: {argument}: "), lines[0]
     for word in words:
         assert word in lines[0], (word, lines[0])
-
-
-@pytest.fixture(autouse=True)
-def brief_busy_sample(monkeypatch):
-    """bench and profile sample how busy the machine is for 0.5 s before they check their options; no test
-    here reads that figure, so a 10 ms sample spares each in-process run the wait."""
-    from fastcollate.tools.bench import machine
-
-    sample = machine.cpus_busy_now
-    monkeypatch.setattr(machine, "cpus_busy_now", lambda seconds=0.01: sample(seconds))
 
 
 def in_process(capsys, *args: str) -> tuple[int, str, str]:

@@ -16,6 +16,8 @@ from fastcollate.tools.bench import profile, timeline
 from tests.helpers.charts import assert_legend_clear, kept_figures
 from tests.test_bench import assert_valid_png
 
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
+
 TINY = [
     "--preset",
     "fields",

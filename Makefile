@@ -24,7 +24,8 @@ help:
 	@echo "make test      build, then the test suite"
 	@echo "make bench     pytest-benchmark suites (default_collate vs fastcollate); COMPARE=1 compares with the last run"
 	@echo "make profile   python -m fastcollate profile: trace and timeline of wait, copy and compute"
-	@echo "make fuzz      the long runs: 10,000 hypothesis examples a property, 20-epoch lifetimes"
+	@echo "make fuzz      the long runs: 10,000 hypothesis examples a property, 20-epoch lifetimes, and the"
+	@echo "               heavier variants of checks make test runs lighter (the tests marked fuzz)"
 	@echo "make sanitize  build with ASan+UBSan and run the CPU tests under them (SANITIZER=thread: TSan, the"
 	@echo "               thread tests)"
 	@echo "make lint      ruff and clang-format, checked (needs both installed)"
@@ -102,11 +103,13 @@ bench: .stamp-build $(EXTRAS)
 profile: .stamp-build $(EXTRAS)
 	$(PY) -m fastcollate profile $(PROFILE_ARGS)
 
-# Hypothesis's statistics say how many examples each property ran (its event lines are left out).
+# Hypothesis's statistics say how many examples each property ran (its event lines are left out). Then
+# the tests marked fuzz: more seeds, repeats, start methods of checks make test runs fewer of.
 fuzz: .stamp-build $(EXTRAS)
 	set -o pipefail; FASTCOLLATE_FUZZ_EXAMPLES=10000 FASTCOLLATE_EPOCHS=20 $(PY) -m pytest tests/test_fuzz.py \
 		tests/test_arrays.py tests/test_packed_arrays.py \
 		tests/test_lifetimes.py -q --hypothesis-show-statistics | grep -vE '^ +(\* |- Events:)'
+	FASTCOLLATE_FUZZ=1 $(PY) -m pytest tests -q -m fuzz
 
 sanitize: $(DEPS) $(EXTRAS)
 	PYTHON=$(PY) bash scripts/sanitize.sh

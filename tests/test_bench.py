@@ -36,6 +36,9 @@ from fastcollate.tools.bench.presets import PRESETS
 from tests.helpers.charts import assert_legend_clear, kept_figures
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
+
 HELPERS = Path(__file__).resolve().parent / "helpers" / "bench_datasets.py"
 TINY = [
     "--preset",

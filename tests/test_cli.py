@@ -20,6 +20,9 @@ import fastcollate
 from fastcollate.__main__ import main as dispatch
 from fastcollate.tools.cli import UsageError, at_least, loading, output_folder
 from tests.conftest import CUDA
+from tests.helpers.processes import run_side_by_side
+
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_BENCH = ["--preset", "fields", "--size", "64", "--no-progress"]  # should validation let one through
@@ -78,16 +81,35 @@ def factories(tmp_path_factory) -> str:
     return str(path)
 
 
-def run_cli(*args: str, command: list[str] | None = None) -> subprocess.CompletedProcess:
+CONSOLE_SCRIPT = Path(sys.executable).parent / "fastcollate"
+
+# The runs in a subprocess, as a user types them: ``python -m fastcollate ARGS``, or the console script's.
+RUNS: dict[str, tuple[str, ...]] = {
+    "bench, no such module": ("bench", "--dataset", "nosuch:thing"),
+    "bench, negative workers": ("bench", *SMALL_BENCH, "--workers", "0", "-1"),
+    "profile, negative workers": ("profile", "--preset", "fields", "--size", "64", "--workers", "-2"),
+    "doctor, no such module": ("doctor", "nosuch:thing"),
+    "--debug after the command": ("bench", "--dataset", "nosuch:thing", "--debug"),
+    "--debug before the command": ("--debug", "bench", "--dataset", "nosuch:thing"),
+    "--version": ("--version",),
+    "no such preset": ("bench", "--preset", "nosuch"),
+    "no such command": ("nosuch",),
+}
+SCRIPT_RUNS = {
+    "console script --version": ("--version",),
+    "console script doctor": ("doctor", "nosuch:thing"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess]:
+    """Every run of RUNS (and of SCRIPT_RUNS where the console script is installed), each in a fresh
+    interpreter, side by side: {name: its CompletedProcess}."""
+    commands = {name: [sys.executable, "-m", "fastcollate", *args] for name, args in RUNS.items()}
+    if CONSOLE_SCRIPT.exists():
+        commands |= {name: [str(CONSOLE_SCRIPT), *args] for name, args in SCRIPT_RUNS.items()}
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's package, also for the console script
-    return subprocess.run(
-        [*(command or [sys.executable, "-m", "fastcollate"]), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_side_by_side(commands, cwd=ROOT, env=env)
 
 
 def assert_one_line_usage_error(status: int, out: str, err: str, verb: str, argument: str, *words: str):
@@ -111,30 +133,30 @@ def in_process(capsys, *args: str) -> tuple[int, str, str]:
 # --- in a subprocess: one bad input per verb, --debug, --version, the console script ----------------
 
 
-def test_bench_with_a_module_that_does_not_exist_says_so_in_one_line():
-    result = run_cli("bench", "--dataset", "nosuch:thing")
+def test_bench_with_a_module_that_does_not_exist_says_so_in_one_line(runs):
+    result = runs["bench, no such module"]
     assert_one_line_usage_error(
         result.returncode, result.stdout, result.stderr, "bench", "--dataset",
         "cannot load nosuch:thing", "ModuleNotFoundError", "No module named 'nosuch'",
     )
 
 
-def test_bench_with_negative_workers_names_the_argument_before_any_loader_starts():
-    result = run_cli("bench", *SMALL_BENCH, "--workers", "0", "-1")
+def test_bench_with_negative_workers_names_the_argument_before_any_loader_starts(runs):
+    result = runs["bench, negative workers"]
     assert_one_line_usage_error(
         result.returncode, result.stdout, result.stderr, "bench", "--workers", "at least 0", "got -1"
     )
 
 
-def test_profile_answers_bad_input_the_same_way():
-    result = run_cli("profile", "--preset", "fields", "--size", "64", "--workers", "-2")
+def test_profile_answers_bad_input_the_same_way(runs):
+    result = runs["profile, negative workers"]
     assert_one_line_usage_error(
         result.returncode, result.stdout, result.stderr, "profile", "--workers", "got -2"
     )
 
 
-def test_doctor_answers_bad_input_the_same_way():
-    result = run_cli("doctor", "nosuch:thing")
+def test_doctor_answers_bad_input_the_same_way(runs):
+    result = runs["doctor, no such module"]
     assert_one_line_usage_error(
         result.returncode, result.stdout, result.stderr, "doctor", "factory",
         "cannot load nosuch:thing", "No module named 'nosuch'",
@@ -142,9 +164,8 @@ def test_doctor_answers_bad_input_the_same_way():
 
 
 @pytest.mark.parametrize("where", ["after the command", "before the command"])
-def test_debug_shows_the_traceback_with_its_cause(where):
-    args = ["bench", "--dataset", "nosuch:thing"]
-    result = run_cli(*(args + ["--debug"] if where == "after the command" else ["--debug", *args]))
+def test_debug_shows_the_traceback_with_its_cause(where, runs):
+    result = runs[f"--debug {where}"]
     assert result.returncode not in (0, 2), "an uncaught exception's status, not a usage error's"
     assert "Traceback" in result.stderr
     assert "ModuleNotFoundError: No module named 'nosuch'" in result.stderr, "the cause is shown"
@@ -152,35 +173,34 @@ def test_debug_shows_the_traceback_with_its_cause(where):
                                            "ModuleNotFoundError: No module named 'nosuch'")
 
 
-def test_version_prints_the_package_version_and_exits_0():
-    result = run_cli("--version")
+def test_version_prints_the_package_version_and_exits_0(runs):
+    result = runs["--version"]
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"fastcollate {fastcollate.__version__}\n"
 
 
-def test_the_console_script_is_declared_and_answers_like_python_dash_m():
+def test_the_console_script_is_declared_and_answers_like_python_dash_m(runs):
     # Read as text: tomllib is 3.11's, and the package supports 3.10.
     scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n", 1)[1].split("\n[", 1)[0]
     assert 'fastcollate = "fastcollate.__main__:main"' in scripts.splitlines()
-    script = Path(sys.executable).parent / "fastcollate"
-    if not script.exists():
-        pytest.skip(f"the package is not installed in this environment (no {script})")
-    assert run_cli("--version", command=[str(script)]).stdout == f"fastcollate {fastcollate.__version__}\n"
-    result = run_cli("doctor", "nosuch:thing", command=[str(script)])
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"the package is not installed in this environment (no {CONSOLE_SCRIPT})")
+    assert runs["console script --version"].stdout == f"fastcollate {fastcollate.__version__}\n"
+    result = runs["console script doctor"]
     assert_one_line_usage_error(
         result.returncode, result.stdout, result.stderr, "doctor", "factory", "nosuch"
     )
 
 
-def test_argparse_keeps_its_own_answer_for_a_preset_that_does_not_exist():
-    result = run_cli("bench", "--preset", "nosuch")
+def test_argparse_keeps_its_own_answer_for_a_preset_that_does_not_exist(runs):
+    result = runs["no such preset"]
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("usage: python -m fastcollate bench")
     assert "error: argument --preset: invalid choice: 'nosuch'" in result.stderr.splitlines()[-1]
 
 
-def test_an_unknown_command_exits_2_with_the_usage():
-    result = run_cli("nosuch")
+def test_an_unknown_command_exits_2_with_the_usage(runs):
+    result = runs["no such command"]
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("unknown command 'nosuch'") and "commands:" in result.stderr
 

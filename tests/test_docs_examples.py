@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import run_side_by_side
+
 markdown_it = pytest.importorskip("markdown_it", reason="markdown-it-py is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,12 +49,6 @@ def block(page: str, marker: str) -> str:
     (found,) = [text for _, text in blocks(page) if marker in text] or [None]
     assert found is not None, f"{page}: no block holds {marker!r}"
     return found
-
-
-def run_block(code: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
 
 
 # What each block that runs must print.
@@ -184,9 +180,17 @@ def test_every_block_has_a_check():
         block(where, marker)  # each marker names exactly one block
 
 
+@pytest.fixture(scope="module")
+def ran() -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Every RUN block, each in a fresh interpreter at the repository's root, all side by side."""
+    return run_side_by_side({where: [sys.executable, "-c", block(*where)] for where in RUN}, cwd=ROOT)
+
+
 @pytest.mark.parametrize("where", list(RUN), ids=lambda where: f"{where[0]}:{where[1]}")
-def test_the_block_runs_as_written(where):
-    RUN[where](run_block(block(*where)))
+def test_the_block_runs_as_written(where, ran):
+    done = ran[where]
+    assert done.returncode == 0, done.stderr[-3000:]
+    RUN[where](done.stdout.splitlines())
 
 
 def undefined_names(code: str) -> set[str]:

@@ -47,16 +47,20 @@ WRONG_SAMPLERS = {
 
 
 @pytest.mark.parametrize(
+    "seeds", [range(3), pytest.param(range(3, 10), marks=pytest.mark.fuzz)],  # make fuzz: seven more
+    ids=lambda seeds: f"seeds-{seeds.start}-{seeds.stop - 1}",
+)
+@pytest.mark.parametrize(
     "mode", [["--resume"], ["--resume-world-size", "2,2"], ["--resume-world-size", "2,3"]]
 )
 @pytest.mark.parametrize("wrong", list(WRONG_SAMPLERS))
-def test_a_sampler_wrong_at_some_checkpoints_fails_whatever_the_seed(wrong, mode, tmp_path, capsys):
+def test_a_sampler_wrong_at_some_checkpoints_fails_whatever_the_seed(wrong, mode, seeds, tmp_path, capsys):
     sampler = WRONG_SAMPLERS[wrong]
     # Resumed after a batch count that is sampler["wrong"], it sampler["does"] its first batch.
     source = wrong_when_resumed("IndexBatches", sampler["wrong_when"], sampler["action"], sampler["name"])
     spec = factory(tmp_path, "wrong_when_resumed", DATA + source + MAKE_WRONG.format(**sampler))
-    for seed in range(10):
-        # The resumed loaders load in this process (--resume-workers 0): the test runs the check 10 times.
+    for seed in seeds:
+        # The resumed loaders load in this process (--resume-workers 0): the test runs the check per seed.
         argv = [*mode, "--seed", str(seed), "--workers", "1", "--resume-workers", "0", "--dataset", spec]
         status, text = doctor(argv, capsys)
         assert status == 1, f"--seed {seed}:\n{text}"

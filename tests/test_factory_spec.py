@@ -21,6 +21,8 @@ from fastcollate.tools.factory_spec import collate_name, load_factory_output, lo
 
 from .helpers.processes import ROOT
 
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
+
 PADDED_TEXT = f"{ROOT / 'examples' / 'padded_text.py'}:make"
 
 FACTORIES = '''

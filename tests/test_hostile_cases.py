@@ -17,6 +17,7 @@ import torch
 from fastcollate import Arrays, Contract, Field, assemble
 from fastcollate.collate import gather
 from fastcollate.collate.errors import ContractError, ContractValueError
+from tests.helpers.processes import run_side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,8 +98,11 @@ def test_threads_importing_old_module_names_while_the_package_first_loads_all_ge
         assert not any(thread.is_alive() for thread in threads), "an import is stuck"
         print("\\n".join(failed) or "every import done")
     """
-    for _ in range(3):
-        done = run_python(code, tmp_path, [ROOT])
+    # Three tries of the race, side by side.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    commands = {n: [sys.executable, "-c", textwrap.dedent(code)] for n in range(3)}
+    tries = run_side_by_side(commands, tmp_path, env)
+    for done in tries.values():
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == "every import done"
 

@@ -11,25 +11,46 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import run_side_by_side
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fastcollate"
 
+# Each in a fresh interpreter at the checkout's root, all side by side (fixture ``imports``).
+LOADS_NO_TOOLS = (
+    "import sys, fastcollate; "
+    "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
+    "or m in ('fastcollate.audit', 'fastcollate.lightning', 'fastcollate.ray')); "
+    "print(tools()); ledger = fastcollate.Ledger; "
+    "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
+    "'fastcollate.tools.bench' in sys.modules)"
+)
+MOVED = {
+    "fastcollate.audit": "fastcollate.tools.audit",
+    "fastcollate.lightning": "fastcollate.integrations.lightning",
+    "fastcollate.ray": "fastcollate.integrations.ray",
+    "fastcollate.errors": "fastcollate.collate.errors",
+}
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+
+def old_and_new(old: str, new: str) -> str:
+    return (f"import importlib; old = importlib.import_module({old!r}); "
+            f"new = importlib.import_module({new!r}); print(old is new, old.__name__, old.__spec__.name)")
 
 
-def test_import_fastcollate_loads_none_of_its_tools_until_one_is_named():
-    before, after = run(
-        "import sys, fastcollate; "
-        "tools = lambda: sorted(m for m in sys.modules if m.startswith('fastcollate.tools') "
-        "or m in ('fastcollate.audit', 'fastcollate.lightning', 'fastcollate.ray')); "
-        "print(tools()); ledger = fastcollate.Ledger; "
-        "print(ledger.__module__, fastcollate.audit.Ledger is ledger, "
-        "'fastcollate.tools.bench' in sys.modules)"
-    ).splitlines()
+@pytest.fixture(scope="module")
+def imports() -> dict[str, str]:
+    """What each import check printed: {"tools": ..., old name: ...}."""
+    codes = {"tools": LOADS_NO_TOOLS, **{old: old_and_new(old, new) for old, new in MOVED.items()}}
+    commands = {name: [sys.executable, "-c", code] for name, code in codes.items()}
+    done = run_side_by_side(commands, timeout_s=120)
+    failed = {name: run.stderr for name, run in done.items() if run.returncode != 0}
+    assert not failed, failed
+    return {name: run.stdout.strip() for name, run in done.items()}
+
+
+def test_import_fastcollate_loads_none_of_its_tools_until_one_is_named(imports):
+    before, after = imports["tools"].splitlines()
     assert before == "[]"
     assert after == "fastcollate.tools.audit.ledger True False"
 
@@ -41,21 +62,9 @@ def test_an_unknown_attribute_of_the_package_is_still_an_attribute_error():
         fastcollate.nothing_here  # noqa: B018
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("fastcollate.audit", "fastcollate.tools.audit"),
-        ("fastcollate.lightning", "fastcollate.integrations.lightning"),
-        ("fastcollate.ray", "fastcollate.integrations.ray"),
-        ("fastcollate.errors", "fastcollate.collate.errors"),
-    ],
-)
-def test_an_old_module_name_users_import_is_the_moved_module_itself(old, new):
-    shown = run(
-        f"import importlib; old = importlib.import_module({old!r}); new = importlib.import_module({new!r}); "
-        "print(old is new, old.__name__, old.__spec__.name)"
-    )
-    assert shown == f"True {new} {new}"
+@pytest.mark.parametrize(("old", "new"), list(MOVED.items()))
+def test_an_old_module_name_users_import_is_the_moved_module_itself(old, new, imports):
+    assert imports[old] == f"True {new} {new}"
 
 
 def test_a_name_that_never_was_a_module_is_still_not_found():
@@ -119,14 +128,22 @@ def test_benchmarks_import_their_shared_parts_as_a_package_with_no_path_edits():
     assert edits == []
 
 
-@pytest.mark.parametrize(
-    "script", ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios",
-               "peer_ratios", "ring_contention", "resume_cost", "ray_ratios", "batch_cost"]
-)
-def test_a_benchmark_script_runs_as_a_module_of_the_benchmarks_package(script):
-    # As `python -m benchmarks.NAME` runs from the repository's root: its shared parts are benchmarks.shared.
-    done = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+SCRIPTS = ["collate_ratios", "packed_neighbours", "array_ratios", "hf_ratios", "worker_ratios", "peer_ratios",
+           "ring_contention", "resume_cost", "ray_ratios", "batch_cost"]
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+    """Each script's ``--help``, run as ``python -m benchmarks.NAME`` from the repository's root, all side
+    by side."""
+    commands = {script: [sys.executable, "-m", f"benchmarks.{script}", "--help"] for script in SCRIPTS}
+    return run_side_by_side(commands, cwd=ROOT, timeout_s=120)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_benchmark_script_runs_as_a_module_of_the_benchmarks_package(script, helps):
+    # Its shared parts are benchmarks.shared, found from the root with no path edits.
+    done = helps[script]
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage:")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,10 @@ import pytest
 
 from fastcollate.tools.bench import profile, timeline
 from tests.helpers.charts import assert_legend_clear, kept_figures
+from tests.helpers.processes import run_side_by_side
 from tests.test_bench import assert_valid_png
+
+pytestmark = pytest.mark.usefixtures("brief_busy_sample")  # no test here reads the machine's load
 
 TINY = [
     "--preset",
@@ -74,22 +76,21 @@ KINETO_LINE = re.compile(r"^(USDT|STAGE|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d ", r
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _bare_profiler_log() -> str:
-    """What a bare torch.profiler run writes to stderr in a fresh process (kineto's own lines, if any)."""
-    code = (
-        "import torch\nfrom torch.profiler import profile\n"
-        "with profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n    torch.ones(3) + 1\n"
-    )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+# A bare torch.profiler run, whose stderr holds kineto's own lines if this torch writes any.
+BARE_PROFILER = (
+    "import torch\nfrom torch.profiler import profile\n"
+    "with profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n    torch.ones(3) + 1\n"
+)
 
 
 def test_the_profilers_own_log_lines_go_to_a_file_and_the_output_names_it(tmp_path):
-    bare = _bare_profiler_log()
-    run = subprocess.run(
-        [sys.executable, "-m", "fastcollate", "profile", *TINY, "--paths", "default", "--no-model",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )
+    # The command and a bare profiler run, each in a fresh process, side by side.
+    done = run_side_by_side({
+        "bare": [sys.executable, "-c", BARE_PROFILER],
+        "profile": [sys.executable, "-m", "fastcollate", "profile", *TINY, "--paths", "default", "--no-model",
+                    "--out", str(tmp_path)],
+    }, cwd=REPO, timeout_s=600)
+    bare, run = done["bare"].stderr, done["profile"]
     assert run.returncode == 0, run.stderr
     assert not KINETO_LINE.search(run.stdout + run.stderr), run.stdout + run.stderr
     assert "activities: CPU" in run.stdout

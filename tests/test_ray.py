@@ -1,7 +1,7 @@
 """fastcollate.ray.ArrowCollate under Ray Data: the collate of ``iter_torch_batches`` gives, for every
 table Ray hands it, what ``assemble(Arrays.from_arrow(table)...)`` gives, and Ray Train's workers train
-on its packed batches as on ``DataCollatorWithFlattening``'s. One local Ray (2 CPUs, no dashboard) for
-the module, always shut down."""
+on its packed batches as on ``DataCollatorWithFlattening``'s. One local Ray (2 CPUs, no dashboard), shared
+with the other Ray modules (conftest's local_ray)."""
 
 from __future__ import annotations
 

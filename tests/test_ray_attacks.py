@@ -2,7 +2,8 @@
 prefetch threads, drop_last, empty blocks, a one-row last batch, Ray's own pinning, writes to the object
 store, and bad input that must be refused naming its column with nothing half-built delivered. Every
 batch is checked against the expression on the very table Ray hands the collate, and every batch kept
-against the source rows it names. One local Ray (2 CPUs, no dashboard) for the module, always shut down."""
+against the source rows it names. One local Ray (2 CPUs, no dashboard), shared with the other Ray modules
+(conftest's local_ray)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """fastcollate.ray.ArrowCollate where the process around it dies or runs short: a Ray worker that dies
 mid-iteration (an actor of a map_batches pool, a task) must leave every row delivered once after Ray's
 retry, or Ray's own error, never a wrong batch; a collate under a low address-space or page-lock limit
-refuses a batch it cannot hold, saying so, and goes on. One local Ray for the module (conftest's
-local_ray)."""
+refuses a batch it cannot hold, saying so, and goes on. One local Ray, shared with the other Ray modules
+(conftest's local_ray)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from fastcollate import Contract, ContractError, assemble
 from fastcollate._ext import _C
 from tests.helpers.worker_datasets import BadFourth, Records
 from tests.test_assemble_dropin import assert_same
+from tests.test_faults import run_until_error
 
 
 def batches(collate, workers, context=None):
@@ -48,10 +49,9 @@ def test_a_contract_assembler_works_in_spawned_workers():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_bad_sample_in_a_worker_is_named_in_the_main_process(workers):
     loader = DataLoader(BadFourth(16), batch_size=8, num_workers=workers, collate_fn=assemble)
-    with pytest.raises(ContractError) as caught:
-        list(loader)
-    assert caught.value.sample_id == 3 and caught.value.field == "image"
-    assert isinstance(caught.value, RuntimeError)
+    error = run_until_error(loader, [])
+    assert isinstance(error, ContractError) and error.sample_id == 3 and error.field == "image"
+    assert isinstance(error, RuntimeError)
 
 
 def test_the_copy_releases_the_gil():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,3 +40,42 @@ def run_at_once(commands: dict[str, list[str]], timeout_s: float = 240) -> dict[
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def run_side_by_side(
+    commands: dict[str, list[str]],
+    cwd: str | Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 180,
+) -> dict[str, subprocess.CompletedProcess]:
+    """Starts every command at once, as given (``env``: the whole environment, this one's if None), and
+    waits for all of them: {name: its CompletedProcess, stdout and stderr apart}. Each fresh interpreter
+    spends seconds of CPU importing torch: side by side they use every core instead of one. Past
+    ``timeout_s`` in all, the wait raises ``subprocess.TimeoutExpired``; either way nothing a command
+    started outlives this call."""
+    # Files, not pipes: a command that writes more than a pipe holds cannot stall while another is read.
+    outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in commands}
+    started = {
+        name: subprocess.Popen(command, cwd=cwd, env=env, stdout=outputs[name][0], stderr=outputs[name][1],
+                               text=True, start_new_session=True)
+        for name, command in commands.items()
+    }
+    deadline = time.monotonic() + timeout_s
+    results = {}
+    try:
+        for name, process in started.items():
+            process.wait(timeout=max(deadline - time.monotonic(), 1))
+            out, err = outputs[name]
+            out.seek(0)
+            err.seek(0)
+            results[name] = subprocess.CompletedProcess(commands[name], process.returncode, out.read(),
+                                                        err.read())
+        return results
+    finally:
+        for name, process in started.items():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for file in outputs[name]:
+                file.close()

@@ -173,6 +173,7 @@ class ResumeCheck:
             return self._finished([], unverified=str(error))
         except (Exception, Stuck) as error:  # the loader itself fails: no resume can be judged
             failed = ResumeRun("the checkpointed epoch", None, problems=[self._failure(error)])
+            _let_the_loaders_go(error)
             said([failed], self.out)
             return self._finished([failed])
         runs = []
@@ -344,6 +345,7 @@ class ResumeCheck:
             return ResumeRun(plan.what, position, unverified=str(error))
         except (Exception, Stuck) as error:
             ledger.end_epoch(complete=False)
+            _let_the_loaders_go(error)
             return ResumeRun(plan.what, position, problems=[self._failure(error)])
         delivered = _joined(checkpoints.epoch, checkpoints.delivered_by[position], ledger.end_epoch())
         run = ResumeRun(
@@ -429,6 +431,14 @@ class ResumeCheck:
 
 
 _END = object()
+
+
+def _let_the_loaders_go(error: BaseException) -> None:
+    """Drops ``error``'s traceback once its one line is taken. torch re-raises a worker's error from a
+    frame that holds it, so the traceback would keep the loaders' iterators in a reference cycle; the
+    garbage collector frees such an iterator after its queues, and DataLoader then waits 5 s for each
+    worker, never told to stop, before killing it."""
+    error.__traceback__ = None
 
 
 def _as_checkpointed(checkpointed: Epoch, delivered: Epoch, what: str) -> AuditReport:

@@ -3,11 +3,13 @@ together, and killed with everything it started, so a hang fails the test instea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/helpers/ is two below it
@@ -28,18 +30,12 @@ def run_at_once(commands: dict[str, list[str]], timeout_s: float = 240) -> dict[
     }
     deadline = time.monotonic() + timeout_s
     results = {}
-    try:
+    with _sessions_killed(started.values()):
         for name, process in started.items():
             # A child that inherited the pipe holds it open: the output ends when all of them have exited.
             output = process.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
             results[name] = (process.returncode, output)
         return results
-    finally:
-        for process in started.values():
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def run_side_by_side(
@@ -63,19 +59,30 @@ def run_side_by_side(
     deadline = time.monotonic() + timeout_s
     results = {}
     try:
-        for name, process in started.items():
-            process.wait(timeout=max(deadline - time.monotonic(), 1))
-            out, err = outputs[name]
-            out.seek(0)
-            err.seek(0)
-            results[name] = subprocess.CompletedProcess(commands[name], process.returncode, out.read(),
-                                                        err.read())
-        return results
+        with _sessions_killed(started.values()):
+            for name, process in started.items():
+                process.wait(timeout=max(deadline - time.monotonic(), 1))
+                out, err = outputs[name]
+                out.seek(0)
+                err.seek(0)
+                results[name] = subprocess.CompletedProcess(commands[name], process.returncode, out.read(),
+                                                            err.read())
+            return results
     finally:
-        for name, process in started.items():
+        for files in outputs.values():
+            for file in files:
+                file.close()
+
+
+@contextlib.contextmanager
+def _sessions_killed(processes) -> Iterator[None]:
+    """Kills each process's session (its group: everything it started) on the way out, however the block
+    ends."""
+    try:
+        yield
+    finally:
+        for process in processes:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            for file in outputs[name]:
-                file.close()

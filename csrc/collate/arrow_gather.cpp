@@ -12,8 +12,8 @@
 
 #include "collate/arrow_arrays.h"
 #include "collate/arrow_c_data.h"
-#include "collate/python_refs.h"
 #include "collate/arrow_tensors.h"
+#include "collate/python_refs.h"
 
 namespace fastcollate {
 
